@@ -1,0 +1,69 @@
+// The only translation unit that sees pybind11 / torch/extension.h: it binds, nothing else.
+#include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "comm.h"
+#include "ops.h"
+
+namespace py = pybind11;
+using tpcore::Group;
+
+namespace {
+
+// Every entry point may wait on a collective: let other Python threads run meanwhile.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+bool built_with_cuda() {
+#ifdef TPCORE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tpcore C++ core: collectives, tensor-parallel autograd functions and kernels";
+  m.def("built_with_cuda", &built_with_cuda, "Whether the CUDA kernels were compiled in.");
+
+  py::class_<tpcore::PendingCollective>(m, "PendingCollective",
+                                        "A collective in flight; wait() returns its result.")
+      .def("wait", &tpcore::PendingCollective::wait, release_gil());
+
+  // Collectives (no autograd).
+  m.def("all_reduce", &tpcore::all_reduce, py::arg("input"), py::arg("group"), release_gil());
+  m.def("all_reduce_inplace_async", &tpcore::all_reduce_inplace_async, py::arg("tensor"),
+        py::arg("group"), release_gil());
+  m.def("all_gather", &tpcore::all_gather, py::arg("input"), py::arg("dim"), py::arg("group"),
+        release_gil());
+  m.def("all_gather_async", &tpcore::all_gather_async, py::arg("input"), py::arg("dim"),
+        py::arg("group"), release_gil());
+  m.def("reduce_scatter", &tpcore::reduce_scatter, py::arg("input"), py::arg("dim"),
+        py::arg("group"), release_gil());
+  m.def("reduce_scatter_async", &tpcore::reduce_scatter_async, py::arg("input"), py::arg("dim"),
+        py::arg("group"), release_gil());
+  m.def("reduce_scatter_via_all_reduce", &tpcore::reduce_scatter_via_all_reduce, py::arg("input"),
+        py::arg("dim"), py::arg("group"), release_gil());
+  m.def("broadcast", &tpcore::broadcast, py::arg("input"), py::arg("src_rank"), py::arg("group"),
+        release_gil());
+
+  // Autograd mappings.
+  m.def("copy_to_tensor_parallel", &tpcore::copy_to_tensor_parallel, release_gil());
+  m.def("reduce_from_tensor_parallel", &tpcore::reduce_from_tensor_parallel, release_gil());
+  m.def("scatter_to_tensor_parallel", &tpcore::scatter_to_tensor_parallel, release_gil());
+  m.def("gather_from_tensor_parallel", &tpcore::gather_from_tensor_parallel, release_gil());
+  m.def("scatter_to_sequence_parallel", &tpcore::scatter_to_sequence_parallel, release_gil());
+  m.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, release_gil());
+  m.def("reduce_scatter_to_sequence_parallel", &tpcore::reduce_scatter_to_sequence_parallel,
+        release_gil());
+
+  // Layers.
+  m.def("column_parallel_linear", &tpcore::column_parallel_linear, py::arg("input"),
+        py::arg("weight"), py::arg("bias"), py::arg("group"), py::arg("gather_output"),
+        py::arg("sequence_parallel"), release_gil());
+  m.def("row_parallel_linear", &tpcore::row_parallel_linear, py::arg("input"), py::arg("weight"),
+        py::arg("bias"), py::arg("group"), py::arg("input_is_parallel"),
+        py::arg("sequence_parallel"), release_gil());
+}

@@ -1,0 +1,189 @@
+#include "comm.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/WrapDimMinimal.h>
+
+#include <mutex>
+#include <set>
+#include <string>
+
+// _allgather_base / _reduce_scatter_base are deprecated aliases in new torch but
+// the only spelling that exists across every torch we support (>= 2.4).
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace tpcore {
+namespace {
+
+bool is_unsupported_error(const c10::Error& e) {
+  const std::string msg = e.what_without_backtrace();
+  return msg.find("does not support") != std::string::npos ||
+         msg.find("not supported") != std::string::npos ||
+         msg.find("not implemented") != std::string::npos;
+}
+
+// Backends found lacking a single-tensor collective, remembered so the
+// unsupported call is attempted once per process, not once per step.
+class MissingOps {
+ public:
+  bool lacks(const Group& g, const char* op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return missing_.count(key(g, op)) > 0;
+  }
+  void mark(const Group& g, const char* op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    missing_.insert(key(g, op));
+  }
+
+ private:
+  static std::string key(const Group& g, const char* op) { return g->getBackendName() + "/" + op; }
+  std::mutex mu_;
+  std::set<std::string> missing_;
+};
+
+MissingOps& missing_ops() {
+  static MissingOps ops;
+  return ops;
+}
+
+void check_group(const Group& group) { TORCH_CHECK_VALUE(group, "tpcore: process group is null"); }
+
+// Stacks the group-size chunks of `input` along `dim` as a contiguous [world, ...] buffer,
+// the layout the single-tensor collectives use.
+at::Tensor chunks_to_front(const at::Tensor& input, int64_t dim, int world) {
+  if (dim == 0) return input.contiguous();
+  return at::stack(input.chunk(world, dim), 0).contiguous();
+}
+
+}  // namespace
+
+at::Tensor PendingCollective::wait() {
+  if (!waited_) {
+    if (work_) work_->wait();
+    result_ = finish_ ? finish_() : at::Tensor();
+    work_.reset();
+    finish_ = nullptr;
+    waited_ = true;
+  }
+  return result_;
+}
+
+int group_size(const Group& group) {
+  check_group(group);
+  return group->getSize();
+}
+
+int group_rank(const Group& group) {
+  check_group(group);
+  return group->getRank();
+}
+
+PendingCollective all_reduce_inplace_async(at::Tensor tensor, const Group& group) {
+  if (group_size(group) == 1) return PendingCollective(tensor);
+  // Reducing a contiguous copy and copying back keeps non-contiguous inputs correct.
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<at::Tensor> tensors{buffer};
+  auto work = group->allreduce(tensors);
+  return PendingCollective(work, [tensor, buffer]() mutable {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    return tensor;
+  });
+}
+
+at::Tensor all_reduce(const at::Tensor& input, const Group& group) {
+  if (group_size(group) == 1) return input;
+  return all_reduce_inplace_async(input.clone(at::MemoryFormat::Contiguous), group).wait();
+}
+
+PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const Group& group) {
+  const int world = group_size(group);
+  dim = c10::maybe_wrap_dim(dim, input.dim());
+  if (world == 1) return PendingCollective(input);
+  at::Tensor local = input.contiguous();
+  std::vector<int64_t> buffer_shape{world};
+  buffer_shape.insert(buffer_shape.end(), local.sizes().begin(), local.sizes().end());
+  at::Tensor buffer = at::empty(buffer_shape, local.options());
+
+  c10::intrusive_ptr<c10d::Work> work;
+  if (!missing_ops().lacks(group, "allgather_base")) {
+    try {
+      at::Tensor flat = buffer.view({-1});
+      at::Tensor flat_in = local.view({-1});
+      work = group->_allgather_base(flat, flat_in);
+    } catch (const c10::Error& e) {
+      if (!is_unsupported_error(e)) throw;
+      missing_ops().mark(group, "allgather_base");
+    }
+  }
+  if (!work) {
+    std::vector<std::vector<at::Tensor>> outputs{buffer.unbind(0)};
+    std::vector<at::Tensor> inputs{local};
+    work = group->allgather(outputs, inputs);
+  }
+  return PendingCollective(work, [buffer, dim, world]() {
+    if (dim == 0) return buffer.flatten(0, 1);
+    return at::cat(buffer.unbind(0), dim);
+  });
+}
+
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group) {
+  return all_gather_async(input, dim, group).wait();
+}
+
+at::Tensor reduce_scatter_via_all_reduce(const at::Tensor& input, int64_t dim, const Group& group) {
+  const int world = group_size(group);
+  dim = c10::maybe_wrap_dim(dim, input.dim());
+  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: reduce_scatter: size ", input.size(dim),
+                    " of dim ", dim, " is not divisible by the group size ", world);
+  return all_reduce(input, group).chunk(world, dim)[group_rank(group)].contiguous();
+}
+
+PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, const Group& group) {
+  const int world = group_size(group);
+  dim = c10::maybe_wrap_dim(dim, input.dim());
+  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: reduce_scatter: size ", input.size(dim),
+                    " of dim ", dim, " is not divisible by the group size ", world);
+  if (world == 1) return PendingCollective(input);
+  if (!missing_ops().lacks(group, "reduce_scatter_base")) {
+    at::Tensor stacked = chunks_to_front(input, dim, world);
+    auto out_shape = input.sizes().vec();
+    out_shape[dim] /= world;
+    at::Tensor out = at::empty(out_shape, input.options());
+    try {
+      at::Tensor flat_out = out.view({-1});
+      at::Tensor flat_in = stacked.view({-1});
+      auto work = group->_reduce_scatter_base(flat_out, flat_in);
+      return PendingCollective(work, [out]() { return out; });
+    } catch (const c10::Error& e) {
+      if (!is_unsupported_error(e)) throw;
+      missing_ops().mark(group, "reduce_scatter_base");
+    }
+  }
+  return PendingCollective(reduce_scatter_via_all_reduce(input, dim, group));
+}
+
+at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const Group& group) {
+  return reduce_scatter_async(input, dim, group).wait();
+}
+
+at::Tensor broadcast(const at::Tensor& input, int64_t src_rank, const Group& group) {
+  const int world = group_size(group);
+  TORCH_CHECK_VALUE(src_rank >= 0 && src_rank < world, "tpcore: broadcast: source rank ", src_rank,
+                    " is outside the group of size ", world);
+  if (world == 1) return input;
+  std::vector<at::Tensor> tensors{input.clone(at::MemoryFormat::Contiguous)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src_rank;
+  group->broadcast(tensors, opts)->wait();
+  return tensors[0];
+}
+
+at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const Group& group) {
+  const int world = group_size(group);
+  dim = c10::maybe_wrap_dim(dim, input.dim());
+  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: split: size ", input.size(dim),
+                    " of dim ", dim, " is not divisible by the group size ", world);
+  if (world == 1) return input;
+  return input.chunk(world, dim)[group_rank(group)].contiguous();
+}
+
+}  // namespace tpcore

@@ -1,0 +1,62 @@
+// Collectives on a c10d::ProcessGroup, issued from C++.
+//
+// Every function takes the group explicitly. Functions named *_async return a
+// PendingCollective so the caller can overlap computation with communication
+// and wait as late as correctness allows. A group of size 1 makes every
+// collective a no-op that returns its input (possibly the same tensor).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace tpcore {
+
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// A collective in flight. wait() blocks until it is done and returns its result.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish)
+      : work_(std::move(work)), finish_(std::move(finish)) {}
+  // A collective that needed no communication (e.g. a group of size 1).
+  explicit PendingCollective(at::Tensor done) : result_(std::move(done)), waited_(true) {}
+
+  at::Tensor wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<at::Tensor()> finish_;
+  at::Tensor result_;
+  bool waited_ = false;
+};
+
+int group_size(const Group& group);
+int group_rank(const Group& group);
+
+// Sum over the group into `tensor` itself. A non-contiguous tensor is reduced
+// through a contiguous copy that is copied back, so nothing is silently skipped.
+PendingCollective all_reduce_inplace_async(at::Tensor tensor, const Group& group);
+// Out-of-place sum over the group; `input` is left untouched.
+at::Tensor all_reduce(const at::Tensor& input, const Group& group);
+
+// Concatenation of every rank's `input` along `dim`, in group-rank order.
+PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const Group& group);
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group);
+
+// Sum over the group, then this rank keeps chunk `rank` of `dim`
+// (size of `dim` must be divisible by the group size).
+PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, const Group& group);
+at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const Group& group);
+// The fallback used where a backend has no reduce-scatter: all-reduce, keep a chunk.
+at::Tensor reduce_scatter_via_all_reduce(const at::Tensor& input, int64_t dim, const Group& group);
+
+// Copy of `src_rank`'s tensor (rank within `group`) on every rank; out of place.
+at::Tensor broadcast(const at::Tensor& input, int64_t src_rank, const Group& group);
+
+// This rank's chunk of `input` along `dim` (no communication; contiguous copy).
+at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const Group& group);
+
+}  // namespace tpcore

@@ -1,0 +1,165 @@
+// Column- and row-parallel linear layers as C++ autograd functions.
+//
+// Column: W is [out/tp, in]. Forward needs no communication (the input enters
+// through f, or is all-gathered along the sequence with sequence parallelism);
+// backward all-reduces (or reduce-scatters) the input gradient, issued
+// asynchronously and overlapped with the weight-gradient GEMM.
+// Row: W is [out, in/tp]. Forward sums the partial outputs (g), or
+// reduce-scatters them along the sequence; the bias is added after the sum.
+#include <ATen/ATen.h>
+
+#include "autograd_util.h"
+#include "ops.h"
+
+namespace tpcore {
+namespace {
+
+// Leading dims flattened: GEMMs for the weight gradient want [tokens, features].
+at::Tensor as_2d(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+void check_linear_args(const char* layer, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, int64_t expected_bias,
+                       const Group& group) {
+  TORCH_CHECK_VALUE(group, "tpcore: ", layer, ": process group is null");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "tpcore: ", layer, ": weight must be 2-D, got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(input.dim() >= 1, "tpcore: ", layer, ": input must have at least 1 dim");
+  TORCH_CHECK_VALUE(input.size(-1) == weight.size(1), "tpcore: ", layer, ": input has last dim ",
+                    input.size(-1), " but the layer's weight shard expects ", weight.size(1),
+                    " (input shape ", input.sizes(), ", weight shape ", weight.sizes(), ")");
+  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), "tpcore: ", layer,
+                   ": input must be a floating-point tensor, got ", input.scalar_type());
+  TORCH_CHECK_TYPE(input.scalar_type() == weight.scalar_type(), "tpcore: ", layer, ": input dtype ",
+                   input.scalar_type(), " does not match weight dtype ", weight.scalar_type());
+  TORCH_CHECK_VALUE(input.device() == weight.device(), "tpcore: ", layer, ": input is on ",
+                    input.device(), " but the weight is on ", weight.device());
+  if (bias && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == expected_bias, "tpcore: ", layer,
+                      ": bias must have shape [", expected_bias, "], got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "tpcore: ", layer,
+                     ": bias dtype ", bias->scalar_type(), " does not match weight dtype ",
+                     weight.scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == weight.device(), "tpcore: ", layer, ": bias is on ",
+                      bias->device(), " but the weight is on ", weight.device());
+  }
+}
+
+void check_sequence_dim(const char* layer, const at::Tensor& t, const Group& group) {
+  const int world = group_size(group);
+  TORCH_CHECK_VALUE(t.dim() >= 2 && t.size(0) % world == 0, "tpcore: ", layer,
+                    ": with sequence parallelism dim 0 (sequence) of shape ", t.sizes(),
+                    " must be divisible by the tensor-parallel size ", world);
+}
+
+struct ColumnParallelLinearFn : public torch::autograd::Function<ColumnParallelLinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const Group& group,
+                            bool sequence_parallel) {
+    save_group(ctx, group);
+    ctx->saved_data["sequence_parallel"] = sequence_parallel;
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    // With sequence parallelism only the local sequence shard is saved; backward
+    // gathers it again rather than keeping the full [seq, batch, in] activation.
+    ctx->save_for_backward({input, weight});
+    at::Tensor total_input = sequence_parallel ? all_gather(input, 0, group) : input;
+    return at::linear(total_input, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Group group = load_group(ctx);
+    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor grad_output = grads[0].contiguous();
+
+    PendingCollective gathered_input =
+        sequence_parallel ? all_gather_async(input, 0, group) : PendingCollective(input);
+
+    // Issue the input-gradient reduction first, then compute the weight
+    // gradient while it is in flight.
+    PendingCollective grad_input;
+    const bool need_input_grad = ctx->needs_input_grad(0);
+    if (need_input_grad) {
+      at::Tensor partial = grad_output.matmul(weight);
+      grad_input = sequence_parallel ? reduce_scatter_async(partial, 0, group)
+                                     : all_reduce_inplace_async(partial, group);
+    }
+    at::Tensor grad_weight, grad_bias;
+    at::Tensor total_input = gathered_input.wait();
+    const at::Tensor grad_2d = as_2d(grad_output);
+    if (ctx->needs_input_grad(1)) grad_weight = grad_2d.t().mm(as_2d(total_input));
+    if (has_bias && ctx->needs_input_grad(2)) grad_bias = grad_2d.sum(0);
+    return {need_input_grad ? grad_input.wait() : at::Tensor(), grad_weight, grad_bias,
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+struct RowParallelLinearFn : public torch::autograd::Function<RowParallelLinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const Group& group, bool sequence_parallel) {
+    save_group(ctx, group);
+    ctx->saved_data["sequence_parallel"] = sequence_parallel;
+    ctx->save_for_backward({input, weight});
+    at::Tensor partial = at::matmul(input, weight.t());
+    if (sequence_parallel) return reduce_scatter(partial, 0, group);
+    // `partial` is a fresh temporary: sum it in place, no extra copy.
+    return all_reduce_inplace_async(partial, group).wait();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Group group = load_group(ctx);
+    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    at::Tensor grad_output = grads[0].contiguous();
+    if (sequence_parallel) grad_output = all_gather(grad_output, 0, group);
+    at::Tensor grad_input, grad_weight;
+    if (ctx->needs_input_grad(0)) grad_input = grad_output.matmul(weight);
+    if (ctx->needs_input_grad(1)) grad_weight = as_2d(grad_output).t().mm(as_2d(input));
+    return {grad_input, grad_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const Group& group,
+                                  bool gather_output, bool sequence_parallel) {
+  const char* layer = "ColumnParallelLinear";
+  check_linear_args(layer, input, weight, bias, weight.size(0), group);
+  TORCH_CHECK_VALUE(!(gather_output && sequence_parallel), "tpcore: ", layer,
+                    ": gather_output=True cannot be combined with sequence_parallel=True");
+  if (sequence_parallel)
+    TORCH_CHECK_VALUE(input.dim() >= 2, "tpcore: ", layer,
+                      ": sequence parallelism needs a [seq, ...] input");
+  // The function's backward is f's all-reduce (or the sequence-parallel reduce-scatter),
+  // fused with the GEMMs so it overlaps the weight gradient.
+  at::Tensor out = ColumnParallelLinearFn::apply(input, weight, bias, group, sequence_parallel);
+  return gather_output ? gather_from_tensor_parallel(out, group) : out;
+}
+
+at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const Group& group,
+                               bool input_is_parallel, bool sequence_parallel) {
+  const char* layer = "RowParallelLinear";
+  const int world = group_size(group);
+  TORCH_CHECK_VALUE(input_is_parallel || !sequence_parallel, "tpcore: ", layer,
+                    ": sequence_parallel=True needs input_is_parallel=True");
+  // A full (unsplit) input has world times the shard's features.
+  if (!input_is_parallel) {
+    TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == weight.size(1) * world,
+                      "tpcore: ", layer, ": input has last dim ", input.size(-1),
+                      " but in_features is ", weight.size(1) * world, " (input_is_parallel=False)");
+  }
+  at::Tensor x = input_is_parallel ? input : scatter_to_tensor_parallel(input, group);
+  check_linear_args(layer, x, weight, bias, weight.size(0), group);
+  if (sequence_parallel) check_sequence_dim(layer, x, group);
+  at::Tensor out = RowParallelLinearFn::apply(x, weight, group, sequence_parallel);
+  if (bias && bias->defined()) out = out + *bias;
+  return out;
+}
+
+}  // namespace tpcore

@@ -1,0 +1,55 @@
+"""tpcore: Megatron-style tensor parallelism for PyTorch with a C++/CUDA core.
+
+Typical use, on every rank of a `torchrun` job:
+
+    torch.distributed.init_process_group("gloo")        # or "nccl"
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    torch.manual_seed(0)                                # same seed on every rank
+    up = tpcore.ColumnParallelLinear(1024, 4096)        # weight [4096/tp, 1024]
+    down = tpcore.RowParallelLinear(4096, 1024, input_is_parallel=True)
+    y = down(torch.nn.functional.gelu(up(x)))           # == the dense MLP
+"""
+
+# torch (and torch.distributed) must be loaded first: _C links against libtorch and
+# receives torch's Python types (Tensor, ProcessGroup) through pybind11.
+import torch  # noqa: F401
+import torch.distributed  # noqa: F401
+
+from . import _C, comm, parallel_state
+from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
+)
+from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "InitMethod",
+    "comm",
+    "parallel_state",
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "is_initialized",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel",
+    "built_with_cuda",
+]
+
+
+def built_with_cuda() -> bool:
+    """Whether tpcore's CUDA kernels were compiled into `tpcore._C`."""
+    return _C.built_with_cuda()

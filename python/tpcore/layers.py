@@ -1,0 +1,247 @@
+"""Tensor-parallel linear layers (Megatron-LM's column- and row-parallel linear).
+
+Forward and backward run in C++ autograd functions (`tpcore._C`). Weights are
+initialised TP-size invariant: every rank builds the full (master) weight on CPU
+from the default generator and keeps its slice, so a layer made after
+`torch.manual_seed(s)` at TP=N holds exactly the slices of the TP=1 weight, and at
+TP=1 equals `nn.Linear` made after the same seed. Seed every rank alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C, comm
+from .parallel_state import resolve_tensor_group
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
+
+InitMethod = Callable[[torch.Tensor], object]
+"""Initialises a full (unsharded) weight `[out, in]` in place."""
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"tpcore: {what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})"
+        )
+    return numerator // denominator
+
+
+def _master_parameters(
+    out_features: int, in_features: int, has_bias: bool, init_method: InitMethod | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Full weight `[out, in]` and bias `[out]` on CPU, drawn from the default generator.
+
+    `init_method=None` draws exactly as `nn.Linear.reset_parameters` does; a custom
+    `init_method` initialises the weight and the bias starts at zero (Megatron's convention).
+    """
+    weight = torch.empty(out_features, in_features, dtype=dtype)
+    bias = torch.empty(out_features, dtype=dtype) if has_bias else None
+    if init_method is None:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(bias, -bound, bound)
+    else:
+        init_method(weight)
+        if bias is not None:
+            nn.init.zeros_(bias)
+    return weight, bias
+
+
+class _ParallelLinear(nn.Module):
+    """Shared construction of the two layers; `shard_dim` is the weight dim split over TP."""
+
+    shard_dim: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        *,
+        skip_bias_add: bool,
+        sequence_parallel: bool,
+        group: dist.ProcessGroup | None,
+        init_method: InitMethod | None,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"tpcore: {type(self).__name__}: {name} must be a positive int, got {value!r}")
+        self.group = resolve_tensor_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.tp_rank = dist.get_rank(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.skip_bias_add, self.sequence_parallel = skip_bias_add, sequence_parallel
+        full = [out_features, in_features]
+        what = ("out_features", "in_features")[self.shard_dim]
+        full[self.shard_dim] = _divide(full[self.shard_dim], self.tp_size, f"{type(self).__name__} {what}")
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(full, dtype=dtype, device=device))
+        self.weight.tensor_parallel_dim = self.shard_dim
+        bias_size = full[0]
+        self.bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device)) if bias else None
+        if self.bias is not None:
+            # A column bias is sharded with the weight; a row bias is replicated.
+            self.bias.tensor_parallel_dim = 0 if self.shard_dim == 0 else None
+        if self.weight.device.type != "meta":
+            self._load_master(*_master_parameters(out_features, in_features, bias, init_method, dtype))
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        return full.chunk(self.tp_size, dim)[self.tp_rank]
+
+    def _load_master(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep this rank's slices of full parameters (same on every rank)."""
+        with torch.no_grad():
+            self.weight.copy_(self._shard(weight, self.shard_dim))
+            if self.bias is not None:
+                self.bias.copy_(self._shard(bias, 0) if self.shard_dim == 0 else bias)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, **kwargs) -> "_ParallelLinear":
+        """The shards of `linear` for this rank (same dtype and device); kwargs as the constructor."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device="meta",
+            **kwargs,
+        )
+        layer.to_empty(device=linear.weight.device)
+        layer._load_master(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """The full `nn.Linear`, gathered from every rank (a collective: call on all TP ranks)."""
+        dense = nn.Linear(
+            self.in_features,
+            self.out_features,
+            self.bias is not None,
+            dtype=self.weight.dtype,
+            device="meta",
+        ).to_empty(device=self.weight.device)
+        with torch.no_grad():
+            dense.weight.copy_(comm.all_gather(self.weight.detach(), self.shard_dim, self.group))
+            if self.bias is not None:
+                bias = self.bias.detach()
+                dense.bias.copy_(comm.all_gather(bias, 0, self.group) if self.shard_dim == 0 else bias)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp_size={self.tp_size}, weight_shard={list(self.weight.shape)}"
+        )
+
+    def _result(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        return (output, self.bias) if self.skip_bias_add else output
+
+    def _forward_bias(self) -> torch.Tensor | None:
+        return None if self.skip_bias_add else self.bias
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """`y = x W^T + b` with W split along its output features (columns of `x W^T`).
+
+    Shapes: weight `[out/tp, in]`, bias `[out/tp]`; input `[..., in]` (the full
+    features, replicated over TP); output `[..., out/tp]`, or `[..., out]` with
+    `gather_output=True`. With `sequence_parallel=True` the input is this rank's
+    sequence shard `[s/tp, b, in]`, gathered along dim 0 before the GEMM.
+    Backward all-reduces the input gradient asynchronously while the weight
+    gradient is computed. With `skip_bias_add=True` returns `(output, bias)`.
+    """
+
+    shard_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if gather_output and sequence_parallel:
+            raise ValueError("tpcore: ColumnParallelLinear: gather_output=True cannot be used with sequence_parallel=True")
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            init_method=init_method,
+            dtype=dtype,
+            device=device,
+        )
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        out = _C.column_parallel_linear(
+            x, self.weight, self._forward_bias(), self.group, self.gather_output, self.sequence_parallel
+        )
+        return self._result(out)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """`y = x W^T + b` with W split along its input features (rows of W^T).
+
+    Shapes: weight `[out, in/tp]`, bias `[out]` replicated and added after the
+    reduction; input `[..., in/tp]` with `input_is_parallel=True`, else `[..., in]`
+    (split here); output `[..., out]` summed over TP, or this rank's sequence shard
+    `[s/tp, b, out]` (reduce-scatter) with `sequence_parallel=True`.
+    With `skip_bias_add=True` returns `(output, bias)`.
+    """
+
+    shard_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("tpcore: RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            init_method=init_method,
+            dtype=dtype,
+            device=device,
+        )
+        self.input_is_parallel = input_is_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        out = _C.row_parallel_linear(
+            x, self.weight, self._forward_bias(), self.group, self.input_is_parallel, self.sequence_parallel
+        )
+        return self._result(out)

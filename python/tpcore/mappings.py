@@ -1,0 +1,61 @@
+"""Communication mappings of Megatron-LM tensor parallelism, as autograd functions.
+
+f and g are the conjugate pair of Shoeybi et al. 2019 (section 3): f enters a
+tensor-parallel region (identity forward, all-reduce backward), g leaves it
+(all-reduce forward, identity backward). The scatter / gather pairs split and
+concatenate the last dim; the sequence-parallel pairs act on dim 0, the sequence
+(Korthikanti et al. 2022). All run in C++ (`tpcore._C`), including backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .parallel_state import resolve_tensor_group
+
+__all__ = [
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel",
+]
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """f: forward identity; backward all-reduce (sum) of the gradient over the TP group."""
+    return _C.copy_to_tensor_parallel(x, resolve_tensor_group(group))
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """g: forward all-reduce (sum) over the TP group; backward identity."""
+    return _C.reduce_from_tensor_parallel(x, resolve_tensor_group(group))
+
+
+def scatter_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Forward keeps this rank's chunk of the last dim `[..., h] -> [..., h/tp]`; backward all-gathers it."""
+    return _C.scatter_to_tensor_parallel(x, resolve_tensor_group(group))
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Forward all-gathers the last dim `[..., h/tp] -> [..., h]`; backward keeps this rank's chunk."""
+    return _C.gather_from_tensor_parallel(x, resolve_tensor_group(group))
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Forward keeps this rank's chunk of dim 0 `[s, ...] -> [s/tp, ...]`; backward all-gathers dim 0."""
+    return _C.scatter_to_sequence_parallel(x, resolve_tensor_group(group))
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Forward all-gathers dim 0 `[s/tp, ...] -> [s, ...]`; backward reduce-scatters the gradient along dim 0."""
+    return _C.gather_from_sequence_parallel(x, resolve_tensor_group(group))
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Forward reduce-scatters dim 0 `[s, ...] -> [s/tp, ...]` (sum); backward all-gathers dim 0."""
+    return _C.reduce_scatter_to_sequence_parallel(x, resolve_tensor_group(group))

@@ -1,0 +1,208 @@
+"""Process groups for tensor, pipeline and data parallelism.
+
+Ranks are laid out as in Megatron-LM: tensor-parallel ranks are adjacent, then
+data-parallel, then pipeline-parallel, so that
+
+    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+`rank_layout` computes the groups as plain lists (no processes needed);
+`initialize_model_parallel` creates them on a live `torch.distributed` job and
+keeps them in one `ParallelState` object. Layers take a group explicitly and
+fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = [
+    "RankLayout",
+    "ParallelState",
+    "rank_layout",
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "is_initialized",
+    "get_parallel_state",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_world_size",
+    "get_tensor_model_parallel_rank",
+    "get_data_parallel_group",
+    "get_data_parallel_world_size",
+    "get_data_parallel_rank",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_world_size",
+    "get_pipeline_model_parallel_rank",
+    "resolve_tensor_group",
+]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Every group of each kind, as lists of global ranks."""
+
+    tensor: list[list[int]]
+    """Tensor-parallel groups: `tp` adjacent ranks each."""
+    data: list[list[int]]
+    """Data-parallel groups: same tp rank and pp stage, stride `tp`."""
+    pipeline: list[list[int]]
+    """Pipeline groups: one rank per stage, stride `tp * dp`."""
+
+    def groups_of(self, rank: int) -> tuple[list[int], list[int], list[int]]:
+        """The (tensor, data, pipeline) groups that contain `rank`."""
+        return tuple(next(g for g in kind if rank in g) for kind in (self.tensor, self.data, self.pipeline))
+
+
+def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
+    for name, value in (
+        ("world_size", world_size),
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"tpcore: {name} must be an integer >= 1, got {value!r}")
+    model_size = tensor_parallel_size * pipeline_parallel_size
+    if world_size % model_size != 0:
+        raise ValueError(
+            f"tpcore: world size {world_size} is not divisible by tensor_parallel_size "
+            f"({tensor_parallel_size}) x pipeline_parallel_size ({pipeline_parallel_size}) = {model_size}"
+        )
+    return world_size // model_size
+
+
+def rank_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> RankLayout:
+    """Megatron's rank order for `world_size` ranks: TP adjacent, then DP, then PP."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    dp = _check_sizes(world_size, tp, pp)
+    stage = tp * dp  # ranks per pipeline stage
+    tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+    data = [[s * stage + d * tp + t for d in range(dp)] for s in range(pp) for t in range(tp)]
+    pipeline = [[r + s * stage for s in range(pp)] for r in range(stage)]
+    return RankLayout(tensor=tensor, data=data, pipeline=pipeline)
+
+
+@dataclass
+class ParallelState:
+    """The live groups of this rank, created by `initialize_model_parallel`."""
+
+    tensor_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    pipeline_group: dist.ProcessGroup
+    layout: RankLayout
+
+
+_STATE: ParallelState | None = None
+
+
+def initialize_model_parallel(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    *,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+) -> ParallelState:
+    """Create the tensor / data / pipeline groups; data-parallel size is derived.
+
+    Call after `torch.distributed.init_process_group`, on every rank, with the same
+    arguments. Raises on every rank alike (before creating any group) when the sizes
+    do not fit the world or when groups already exist.
+    """
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "tpcore: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) before initialize_model_parallel()"
+        )
+    if _STATE is not None:
+        raise RuntimeError(
+            "tpcore: model parallel groups are already initialized; "
+            "call destroy_model_parallel() first to re-create them"
+        )
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
+    mine = {}
+    # Every rank must create every group, in the same order, even those it is not in.
+    for kind in ("tensor", "data", "pipeline"):
+        for ranks in getattr(layout, kind):
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[kind] = group
+    _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout)
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups made by `initialize_model_parallel` (a no-op if none)."""
+    global _STATE
+    if _STATE is None:
+        return
+    groups = {id(g): g for g in (_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group)}
+    _STATE = None
+    for group in groups.values():
+        if dist.is_initialized() and group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+            dist.destroy_process_group(group)
+
+
+def is_initialized() -> bool:
+    """Whether `initialize_model_parallel` has run (and not been destroyed)."""
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The current groups; raises a clear error when none are set up."""
+    if _STATE is None:
+        raise RuntimeError(
+            "tpcore: model parallel groups are not initialized; call "
+            "tpcore.initialize_model_parallel(tensor_parallel_size=...) first, "
+            "or pass group= explicitly"
+        )
+    return _STATE
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tensor_group
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return dist.get_world_size(get_tensor_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return dist.get_rank(get_tensor_model_parallel_group())
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().data_group
+
+
+def get_data_parallel_world_size() -> int:
+    return dist.get_world_size(get_data_parallel_group())
+
+
+def get_data_parallel_rank() -> int:
+    return dist.get_rank(get_data_parallel_group())
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().pipeline_group
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return dist.get_world_size(get_pipeline_model_parallel_group())
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return dist.get_rank(get_pipeline_model_parallel_group())
+
+
+def resolve_tensor_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """`group`, or the tensor-parallel group when None; a clear error when neither is usable."""
+    if group is None:
+        return get_tensor_model_parallel_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("tpcore: this rank is not a member of the process group passed as group=")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    return group

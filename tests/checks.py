@@ -1,0 +1,45 @@
+"""Comparison helpers shared by the tests (run inside the ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import tpcore
+
+# Per-dtype tolerance, relative to the magnitude of the reference. fp32 differs from
+# the dense reference only by summation order; bf16 rounds every partial sum that
+# crosses a collective to 8 mantissa bits (eps = 2**-7 = 7.8e-3), so two roundings.
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 * 2**-7}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """`actual` equals `expected` up to the dtype's rounding, scaled by |expected|."""
+    rtol = RTOL[expected.dtype]
+    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-6), msg=lambda m: f"{what}: {m}"
+    )
+
+
+def setup_tp(tp: int) -> tuple[int, int]:
+    """Create groups for TP size `tp` on this rank; returns (tp_rank, tp_size)."""
+    tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+    group = tpcore.parallel_state.get_tensor_model_parallel_group()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def per_rank_tensor(shape, rank: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """A tensor that differs by rank but that any rank can recompute."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def expect_error(exc_type: type[BaseException], match: str, fn, *args, **kwargs) -> None:
+    """`fn` raises `exc_type` whose message contains `match`."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        assert match in str(e), f"expected {match!r} in the error, got: {e}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} containing {match!r}, nothing was raised")

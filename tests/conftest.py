@@ -1,0 +1,39 @@
+"""Shared fixtures: pools of spawned ranks, reused across the whole session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rank_pool import RankPool
+
+# Four CPU ranks run every TP size we test (1, 2, 4), the remainder being data parallel.
+CPU_WORLD = 4
+
+
+@pytest.fixture(scope="session")
+def cpu_ranks():
+    pool = RankPool(CPU_WORLD, backend="gloo")
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def cuda_ranks():
+    """NCCL ranks, one per GPU (at most 4); skips where CUDA is not available."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    pool = RankPool(min(torch.cuda.device_count(), 4), backend="nccl")
+    yield pool
+    pool.close()
+
+
+DEVICES = ["cpu", "cuda"]
+
+
+def pool_for(request, device: str, tp: int) -> RankPool:
+    """The rank pool for `device`, skipping when it has fewer ranks than `tp`."""
+    pool = request.getfixturevalue("cpu_ranks" if device == "cpu" else "cuda_ranks")
+    if tp > pool.world:
+        pytest.skip(f"TP={tp} needs {tp} {device} ranks, this machine has {pool.world}")
+    return pool

@@ -1,0 +1,144 @@
+"""A reusable pool of spawned ranks for multi-process tests.
+
+Importing torch is the slow part on a small machine, so ranks are spawned once
+(spawn context, FileStore in a temp dir, gloo or NCCL, explicit timeouts) and run
+many jobs. A job is a picklable module-level function `fn(rank, world, *args)`
+run on every rank. A rank that raises, dies or stalls fails the job within
+seconds; the pool is then torn down and re-spawned for the next job, so the
+suite never hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+# How long the other ranks get to finish once one rank has failed; they are
+# usually blocked in a collective with the failed rank and never will.
+FAILURE_GRACE_S = 3.0
+
+
+class RankFailure(AssertionError):
+    """A job failed on at least one rank."""
+
+
+def _worker(rank: int, world: int, store_path: str, backend: str, group_timeout_s: float, tasks, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=group_timeout_s)
+    )
+    import tpcore
+
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args = job
+        try:
+            results.put((job_id, rank, True, fn(rank, world, *args)))
+        except BaseException:  # report everything, including assertion errors
+            results.put((job_id, rank, False, traceback.format_exc()))
+        finally:
+            tpcore.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world` ranks, spawned once, that run jobs until closed."""
+
+    def __init__(self, world: int, backend: str = "gloo", group_timeout_s: float = 60.0) -> None:
+        self.world, self.backend, self.group_timeout_s = world, backend, group_timeout_s
+        self._procs: list[mp.Process] = []
+        self._job_id = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="tpcore-ranks-")
+        store = os.path.join(self._dir, "store")
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world, store, self.backend, self.group_timeout_s, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force)."""
+        if not self._procs:
+            return
+        for q in self._tasks:
+            q.put(None)
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
+        """Run `fn(rank, world, *args)` on every rank; return the per-rank results."""
+        if not self._procs:
+            self._start()
+        self._job_id += 1
+        job_id = self._job_id
+        for q in self._tasks:
+            q.put((job_id, fn, args))
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + FAILURE_GRACE_S)
+            if now > deadline:
+                break
+            try:
+                got_id, rank, ok, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    self._kill()
+                    raise RankFailure(f"{fn.__name__}: rank(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
+                continue
+            if got_id != job_id:
+                continue  # a late answer from a job that already failed
+            (values if ok else errors)[rank] = payload
+        if errors or len(values) < self.world:
+            missing = sorted(set(range(self.world)) - set(values) - set(errors))
+            self._kill()  # ranks may be stuck in a collective: start afresh next time
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                parts.append(f"rank(s) {missing} did not finish within the time allowed")
+            raise RankFailure(f"{fn.__name__} failed:\n" + "\n".join(parts))
+        return [values[r] for r in range(self.world)]

@@ -1,0 +1,103 @@
+"""Rank layout (pure computation) and the live process groups."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+import tpcore
+from tpcore.parallel_state import rank_layout
+from checks import expect_error
+
+LAYOUTS = [(1, 1, 1), (4, 1, 1), (4, 4, 1), (8, 2, 2), (8, 2, 1), (16, 2, 4), (16, 4, 2), (12, 3, 2), (6, 1, 3)]
+
+
+@pytest.mark.parametrize("world,tp,pp", LAYOUTS)
+def test_rank_layout_matches_megatron_order(world, tp, pp):
+    layout = rank_layout(world, tp, pp)
+    dp = world // (tp * pp)
+    # Reference: enumerate (pp, dp, tp) coordinates; global = pp*dp*tp + dp_rank*tp + tp_rank.
+    coords = {p * dp * tp + d * tp + t: (p, d, t) for p, d, t in itertools.product(range(pp), range(dp), range(tp))}
+    assert sorted(coords) == list(range(world))
+    for kind, fixed in (("tensor", (0, 1)), ("data", (0, 2)), ("pipeline", (1, 2))):
+        groups = getattr(layout, kind)
+        assert sorted(r for g in groups for r in g) == list(range(world)), f"{kind} groups do not partition the ranks"
+        for g in groups:
+            keys = {tuple(coords[r][i] for i in fixed) for r in g}
+            assert len(keys) == 1, f"{kind} group {g} mixes coordinates"
+            varying = 2 if kind == "tensor" else 1 if kind == "data" else 0
+            assert [coords[r][varying] for r in g] == list(range(len(g))), f"{kind} group {g} out of order"
+    assert [len(g) for g in layout.tensor] == [tp] * (world // tp)
+    assert [len(g) for g in layout.data] == [dp] * (world // dp)
+    assert [len(g) for g in layout.pipeline] == [pp] * (world // pp)
+
+
+def test_rank_layout_tp_groups_are_adjacent():
+    assert rank_layout(8, 2, 2).tensor == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_layout(8, 2, 2).data == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert rank_layout(8, 2, 2).pipeline == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,match",
+    [(4, 3, 1, "not divisible"), (6, 4, 1, "not divisible"), (8, 2, 3, "not divisible"), (4, 0, 1, ">= 1"), (4, 1, -1, ">= 1"), (0, 1, 1, ">= 1")],
+)
+def test_rank_layout_rejects_bad_sizes(world, tp, pp, match):
+    with pytest.raises(ValueError, match=match):
+        rank_layout(world, tp, pp)
+
+
+def test_initialize_before_init_process_group_raises():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tpcore.initialize_model_parallel(1)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        tpcore.parallel_state.get_tensor_model_parallel_group()
+
+
+def _live_groups(rank, world, tp, pp):
+    state = tpcore.initialize_model_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert tpcore.is_initialized()
+    layout = rank_layout(world, tp, pp)
+    want_tp, want_dp, want_pp = layout.groups_of(rank)
+    assert dist.get_process_group_ranks(state.tensor_group) == want_tp
+    assert dist.get_process_group_ranks(state.data_group) == want_dp
+    assert dist.get_process_group_ranks(state.pipeline_group) == want_pp
+    ps = tpcore.parallel_state
+    assert ps.get_tensor_model_parallel_world_size() == tp
+    assert ps.get_pipeline_model_parallel_world_size() == pp
+    assert ps.get_data_parallel_world_size() == world // (tp * pp)
+    assert ps.get_tensor_model_parallel_rank() == want_tp.index(rank)
+    assert ps.get_data_parallel_rank() == want_dp.index(rank)
+    assert ps.get_pipeline_model_parallel_rank() == want_pp.index(rank)
+    # The groups really talk to the right peers: sum of global ranks over each group.
+    for group, members in ((state.tensor_group, want_tp), (state.data_group, want_dp)):
+        import torch
+
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(members)
+    expect_error(RuntimeError, "already initialized", tpcore.initialize_model_parallel, tp, pp)
+    tpcore.destroy_model_parallel()
+    assert not tpcore.is_initialized()
+    expect_error(RuntimeError, "not initialized", ps.get_data_parallel_group)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 1), (2, 2), (1, 4), (1, 2)])
+def test_live_groups(cpu_ranks, tp, pp):
+    cpu_ranks.run(_live_groups, tp, pp)
+
+
+def _bad_sizes(rank, world):
+    expect_error(ValueError, "not divisible", tpcore.initialize_model_parallel, 3)
+    expect_error(ValueError, ">= 1", tpcore.initialize_model_parallel, 0)
+    assert not tpcore.is_initialized()
+    # Nothing was left half-made: a correct call still works afterwards.
+    tpcore.initialize_model_parallel(2)
+    expect_error(RuntimeError, "not initialized", lambda: tpcore.destroy_model_parallel() or tpcore.ColumnParallelLinear(4, 4))
+
+
+def test_live_bad_sizes_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_bad_sizes)

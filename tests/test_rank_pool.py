@@ -1,0 +1,53 @@
+"""The multi-process harness itself: failures surface fast and never hang the suite."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rank_pool import RankFailure, RankPool
+
+
+def _rank1_dies(rank, world):
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))  # the surviving rank blocks in a collective
+
+
+def _rank0_raises(rank, world):
+    if rank == 0:
+        raise ValueError("boom on rank 0")
+    dist.all_reduce(torch.ones(1))
+
+
+def _sum_of_ranks(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pool = RankPool(2, group_timeout_s=30)
+    yield pool
+    pool.close()
+
+
+def test_dead_rank_fails_fast_and_pool_recovers(pair):
+    assert pair.run(_sum_of_ranks) == [1.0, 1.0]
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exit code 3"):
+        pair.run(_rank1_dies)
+    assert time.monotonic() - start < 20
+    assert pair.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def test_raising_rank_reports_its_traceback_fast(pair):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="boom on rank 0"):
+        pair.run(_rank0_raises)
+    assert time.monotonic() - start < 20
