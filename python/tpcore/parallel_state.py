@@ -134,15 +134,14 @@ def initialize_model_parallel(
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the groups made by `initialize_model_parallel` (a no-op if none)."""
+    """Forget the groups made by `initialize_model_parallel` (a no-op if none).
+
+    The groups are not torn down one by one: on some torch versions destroying a
+    subgroup and creating new ones makes the new groups reuse its store keys and hang.
+    They are released with the default group (`torch.distributed.destroy_process_group()`).
+    """
     global _STATE
-    if _STATE is None:
-        return
-    groups = {id(g): g for g in (_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group)}
     _STATE = None
-    for group in groups.values():
-        if dist.is_initialized() and group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
-            dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:
