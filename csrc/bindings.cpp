@@ -66,4 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_parallel_linear", &tpcore::row_parallel_linear, py::arg("input"), py::arg("weight"),
         py::arg("bias"), py::arg("group"), py::arg("input_is_parallel"),
         py::arg("sequence_parallel"), release_gil());
+
+  // Vocab-parallel embedding and cross-entropy.
+  m.def("vocab_parallel_embedding", &tpcore::vocab_parallel_embedding, py::arg("ids"),
+        py::arg("weight"), py::arg("group"), py::arg("num_embeddings"), py::arg("padding_idx"),
+        py::arg("sequence_parallel"), release_gil());
+  m.def("vocab_parallel_cross_entropy", &tpcore::vocab_parallel_cross_entropy, py::arg("logits"),
+        py::arg("target"), py::arg("group"), py::arg("vocab_size"), py::arg("label_smoothing"),
+        py::arg("ignore_index"), py::arg("reduction"), py::arg("z_loss"),
+        py::arg("inplace_backward"), release_gil());
 }

@@ -28,4 +28,21 @@ at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight
                                const std::optional<at::Tensor>& bias, const Group& group,
                                bool input_is_parallel, bool sequence_parallel);
 
+// Lookup in a table sharded along the vocabulary: weight is this rank's [rows, D] slice,
+// ids [...] are global ids in [0, num_embeddings); returns [..., D] (summed over TP), or
+// this rank's sequence shard [s/tp, ..., D] with sequence parallelism.
+// padding_idx < 0 means none; its row gets no gradient.
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight,
+                                    const Group& group, int64_t num_embeddings, int64_t padding_idx,
+                                    bool sequence_parallel);
+// Cross-entropy over logits [..., V_local] sharded along the vocabulary, equal to
+// F.cross_entropy on the gathered logits restricted to the first vocab_size columns
+// (vocab_size < 0: all of them). reduction: 0 none, 1 mean, 2 sum.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const Group& group, int64_t vocab_size,
+                                        double label_smoothing, int64_t ignore_index,
+                                        int64_t reduction, double z_loss, bool inplace_backward);
+// Raises an IndexError naming the id unless every id is in [0, vocab_size).
+void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size);
+
 }  // namespace tpcore

@@ -16,7 +16,9 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
 from . import _C, comm, parallel_state
+from .embedding import VocabParallelEmbedding, pad_vocab_size
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .loss import vocab_parallel_cross_entropy
 from .mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -33,6 +35,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "pad_vocab_size",
+    "vocab_parallel_cross_entropy",
     "InitMethod",
     "comm",
     "parallel_state",

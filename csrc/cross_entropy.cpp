@@ -1,0 +1,185 @@
+// Vocab-parallel cross-entropy with one collective in the forward and none in the
+// backward. Each rank computes per-token (max, sum exp, target logit, sum logits)
+// over its shard in one fused pass; the ranks all-gather these small stats and each
+// combines them into the global log-sum-exp. Megatron-LM needs three all-reduces.
+// The backward recomputes the softmax from the saved logits and log-sum-exp.
+#include "cross_entropy.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "autograd_util.h"
+#include "kernels.h"
+#include "ops.h"
+
+namespace tpcore {
+
+VocabShard vocab_shard(const Group& group, int64_t local_vocab, int64_t vocab_size) {
+  const int64_t start = group_rank(group) * local_vocab;
+  return {start, std::clamp<int64_t>(vocab_size - start, 0, local_vocab)};
+}
+
+void check_cross_entropy_args(const char* what, const at::Tensor& target,
+                              at::IntArrayRef expected_shape, const at::Device& device,
+                              int64_t local_vocab, int64_t world, const CrossEntropyOptions& o) {
+  TORCH_CHECK_VALUE(o.vocab_size >= 1 && o.vocab_size <= local_vocab * world, "tpcore: ", what,
+                    ": vocab_size ", o.vocab_size, " must be in [1, ", local_vocab * world,
+                    "] (local vocab ", local_vocab, " x ", world, " ranks)");
+  TORCH_CHECK_VALUE(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "tpcore: ", what,
+                    ": label_smoothing must be in [0, 1], got ", o.label_smoothing);
+  TORCH_CHECK_VALUE(o.z_loss >= 0.0, "tpcore: ", what, ": z_loss must be >= 0, got ", o.z_loss);
+  TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && target.scalar_type() != at::kBool,
+                   "tpcore: ", what, ": target must be an integer tensor, got ",
+                   target.scalar_type());
+  TORCH_CHECK_VALUE(target.sizes() == expected_shape, "tpcore: ", what, ": target shape ",
+                    target.sizes(), " does not match the logits' leading shape ", expected_shape);
+  TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
+                    " but the logits are on ", device);
+  if (target.numel() == 0) return;
+  const at::Tensor bad = (target != o.ignore_index) & ((target < 0) | (target >= o.vocab_size));
+  if (bad.any().item<bool>()) {
+    TORCH_CHECK_INDEX(false, "tpcore: ", what, ": target ",
+                      target.masked_select(bad)[0].item<int64_t>(), " is out of range [0, ",
+                      o.vocab_size, ") and is not ignore_index (", o.ignore_index, ")");
+  }
+}
+
+at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,
+                               const VocabShard& shard) {
+#ifdef TPCORE_WITH_CUDA
+  if (logits.is_cuda()) return cross_entropy_stats_cuda(logits, target, shard.start, shard.valid);
+#endif
+  TORCH_CHECK(logits.is_cpu(), "tpcore: cross-entropy: no kernel for device ", logits.device(),
+              " in this build");
+  return cross_entropy_stats_cpu(logits, target, shard.start, shard.valid);
+}
+
+void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                        const at::Tensor& scale, at::Tensor& out, const VocabShard& shard,
+                        const CrossEntropyOptions& o) {
+#ifdef TPCORE_WITH_CUDA
+  if (logits.is_cuda()) {
+    return cross_entropy_grad_cuda(logits, target, lse, scale, out, shard.start, shard.valid,
+                                   o.vocab_size, o.label_smoothing, o.z_loss);
+  }
+#endif
+  cross_entropy_grad_cpu(logits, target, lse, scale, out, shard.start, shard.valid, o.vocab_size,
+                         o.label_smoothing, o.z_loss);
+}
+
+TokenLoss combine_cross_entropy_stats(const at::Tensor& stats, const at::Tensor& target,
+                                      const Group& group, const CrossEntropyOptions& o) {
+  const at::Tensor all = all_gather(stats.unsqueeze(0), 0, group);  // [world, N, 4]
+  const at::Tensor m = all.select(2, 0), s = all.select(2, 1);
+  const at::Tensor max = m.amax(0);
+  // Shards with no real column report max = -inf and sum = 0: they add exp(-inf) = 0.
+  const at::Tensor lse = max + (s * (m - max).exp()).sum(0).log();
+  const at::Tensor target_logit = all.select(2, 2).sum(0);
+  const at::Tensor mask = (target != o.ignore_index).to(at::kFloat);
+  const double eps = o.label_smoothing;
+  // (1 - eps) * NLL + eps * (uniform-target CE over the real vocabulary) + z * lse^2.
+  at::Tensor loss = (1.0 - eps) * (lse - target_logit);
+  if (eps > 0) loss = loss + eps * (lse - all.select(2, 3).sum(0) / double(o.vocab_size));
+  if (o.z_loss > 0) loss = loss + o.z_loss * lse.square();
+  return {loss * mask, lse, mask};
+}
+
+at::Tensor reduce_loss(const TokenLoss& token, const CrossEntropyOptions& o,
+                       const at::Tensor& target_shape_like, at::ScalarType dtype) {
+  switch (o.reduction) {
+    case Reduction::None:
+      return token.loss.view(target_shape_like.sizes()).to(dtype);
+    case Reduction::Sum:
+      return token.loss.sum().to(dtype);
+    case Reduction::Mean:
+      break;
+  }
+  // Like F.cross_entropy: the mean over non-ignored tokens (NaN when all are ignored).
+  return (token.loss.sum() / token.mask.sum()).to(dtype);
+}
+
+at::Tensor loss_grad_scale(const at::Tensor& grad_loss, const at::Tensor& mask,
+                           const CrossEntropyOptions& o) {
+  const at::Tensor g = grad_loss.to(at::kFloat);
+  switch (o.reduction) {
+    case Reduction::None:
+      return g.reshape({-1}) * mask;
+    case Reduction::Sum:
+      return g * mask;
+    case Reduction::Mean:
+      break;
+  }
+  return g / mask.sum() * mask;
+}
+
+namespace {
+
+CrossEntropyOptions unpack_options(AutogradContext* ctx) {
+  auto& d = ctx->saved_data;
+  return {d["vocab_size"].toInt(), d["label_smoothing"].toDouble(), d["ignore_index"].toInt(),
+          static_cast<Reduction>(d["reduction"].toInt()), d["z_loss"].toDouble()};
+}
+
+void pack_options(AutogradContext* ctx, const CrossEntropyOptions& o) {
+  auto& d = ctx->saved_data;
+  d["vocab_size"] = o.vocab_size;
+  d["label_smoothing"] = o.label_smoothing;
+  d["ignore_index"] = o.ignore_index;
+  d["reduction"] = static_cast<int64_t>(o.reduction);
+  d["z_loss"] = o.z_loss;
+}
+
+struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParallelCrossEntropyFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& target, const Group& group,
+                            CrossEntropyOptions options, bool inplace_backward) {
+    const int64_t local_vocab = logits.size(-1);
+    const at::Tensor x = logits.reshape({-1, local_vocab}).contiguous();
+    const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
+    const VocabShard shard = vocab_shard(group, local_vocab, options.vocab_size);
+    const TokenLoss token =
+        combine_cross_entropy_stats(cross_entropy_stats(x, t, shard), t, group, options);
+    save_group(ctx, group);
+    pack_options(ctx, options);
+    ctx->saved_data["inplace_backward"] = inplace_backward;
+    ctx->saved_data["logits_shape"] = logits.sizes();
+    // Nothing [tokens, vocab]-sized is saved beyond the logits themselves.
+    ctx->save_for_backward({x, t, token.lse, token.mask});
+    return reduce_loss(token, options, target, logits.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const CrossEntropyOptions options = unpack_options(ctx);
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2], &mask = saved[3];
+    const VocabShard shard = vocab_shard(load_group(ctx), x.size(1), options.vocab_size);
+    at::Tensor out = ctx->saved_data["inplace_backward"].toBool() ? x : at::empty_like(x);
+    cross_entropy_grad(x, t, lse, loss_grad_scale(grads[0], mask, options), out, shard, options);
+    const auto shape = ctx->saved_data["logits_shape"].toIntVector();
+    return {out.view(shape), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const Group& group, int64_t vocab_size,
+                                        double label_smoothing, int64_t ignore_index,
+                                        int64_t reduction, double z_loss, bool inplace_backward) {
+  const char* what = "vocab_parallel_cross_entropy";
+  const int world = group_size(group);
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "tpcore: ", what, ": logits must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(logits.dim() >= 1, "tpcore: ", what, ": logits must have a vocab dim");
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "tpcore: ", what, ": bad reduction code");
+  const CrossEntropyOptions options{vocab_size < 0 ? logits.size(-1) * world : vocab_size,
+                                    label_smoothing, ignore_index,
+                                    static_cast<Reduction>(reduction), z_loss};
+  check_cross_entropy_args(what, target, logits.sizes().slice(0, logits.dim() - 1), logits.device(),
+                           logits.size(-1), world, options);
+  return VocabParallelCrossEntropyFn::apply(logits, target, group, options, inplace_backward);
+}
+
+}  // namespace tpcore

@@ -1,0 +1,57 @@
+// Pieces shared by the vocab-parallel cross-entropy and its fused linear variant.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "comm.h"
+
+namespace tpcore {
+
+enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
+
+struct CrossEntropyOptions {
+  int64_t vocab_size;  // the real global vocabulary; columns beyond it are padding
+  double label_smoothing;
+  int64_t ignore_index;
+  Reduction reduction;
+  double z_loss;
+};
+
+// Where this rank's shard of V_local columns starts, and how many of them are real.
+struct VocabShard {
+  int64_t start;
+  int64_t valid;
+};
+VocabShard vocab_shard(const Group& group, int64_t local_vocab, int64_t vocab_size);
+
+// Validates the options, the target (shape `expected_shape`, integer, in range or ignored)
+// and its device; raises before any collective.
+void check_cross_entropy_args(const char* what, const at::Tensor& target,
+                              at::IntArrayRef expected_shape, const at::Device& device,
+                              int64_t local_vocab, int64_t world,
+                              const CrossEntropyOptions& options);
+
+// Per-token (max, sum exp, target logit, sum logits) of this rank's shard [N, V_local].
+at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,
+                               const VocabShard& shard);
+// Gradient of the loss wrt logits [N, V_local], written into `out` (may alias logits).
+void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                        const at::Tensor& scale, at::Tensor& out, const VocabShard& shard,
+                        const CrossEntropyOptions& options);
+
+struct TokenLoss {
+  at::Tensor loss;  // [N] float32, zero where ignored
+  at::Tensor lse;   // [N] float32, log-sum-exp over the whole vocabulary
+  at::Tensor mask;  // [N] float32, 1 where the target is not ignored
+};
+// Exchanges the per-token stats [N, 4] of every rank (one all-gather) and combines them.
+TokenLoss combine_cross_entropy_stats(const at::Tensor& stats, const at::Tensor& target,
+                                      const Group& group, const CrossEntropyOptions& options);
+// Applies the reduction; `like` gives the output dtype and, for None, the shape.
+at::Tensor reduce_loss(const TokenLoss& token, const CrossEntropyOptions& options,
+                       const at::Tensor& target_shape_like, at::ScalarType dtype);
+// d(reduced loss)/d(per-token loss) times the incoming gradient: [N] float32.
+at::Tensor loss_grad_scale(const at::Tensor& grad_loss, const at::Tensor& mask,
+                           const CrossEntropyOptions& options);
+
+}  // namespace tpcore

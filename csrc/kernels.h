@@ -1,0 +1,47 @@
+// Per-device kernels behind tpcore's vocab-parallel embedding and cross-entropy.
+// The dispatching code (embedding.cpp, cross_entropy.cpp) validates arguments;
+// kernels assume contiguous inputs of the documented shapes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace tpcore {
+
+// out[t] = weight[ids[t] - vocab_start] when vocab_start <= ids[t] < vocab_start + rows,
+// else zeros. ids [N] int64, weight [rows, D] -> out [N, D].
+at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,
+                                int64_t vocab_start);
+// grad_weight[ids[t] - vocab_start] += grad_out[t] for ids in this shard, except padding_idx
+// (-1 for none); summed in token order, so the result is deterministic. Returns
+// grad_weight [rows, D] in grad_out's dtype.
+at::Tensor embedding_backward_cpu(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
+                                  int64_t vocab_start, int64_t padding_idx);
+
+// Per-token statistics of logits [N, V_local] over its first `valid` columns (the rest
+// is vocabulary padding): stats [N, 4] float32 = (max, sum exp(x - max), x[target]
+// if the target falls in this shard else 0, sum x).
+at::Tensor cross_entropy_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
+                                   int64_t vocab_start, int64_t valid);
+// grad [N, V_local] (into `out`, which may alias logits) for j < valid:
+//   scale[t] * (exp(x - lse[t]) * (1 + 2 z lse[t]) - smoothing / vocab - (1 - smoothing) [j ==
+//   target])
+// and 0 for padding columns.
+void cross_entropy_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
+                            const at::Tensor& lse, const at::Tensor& scale, at::Tensor& out,
+                            int64_t vocab_start, int64_t valid, int64_t vocab, double smoothing,
+                            double z_loss);
+
+#ifdef TPCORE_WITH_CUDA
+at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,
+                                 int64_t vocab_start);
+at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
+                                   int64_t vocab_start, int64_t padding_idx);
+at::Tensor cross_entropy_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
+                                    int64_t vocab_start, int64_t valid);
+void cross_entropy_grad_cuda(const at::Tensor& logits, const at::Tensor& target,
+                             const at::Tensor& lse, const at::Tensor& scale, at::Tensor& out,
+                             int64_t vocab_start, int64_t valid, int64_t vocab, double smoothing,
+                             double z_loss);
+#endif
+
+}  // namespace tpcore

@@ -1,0 +1,119 @@
+"""Vocab-parallel embedding (Megatron-LM): the table is split along the vocabulary.
+
+Each rank holds rows `[start, end)` of a table padded up to a multiple of
+`make_vocab_size_divisible_by * tp`. The forward is a fused masked lookup in C++
+(CPU) or CUDA (ids owned by other ranks give zeros) followed by an all-reduce, or a
+reduce-scatter along the sequence with `sequence_parallel=True`. The backward adds
+into the local rows only, deterministically.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C, comm
+from .parallel_state import resolve_tensor_group
+
+__all__ = ["VocabParallelEmbedding", "pad_vocab_size"]
+
+
+def pad_vocab_size(vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """`vocab_size` rounded up to a multiple of `make_vocab_size_divisible_by * tensor_parallel_size`."""
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"tpcore: pad_vocab_size: {name} must be a positive int, got {value!r}")
+    multiple = make_vocab_size_divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """`nn.Embedding` with the table split along the vocabulary over the TP group.
+
+    Shapes: weight `[padded_vocab/tp, dim]` (padding rows are zero and never looked up);
+    ids `[...]` (global ids in `[0, num_embeddings)`, the same on every TP rank);
+    output `[..., dim]`, or this rank's sequence shard `[s/tp, ..., dim]` with
+    `sequence_parallel=True`. Out-of-range ids raise an IndexError naming the id.
+    Initialisation is TP-size invariant: the full `[num_embeddings, dim]` table is drawn on
+    CPU from the default generator (`nn.Embedding`'s normal(0, 1) unless `init_method` is
+    given), the `padding_idx` row zeroed, and each rank keeps its rows.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        padding_idx: int | None = None,
+        make_vocab_size_divisible_by: int = 128,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"tpcore: VocabParallelEmbedding: embedding_dim must be a positive int, got {embedding_dim!r}")
+        self.group = resolve_tensor_group(group)
+        self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padded_num_embeddings = pad_vocab_size(num_embeddings, self.tp_size, make_vocab_size_divisible_by)
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"tpcore: VocabParallelEmbedding: padding_idx {padding_idx} is outside [-{num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        self.sequence_parallel = sequence_parallel
+        rows = self.padded_num_embeddings // self.tp_size
+        self.vocab_start, self.vocab_end = self.tp_rank * rows, (self.tp_rank + 1) * rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype, device=device))
+        self.weight.tensor_parallel_dim = 0
+        if self.weight.device.type != "meta":
+            master = torch.empty(num_embeddings, embedding_dim, dtype=self.weight.dtype)
+            (init_method or nn.init.normal_)(master)
+            if padding_idx is not None:
+                master[padding_idx] = 0  # as nn.Embedding does
+            self._load_rows(master)
+
+    def _load_rows(self, table: torch.Tensor) -> None:
+        """Keep this rank's rows of the full `[num_embeddings, dim]` table; padding rows are zero."""
+        with torch.no_grad():
+            self.weight.zero_()
+            mine = table[self.vocab_start : min(self.vocab_end, self.num_embeddings)]
+            self.weight[: mine.shape[0]].copy_(mine)
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+        """This rank's rows of `embedding` (same dtype, device and padding_idx); kwargs as the constructor."""
+        kwargs.setdefault("padding_idx", embedding.padding_idx)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, dtype=embedding.weight.dtype, device="meta", **kwargs)
+        layer.to_empty(device=embedding.weight.device)
+        layer._load_rows(embedding.weight.detach())
+        return layer
+
+    def to_dense(self) -> nn.Embedding:
+        """The full `nn.Embedding` (padding rows dropped); a collective: call on all TP ranks."""
+        table = comm.all_gather(self.weight.detach(), 0, self.group)[: self.num_embeddings]
+        dense = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, dtype=table.dtype, device="meta")
+        dense.to_empty(device=table.device)
+        with torch.no_grad():
+            dense.weight.copy_(table)
+        return dense
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        padding_idx = -1 if self.padding_idx is None else self.padding_idx
+        return _C.vocab_parallel_embedding(ids, self.weight, self.group, self.num_embeddings, padding_idx, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, padded_num_embeddings={self.padded_num_embeddings}, "
+            f"tp_size={self.tp_size}, rows=[{self.vocab_start}, {self.vocab_end})"
+        )

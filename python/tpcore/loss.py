@@ -1,0 +1,59 @@
+"""Vocab-parallel cross-entropy (forward and backward in C++/CUDA kernels)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .parallel_state import resolve_tensor_group
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _reduction_code(reduction: str) -> int:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"tpcore: reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+    return _REDUCTIONS[reduction]
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of logits sharded along the vocabulary over the TP group.
+
+    Equal to `F.cross_entropy(gathered_logits[..., :vocab_size].flatten(0, -2), target.flatten(), ...)`
+    with the same `label_smoothing` (over the global vocabulary, so the result does not
+    depend on the TP size), `ignore_index` and `reduction`, plus `z_loss * logsumexp^2`
+    per token when `z_loss > 0`.
+
+    Shapes: logits `[..., vocab_padded/tp]` (float32, bfloat16 or float16; fp32 math),
+    target `[...]` integer; returns a scalar, or `[...]` for `reduction="none"`.
+    `vocab_size` is the real vocabulary when the sharded one is padded (default: all
+    columns); padding columns are masked out of the softmax. One all-gather of per-token
+    statistics in the forward, no collective in the backward. Nothing `[tokens, vocab]`-sized
+    is saved beyond the logits; `inplace_backward=True` writes the gradient into the logits
+    buffer as well (do not reuse the logits after backward then).
+    """
+    return _C.vocab_parallel_cross_entropy(
+        logits,
+        target,
+        resolve_tensor_group(group),
+        -1 if vocab_size is None else vocab_size,
+        label_smoothing,
+        ignore_index,
+        _reduction_code(reduction),
+        z_loss,
+        inplace_backward,
+    )

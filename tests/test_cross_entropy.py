@@ -1,0 +1,121 @@
+"""vocab_parallel_cross_entropy vs F.cross_entropy on the gathered logits."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpcore
+from checks import assert_close, expect_error, setup_tp
+from conftest import DEVICES, pool_for
+
+IGNORE = -100
+# (real vocab, make_vocab_size_divisible_by): both need padding; with 33 / 8 at TP=4
+# the last rank's shard is padding only.
+VOCABS = [(50, 4), (33, 8)]
+
+
+def _case(shape, vocab, multiple, tp, dtype, device):
+    """Full padded logits (same on every rank), targets with some ignored tokens."""
+    padded = tpcore.pad_vocab_size(vocab, tp, multiple)
+    g = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(*shape, padded, generator=g)).to(device, dtype)
+    target = torch.randint(0, vocab, shape, generator=g)
+    flat = target.view(-1)
+    flat[1] = IGNORE
+    flat[-1] = vocab - 1  # the last real column, on the last non-empty shard
+    return logits, target.to(device)
+
+
+def _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream):
+    """F.cross_entropy on the gathered real columns; z-loss added by hand (F has none)."""
+    full = logits.detach().clone().requires_grad_(True)
+    real = full[..., :vocab].reshape(-1, vocab)
+    flat_target = target.reshape(-1)
+    if z_loss == 0:
+        loss = F.cross_entropy(real, flat_target, label_smoothing=smoothing, ignore_index=IGNORE, reduction=reduction)
+    else:
+        kept = flat_target != IGNORE
+        loss = F.cross_entropy(real, flat_target, label_smoothing=smoothing, ignore_index=IGNORE, reduction="none")
+        loss = loss + z_loss * torch.logsumexp(real.float(), -1).square().to(loss.dtype) * kept
+        loss = {"none": loss, "sum": loss.sum(), "mean": loss.sum() / kept.sum()}[reduction]
+    loss = loss.view(target.shape) if reduction == "none" else loss
+    (loss * upstream).sum().backward()
+    return loss.detach(), full.grad
+
+
+def _cross_entropy(rank, world, tp, dtype, device):
+    tp_rank, tp = setup_tp(tp)
+    mine = lambda t: t.chunk(tp, -1)[tp_rank]  # noqa: E731
+    combos = itertools.product(VOCABS, [(12,), (3, 5)], ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-2])
+    for (vocab, multiple), shape, reduction, smoothing, z_loss in combos:
+        what = f"vocab={vocab} shape={shape} reduction={reduction} smoothing={smoothing} z_loss={z_loss}"
+        logits, target = _case(shape, vocab, multiple, tp, dtype, device)
+        upstream = torch.rand(shape if reduction == "none" else (), generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        ref_loss, ref_grad = _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream)
+        for inplace in (False, True):
+            local = mine(logits).clone().requires_grad_(True)
+            x = local * 1 if inplace else local  # in-place needs a non-leaf buffer of its own
+            loss = tpcore.vocab_parallel_cross_entropy(
+                x, target, vocab_size=vocab, label_smoothing=smoothing, ignore_index=IGNORE,
+                reduction=reduction, z_loss=z_loss, inplace_backward=inplace,
+            )
+            assert loss.dtype == dtype and loss.shape == ref_loss.shape, what
+            assert_close(loss, ref_loss, f"{what}: loss")
+            (loss * upstream).sum().backward()
+            assert_close(local.grad, mine(ref_grad), f"{what} inplace={inplace}: grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_matches_f_cross_entropy(request, device, tp, dtype):
+    pool_for(request, device, tp).run(_cross_entropy, tp, dtype, device)
+
+
+def _saves_nothing_vocab_sized(rank, world):
+    """Saved for backward: the logits and O(tokens) vectors, nothing [tokens, vocab]-sized."""
+    setup_tp(2)
+    tokens, local_vocab = 64, 1000
+    logits = torch.randn(tokens, local_vocab, requires_grad=True)
+    target = torch.randint(0, 2 * local_vocab, (tokens,))
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tpcore.vocab_parallel_cross_entropy(logits, target)
+    logits_bytes = saved.pop(logits.untyped_storage().data_ptr())
+    assert logits_bytes == logits.numel() * 4
+    assert sum(saved.values()) <= 16 * tokens, f"saved besides the logits: {saved}"
+
+
+def test_saves_nothing_vocab_sized(cpu_ranks):
+    cpu_ranks.run(_saves_nothing_vocab_sized)
+
+
+def _bad_args(rank, world):
+    setup_tp(2)
+    logits = torch.randn(4, 10)
+    target = torch.tensor([1, 2, 3, 4])
+    ce = tpcore.vocab_parallel_cross_entropy
+    expect_error(ValueError, "target shape [3] does not match the logits' leading shape [4]", ce, logits, target[:3])
+    expect_error(IndexError, "target 20 is out of range [0, 20)", ce, logits, torch.tensor([1, 20, 3, 4]))
+    expect_error(IndexError, "target -5 is out of range", ce, logits, torch.tensor([1, -5, 3, 4]))
+    expect_error(IndexError, "target 19 is out of range [0, 19)", ce, logits, torch.tensor([1, 19, 3, 4]), vocab_size=19)
+    expect_error(TypeError, "float32, bfloat16 or float16", ce, logits.long(), target)
+    expect_error(TypeError, "target must be an integer tensor", ce, logits, target.float())
+    expect_error(ValueError, "reduction must be one of", ce, logits, target, reduction="avg")
+    expect_error(ValueError, "vocab_size 21 must be in [1, 20]", ce, logits, target, vocab_size=21)
+    expect_error(ValueError, "label_smoothing must be in [0, 1]", ce, logits, target, label_smoothing=1.5)
+    # Nothing above reached a collective: a correct call still works on every rank.
+    assert torch.isfinite(ce(logits, target))
+
+
+def test_bad_args_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_bad_args)
