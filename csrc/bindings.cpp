@@ -75,4 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("target"), py::arg("group"), py::arg("vocab_size"), py::arg("label_smoothing"),
         py::arg("ignore_index"), py::arg("reduction"), py::arg("z_loss"),
         py::arg("inplace_backward"), release_gil());
+  m.def("vocab_parallel_linear_cross_entropy", &tpcore::vocab_parallel_linear_cross_entropy,
+        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("group"),
+        py::arg("vocab_size"), py::arg("label_smoothing"), py::arg("ignore_index"),
+        py::arg("reduction"), py::arg("z_loss"), py::arg("chunk_size"), release_gil());
 }

@@ -113,15 +113,13 @@ at::Tensor loss_grad_scale(const at::Tensor& grad_loss, const at::Tensor& mask,
   return g / mask.sum() * mask;
 }
 
-namespace {
-
-CrossEntropyOptions unpack_options(AutogradContext* ctx) {
+CrossEntropyOptions load_options(AutogradContext* ctx) {
   auto& d = ctx->saved_data;
   return {d["vocab_size"].toInt(), d["label_smoothing"].toDouble(), d["ignore_index"].toInt(),
           static_cast<Reduction>(d["reduction"].toInt()), d["z_loss"].toDouble()};
 }
 
-void pack_options(AutogradContext* ctx, const CrossEntropyOptions& o) {
+void save_options(AutogradContext* ctx, const CrossEntropyOptions& o) {
   auto& d = ctx->saved_data;
   d["vocab_size"] = o.vocab_size;
   d["label_smoothing"] = o.label_smoothing;
@@ -129,6 +127,8 @@ void pack_options(AutogradContext* ctx, const CrossEntropyOptions& o) {
   d["reduction"] = static_cast<int64_t>(o.reduction);
   d["z_loss"] = o.z_loss;
 }
+
+namespace {
 
 struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParallelCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
@@ -141,7 +141,7 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     const TokenLoss token =
         combine_cross_entropy_stats(cross_entropy_stats(x, t, shard), t, group, options);
     save_group(ctx, group);
-    pack_options(ctx, options);
+    save_options(ctx, options);
     ctx->saved_data["inplace_backward"] = inplace_backward;
     ctx->saved_data["logits_shape"] = logits.sizes();
     // Nothing [tokens, vocab]-sized is saved beyond the logits themselves.
@@ -150,7 +150,7 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const CrossEntropyOptions options = unpack_options(ctx);
+    const CrossEntropyOptions options = load_options(ctx);
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2], &mask = saved[3];
     const VocabShard shard = vocab_shard(load_group(ctx), x.size(1), options.vocab_size);

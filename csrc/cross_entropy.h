@@ -5,6 +5,10 @@
 
 #include "comm.h"
 
+namespace torch::autograd {
+struct AutogradContext;
+}
+
 namespace tpcore {
 
 enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
@@ -16,6 +20,10 @@ struct CrossEntropyOptions {
   Reduction reduction;
   double z_loss;
 };
+
+// Keep the options in an autograd context for backward, and read them back.
+void save_options(torch::autograd::AutogradContext* ctx, const CrossEntropyOptions& options);
+CrossEntropyOptions load_options(torch::autograd::AutogradContext* ctx);
 
 // Where this rank's shard of V_local columns starts, and how many of them are real.
 struct VocabShard {

@@ -42,6 +42,13 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                         const Group& group, int64_t vocab_size,
                                         double label_smoothing, int64_t ignore_index,
                                         int64_t reduction, double z_loss, bool inplace_backward);
+// The same loss on logits = hidden [..., H] @ weight [V_local, H]^T, computed chunk_size
+// tokens at a time so the full logits never exist; backward recomputes each chunk.
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& target, const Group& group,
+                                               int64_t vocab_size, double label_smoothing,
+                                               int64_t ignore_index, int64_t reduction,
+                                               double z_loss, int64_t chunk_size);
 // Raises an IndexError naming the id unless every id is in [0, vocab_size).
 void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size);
 

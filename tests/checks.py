@@ -43,3 +43,20 @@ def expect_error(exc_type: type[BaseException], match: str, fn, *args, **kwargs)
         assert match in str(e), f"expected {match!r} in the error, got: {e}"
         return
     raise AssertionError(f"expected {exc_type.__name__} containing {match!r}, nothing was raised")
+
+
+def reference_cross_entropy(logits, target, *, smoothing, ignore_index, reduction, z_loss):
+    """Plain PyTorch: F.cross_entropy over logits [..., V] plus z_loss * logsumexp^2 (F has no z-loss)."""
+    import torch.nn.functional as F
+
+    vocab = logits.shape[-1]
+    flat, flat_target = logits.reshape(-1, vocab), target.reshape(-1)
+    kwargs = dict(label_smoothing=smoothing, ignore_index=ignore_index)
+    if z_loss == 0:
+        loss = F.cross_entropy(flat, flat_target, reduction=reduction, **kwargs)
+    else:
+        kept = flat_target != ignore_index
+        loss = F.cross_entropy(flat, flat_target, reduction="none", **kwargs)
+        loss = loss + z_loss * torch.logsumexp(flat.float(), -1).square().to(loss.dtype) * kept
+        loss = {"none": loss, "sum": loss.sum(), "mean": loss.sum() / kept.sum()}[reduction]
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -6,10 +6,9 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tpcore
-from checks import assert_close, expect_error, setup_tp
+from checks import assert_close, expect_error, reference_cross_entropy, setup_tp
 from conftest import DEVICES, pool_for
 
 IGNORE = -100
@@ -31,18 +30,11 @@ def _case(shape, vocab, multiple, tp, dtype, device):
 
 
 def _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream):
-    """F.cross_entropy on the gathered real columns; z-loss added by hand (F has none)."""
+    """Loss and logits gradient of plain PyTorch on the gathered real columns."""
     full = logits.detach().clone().requires_grad_(True)
-    real = full[..., :vocab].reshape(-1, vocab)
-    flat_target = target.reshape(-1)
-    if z_loss == 0:
-        loss = F.cross_entropy(real, flat_target, label_smoothing=smoothing, ignore_index=IGNORE, reduction=reduction)
-    else:
-        kept = flat_target != IGNORE
-        loss = F.cross_entropy(real, flat_target, label_smoothing=smoothing, ignore_index=IGNORE, reduction="none")
-        loss = loss + z_loss * torch.logsumexp(real.float(), -1).square().to(loss.dtype) * kept
-        loss = {"none": loss, "sum": loss.sum(), "mean": loss.sum() / kept.sum()}[reduction]
-    loss = loss.view(target.shape) if reduction == "none" else loss
+    loss = reference_cross_entropy(
+        full[..., :vocab], target, smoothing=smoothing, ignore_index=IGNORE, reduction=reduction, z_loss=z_loss
+    )
     (loss * upstream).sum().backward()
     return loss.detach(), full.grad
 

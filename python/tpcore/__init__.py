@@ -18,7 +18,7 @@ import torch.distributed  # noqa: F401
 from . import _C, comm, parallel_state
 from .embedding import VocabParallelEmbedding, pad_vocab_size
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
-from .loss import vocab_parallel_cross_entropy
+from .loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -38,6 +38,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "pad_vocab_size",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "InitMethod",
     "comm",
     "parallel_state",

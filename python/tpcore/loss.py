@@ -8,7 +8,7 @@ import torch.distributed as dist
 from . import _C
 from .parallel_state import resolve_tensor_group
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"]
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -56,4 +56,50 @@ def vocab_parallel_cross_entropy(
         _reduction_code(reduction),
         z_loss,
         inplace_backward,
+    )
+
+
+# Auto chunk size: this many bytes of logits per chunk (big enough for efficient GEMMs,
+# small next to the full logits of a large vocabulary).
+_CHUNK_BYTES = 64 << 20
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """LM head + vocab-parallel cross-entropy without materialising the logits.
+
+    Equal to `vocab_parallel_cross_entropy(hidden @ weight.T, target, ...)` with the same
+    options, but the logits `[tokens, vocab/tp]` are computed `chunk_size` tokens at a
+    time and consumed at once; the backward recomputes each chunk. Peak extra memory is
+    one chunk of logits (default: about 64 MiB worth of tokens).
+
+    Shapes: hidden `[..., H]` (replicated over TP, e.g. the final norm's output), weight
+    `[vocab_padded/tp, H]` (this rank's shard; may be the `VocabParallelEmbedding` weight,
+    for tied embeddings), target `[...]`. The gradient of `hidden` is summed over TP
+    inside (this function is also the f of the LM head).
+    """
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
+    return _C.vocab_parallel_linear_cross_entropy(
+        hidden,
+        weight,
+        target,
+        resolve_tensor_group(group),
+        -1 if vocab_size is None else vocab_size,
+        label_smoothing,
+        ignore_index,
+        _reduction_code(reduction),
+        z_loss,
+        chunk_size,
     )

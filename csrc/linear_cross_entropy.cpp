@@ -1,0 +1,114 @@
+// Fused LM head + vocab-parallel cross-entropy: logits = hidden @ weight_shard^T are
+// computed chunk by chunk of tokens and reduced to per-token stats at once, so the
+// [tokens, vocab/tp] logits never exist. The backward recomputes each chunk's logits,
+// turns them into their gradient in place, and feeds both GEMMs from that buffer.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "autograd_util.h"
+#include "cross_entropy.h"
+#include "ops.h"
+
+namespace tpcore {
+namespace {
+
+struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropyFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& target, const Group& group,
+                            CrossEntropyOptions options, int64_t chunk_size) {
+    const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+    const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
+    const VocabShard shard = vocab_shard(group, weight.size(0), options.vocab_size);
+    const int64_t tokens = h.size(0);
+    at::Tensor stats = at::empty({tokens, 4}, h.options().dtype(at::kFloat));
+    for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
+      const int64_t n = std::min(chunk_size, tokens - c0);
+      const at::Tensor logits = at::mm(h.narrow(0, c0, n), weight.t());
+      stats.narrow(0, c0, n).copy_(cross_entropy_stats(logits, t.narrow(0, c0, n), shard));
+    }
+    const TokenLoss token = combine_cross_entropy_stats(stats, t, group, options);
+    save_group(ctx, group);
+    save_options(ctx, options);
+    ctx->saved_data["chunk_size"] = chunk_size;
+    ctx->saved_data["hidden_shape"] = hidden.sizes();
+    ctx->save_for_backward({h, weight, t, token.lse, token.mask});
+    return reduce_loss(token, options, target, hidden.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto& d = ctx->saved_data;
+    const CrossEntropyOptions options = load_options(ctx);
+    const int64_t chunk_size = d["chunk_size"].toInt();
+    const Group group = load_group(ctx);
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &h = saved[0], &weight = saved[1], &t = saved[2], &lse = saved[3];
+    const at::Tensor scale = loss_grad_scale(grads[0], saved[4], options);
+    const VocabShard shard = vocab_shard(group, weight.size(0), options.vocab_size);
+    const bool need_hidden = ctx->needs_input_grad(0), need_weight = ctx->needs_input_grad(1);
+    const int64_t tokens = h.size(0);
+
+    at::Tensor grad_hidden = need_hidden ? at::empty_like(h) : at::Tensor();
+    // Accumulated over chunks in fp32 so low-precision weights lose nothing to it.
+    at::Tensor grad_weight =
+        need_weight ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
+    std::vector<PendingCollective> pending;
+    for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
+      const int64_t n = std::min(chunk_size, tokens - c0);
+      const at::Tensor h_c = h.narrow(0, c0, n);
+      at::Tensor logits = at::mm(h_c, weight.t());
+      cross_entropy_grad(logits, t.narrow(0, c0, n), lse.narrow(0, c0, n), scale.narrow(0, c0, n),
+                         logits, shard, options);
+      if (need_hidden) {
+        // hidden is replicated over TP: its gradient is the sum of every shard's part.
+        // Each chunk's all-reduce runs while the next chunk is computed.
+        at::Tensor part = grad_hidden.narrow(0, c0, n);
+        at::mm_out(part, logits, weight);
+        pending.push_back(all_reduce_inplace_async(part, group));
+      }
+      if (need_weight) grad_weight.add_(at::mm(logits.t(), h_c));
+    }
+    for (auto& p : pending) p.wait();
+    const auto shape = d["hidden_shape"].toIntVector();
+    return {need_hidden ? grad_hidden.view(shape) : at::Tensor(),
+            need_weight ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& target, const Group& group,
+                                               int64_t vocab_size, double label_smoothing,
+                                               int64_t ignore_index, int64_t reduction,
+                                               double z_loss, int64_t chunk_size) {
+  const char* what = "vocab_parallel_linear_cross_entropy";
+  const int world = group_size(group);
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "tpcore: ", what, ": hidden must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_TYPE(weight.scalar_type() == dtype, "tpcore: ", what, ": weight dtype ",
+                   weight.scalar_type(), " does not match hidden dtype ", dtype);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && hidden.dim() >= 1 && hidden.size(-1) == weight.size(1),
+                    "tpcore: ", what,
+                    ": hidden [..., H] and weight [V_local, H] do not fit: ", hidden.sizes(),
+                    " vs ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.device() == hidden.device(), "tpcore: ", what, ": weight is on ",
+                    weight.device(), " but hidden is on ", hidden.device());
+  TORCH_CHECK_VALUE(chunk_size >= 1, "tpcore: ", what, ": chunk_size must be >= 1, got ",
+                    chunk_size);
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "tpcore: ", what, ": bad reduction code");
+  const CrossEntropyOptions options{vocab_size < 0 ? weight.size(0) * world : vocab_size,
+                                    label_smoothing, ignore_index,
+                                    static_cast<Reduction>(reduction), z_loss};
+  check_cross_entropy_args(what, target, hidden.sizes().slice(0, hidden.dim() - 1), hidden.device(),
+                           weight.size(0), world, options);
+  return LinearCrossEntropyFn::apply(hidden, weight, target, group, options, chunk_size);
+}
+
+}  // namespace tpcore
