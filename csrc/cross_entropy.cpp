@@ -157,7 +157,8 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     at::Tensor out = ctx->saved_data["inplace_backward"].toBool() ? x : at::empty_like(x);
     cross_entropy_grad(x, t, lse, loss_grad_scale(grads[0], mask, options), out, shard, options);
     const auto shape = ctx->saved_data["logits_shape"].toIntVector();
-    return {out.view(shape), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // Not a view (a view would stop autograd from stealing the buffer into .grad: a copy).
+    return {at::_unsafe_view(out, shape), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

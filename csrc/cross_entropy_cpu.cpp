@@ -3,93 +3,22 @@
 // The forward is one pass over each row of logits (online softmax by blocks: a
 // block's max, then its exps against the running max, rescaling the running sum
 // when the max grows). The backward is one read and one write per element. The
-// inner loops are written with 8 independent lanes so that the compiler turns
-// them into SIMD; on x86-64 they are also built for AVX2+FMA and picked at run time.
+// inner loops (softmax_loops.h) are SIMD, built for AVX2+FMA where the CPU has it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 
 #include "kernels.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TPCORE_SIMD_CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define TPCORE_SIMD_CLONES
-#endif
+#include "softmax_loops.h"
 
 namespace tpcore {
 namespace {
 
-constexpr int kLanes = 8;
 constexpr int64_t kBlock = 512;  // floats per block: stays in L1 between the two block passes
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= ~0 via 2^n * 2^f, |f| <= 1/2, degree-7 polynomial (rel. error < 1e-8
-// before float rounding); branch-free so it vectorizes. Inputs below -87 give ~0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.693147180559945309f;  // in [-ln2/2, ln2/2]
-  float p = 1.0f / 5040;
-  p = p * f + 1.0f / 720;
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-TPCORE_SIMD_CLONES float block_max(const float* x, int64_t n) {
-  float lane[kLanes];
-  std::fill(lane, lane + kLanes, kNegInf);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] = std::max(lane[l], x[i + l]);
-  float m = kNegInf;
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  for (int l = 0; l < kLanes; ++l) m = std::max(m, lane[l]);
-  return m;
-}
-
-// Returns sum exp(x - m); adds sum x to *total.
-TPCORE_SIMD_CLONES float block_sum_exp(const float* x, int64_t n, float m, float* total) {
-  float se[kLanes] = {0}, sx[kLanes] = {0};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      se[l] += exp_nonpositive(x[i + l] - m);
-      sx[l] += x[i + l];
-    }
-  }
-  float s = 0, t = 0;
-  for (; i < n; ++i) {
-    s += exp_nonpositive(x[i] - m);
-    t += x[i];
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    s += se[l];
-    t += sx[l];
-  }
-  *total += t;
-  return s;
-}
-
-// out = exp(x - lse) * a - b
-TPCORE_SIMD_CLONES void block_grad(const float* x, int64_t n, float lse, float a, float b,
-                                   float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = exp_nonpositive(x[i] - lse) * a - b;
-}
 
 // Rows of type T are handled in float blocks: float rows are used in place, others
 // are converted block by block into a small buffer.
@@ -108,6 +37,7 @@ void stats_rows(const at::Tensor& logits, const int64_t* target, int64_t vocab_s
                 float* stats) {
   const int64_t rows = logits.size(0), stride = logits.size(1);
   const T* base = logits.data_ptr<T>();
+  const SoftmaxLoops& loops = softmax_loops();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     float buffer[kBlock];
     for (int64_t r = r0; r < r1; ++r) {
@@ -116,12 +46,12 @@ void stats_rows(const at::Tensor& logits, const int64_t* target, int64_t vocab_s
       for (int64_t j = 0; j < valid; j += kBlock) {
         const int64_t n = std::min(kBlock, valid - j);
         const float* x = as_float(row + j, n, buffer);
-        const float bm = block_max(x, n);
+        const float bm = loops.block_max(x, n);
         if (bm > m) {
           s = (m == kNegInf) ? 0.0f : s * std::exp(m - bm);
           m = bm;
         }
-        if (m != kNegInf) s += block_sum_exp(x, n, m, &total);
+        if (m != kNegInf) s += loops.block_sum_exp(x, n, m, &total);
       }
       const int64_t local = target[r] - vocab_start;
       float* out = stats + r * 4;
@@ -140,6 +70,7 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
   const int64_t rows = logits.size(0), stride = logits.size(1);
   const T* base = logits.data_ptr<T>();
   T* out_base = out.data_ptr<T>();
+  const SoftmaxLoops& loops = softmax_loops();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     float in_buf[kBlock], out_buf[kBlock];
     for (int64_t r = r0; r < r1; ++r) {
@@ -154,9 +85,9 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
         const int64_t n = std::min(kBlock, valid - j);
         const float* x = as_float(row + j, n, in_buf);
         if constexpr (std::is_same_v<T, float>) {
-          block_grad(x, n, lse[r], a, b, grad + j);
+          loops.block_grad(x, n, lse[r], a, b, grad + j);
         } else {
-          block_grad(x, n, lse[r], a, b, out_buf);
+          loops.block_grad(x, n, lse[r], a, b, out_buf);
           for (int64_t i = 0; i < n; ++i) grad[j + i] = static_cast<T>(out_buf[i]);
         }
       }

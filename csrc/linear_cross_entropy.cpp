@@ -67,11 +67,17 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
         at::mm_out(part, logits, weight);
         pending.push_back(all_reduce_inplace_async(part, group));
       }
-      if (need_weight) grad_weight.add_(at::mm(logits.t(), h_c));
+      if (need_weight) {
+        if (logits.scalar_type() == at::kFloat) {
+          grad_weight.addmm_(logits.t(), h_c);  // no [V_local, H] temporary
+        } else {
+          grad_weight.add_(at::mm(logits.t(), h_c));
+        }
+      }
     }
     for (auto& p : pending) p.wait();
     const auto shape = d["hidden_shape"].toIntVector();
-    return {need_hidden ? grad_hidden.view(shape) : at::Tensor(),
+    return {need_hidden ? at::_unsafe_view(grad_hidden, shape) : at::Tensor(),
             need_weight ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
             at::Tensor(),
             at::Tensor(),

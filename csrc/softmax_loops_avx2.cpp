@@ -1,0 +1,9 @@
+// SoftmaxLoops built with -mavx2 -mfma (CMake sets the flags for this file only).
+#include "softmax_loops_impl.h"
+
+namespace tpcore {
+const SoftmaxLoops& softmax_loops_avx2() {
+  static const SoftmaxLoops loops{block_max, block_sum_exp, block_grad};
+  return loops;
+}
+}  // namespace tpcore
