@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm.h"
+#include "cpu_buffer_pool.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -79,4 +80,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("group"),
         py::arg("vocab_size"), py::arg("label_smoothing"), py::arg("ignore_index"),
         py::arg("reduction"), py::arg("z_loss"), py::arg("chunk_size"), release_gil());
+  m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
+        "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

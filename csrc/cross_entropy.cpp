@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "autograd_util.h"
+#include "cpu_buffer_pool.h"
 #include "kernels.h"
 #include "ops.h"
 
@@ -154,7 +155,10 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2], &mask = saved[3];
     const VocabShard shard = vocab_shard(load_group(ctx), x.size(1), options.vocab_size);
-    at::Tensor out = ctx->saved_data["inplace_backward"].toBool() ? x : at::empty_like(x);
+    at::Tensor out = x;
+    if (!ctx->saved_data["inplace_backward"].toBool()) {
+      out = x.is_cpu() ? empty_cached_cpu(x.sizes(), x.scalar_type()) : at::empty_like(x);
+    }
     cross_entropy_grad(x, t, lse, loss_grad_scale(grads[0], mask, options), out, shard, options);
     const auto shape = ctx->saved_data["logits_shape"].toIntVector();
     // Not a view (a view would stop autograd from stealing the buffer into .grad: a copy).

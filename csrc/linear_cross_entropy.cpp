@@ -8,11 +8,19 @@
 #include <vector>
 
 #include "autograd_util.h"
+#include "cpu_buffer_pool.h"
 #include "cross_entropy.h"
 #include "ops.h"
 
 namespace tpcore {
 namespace {
+
+// h_c @ weight^T; on CPU into a cached buffer, as every chunk needs one of the same size.
+at::Tensor chunk_logits(const at::Tensor& h_c, const at::Tensor& weight) {
+  if (!h_c.is_cpu()) return at::mm(h_c, weight.t());
+  at::Tensor out = empty_cached_cpu({h_c.size(0), weight.size(0)}, h_c.scalar_type());
+  return at::mm_out(out, h_c, weight.t());
+}
 
 struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
@@ -25,7 +33,7 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
     at::Tensor stats = at::empty({tokens, 4}, h.options().dtype(at::kFloat));
     for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
       const int64_t n = std::min(chunk_size, tokens - c0);
-      const at::Tensor logits = at::mm(h.narrow(0, c0, n), weight.t());
+      const at::Tensor logits = chunk_logits(h.narrow(0, c0, n), weight);
       stats.narrow(0, c0, n).copy_(cross_entropy_stats(logits, t.narrow(0, c0, n), shard));
     }
     const TokenLoss token = combine_cross_entropy_stats(stats, t, group, options);
@@ -57,7 +65,7 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
     for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
       const int64_t n = std::min(chunk_size, tokens - c0);
       const at::Tensor h_c = h.narrow(0, c0, n);
-      at::Tensor logits = at::mm(h_c, weight.t());
+      at::Tensor logits = chunk_logits(h_c, weight);
       cross_entropy_grad(logits, t.narrow(0, c0, n), lse.narrow(0, c0, n), scale.narrow(0, c0, n),
                          logits, shard, options);
       if (need_hidden) {

@@ -111,3 +111,30 @@ def _bad_args(rank, world):
 
 def test_bad_args_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_args)
+
+
+def _cached_buffers(rank, world):
+    """Large gradients come from tpcore's CPU buffer cache; reuse never leaks stale values."""
+    tp_rank, tp = setup_tp(2)
+    tokens, vocab = 64, 2 * 4096  # a [64, 4096] fp32 shard: 1 MiB, large enough to be cached
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(tokens, vocab, generator=g)
+    ptrs = []
+    for step in range(3):
+        target = torch.randint(0, vocab - 100, (tokens,), generator=g)
+        target[0] = IGNORE
+        ref_loss, ref_grad = _reference(logits, target, vocab - 100, 0.1, "mean", 0.0, torch.tensor(1.0))
+        local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
+        loss = tpcore.vocab_parallel_cross_entropy(local, target, vocab_size=vocab - 100, label_smoothing=0.1, ignore_index=IGNORE)
+        loss.backward()
+        assert_close(loss, ref_loss, f"step {step}: loss")
+        assert_close(local.grad, ref_grad.chunk(tp, -1)[tp_rank], f"step {step}: grad")
+        ptrs.append(local.grad.data_ptr())
+        del local, loss  # frees the gradient: back to the cache
+    assert ptrs[1] == ptrs[2], "a freed gradient buffer should be reused for the next step"
+    assert tpcore.empty_cpu_cache() >= tokens * vocab // tp * 4
+    assert tpcore.empty_cpu_cache() == 0
+
+
+def test_cpu_buffer_cache_reuse_is_correct(cpu_ranks):
+    cpu_ranks.run(_cached_buffers)

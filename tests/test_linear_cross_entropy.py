@@ -95,3 +95,28 @@ def _bad_args(rank, world):
 
 def test_bad_args_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_args)
+
+
+def _large_chunks(rank, world):
+    """Chunks big enough (1 MiB) to come from the CPU buffer cache, reused chunk after chunk."""
+    tp_rank, tp = setup_tp(2)
+    tokens, vocab, hidden = 600, 2048, 8
+    g = torch.Generator().manual_seed(9)
+    h_ref = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
+    w_ref = torch.randn(vocab, hidden, generator=g).requires_grad_(True)
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    ref = F.cross_entropy(F.linear(h_ref, w_ref), target)
+    ref.backward()
+    h = h_ref.detach().clone().requires_grad_(True)
+    w = w_ref.detach().chunk(tp, 0)[tp_rank].clone().requires_grad_(True)
+    for step in range(2):
+        h.grad = w.grad = None
+        loss = tpcore.vocab_parallel_linear_cross_entropy(h, w, target, chunk_size=256)
+        loss.backward()
+        assert_close(loss, ref.detach(), f"step {step}: loss")
+        assert_close(h.grad, h_ref.grad, f"step {step}: grad hidden")
+        assert_close(w.grad, w_ref.grad.chunk(tp, 0)[tp_rank], f"step {step}: grad weight")
+
+
+def test_large_chunks_from_the_buffer_cache(cpu_ranks):
+    cpu_ranks.run(_large_chunks)

@@ -53,7 +53,15 @@ __all__ = [
     "gather_from_sequence_parallel",
     "reduce_scatter_to_sequence_parallel",
     "built_with_cuda",
+    "empty_cpu_cache",
 ]
+
+
+def empty_cpu_cache() -> int:
+    """Free the large CPU buffers tpcore keeps for reuse (logits-sized gradients and
+    chunks); returns the bytes released. The cache holds at most TPCORE_CPU_CACHE_MB
+    (default 4096; 0 disables it)."""
+    return _C.empty_cpu_cache()
 
 
 def built_with_cuda() -> bool:
