@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, comm
+from ._validation import check_positive_ints
 from .parallel_state import resolve_tensor_group
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size"]
@@ -23,13 +24,12 @@ __all__ = ["VocabParallelEmbedding", "pad_vocab_size"]
 
 def pad_vocab_size(vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
     """`vocab_size` rounded up to a multiple of `make_vocab_size_divisible_by * tensor_parallel_size`."""
-    for name, value in (
-        ("vocab_size", vocab_size),
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"tpcore: pad_vocab_size: {name} must be a positive int, got {value!r}")
+    check_positive_ints(
+        "pad_vocab_size",
+        vocab_size=vocab_size,
+        tensor_parallel_size=tensor_parallel_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
     multiple = make_vocab_size_divisible_by * tensor_parallel_size
     return -(-vocab_size // multiple) * multiple
 
@@ -60,8 +60,7 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"tpcore: VocabParallelEmbedding: embedding_dim must be a positive int, got {embedding_dim!r}")
+        check_positive_ints("VocabParallelEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.group = resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

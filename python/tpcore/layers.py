@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, comm
+from ._validation import check_positive_ints
 from .parallel_state import resolve_tensor_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
@@ -74,9 +75,7 @@ class _ParallelLinear(nn.Module):
         device: torch.device | str | None,
     ) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"tpcore: {type(self).__name__}: {name} must be a positive int, got {value!r}")
+        check_positive_ints(type(self).__name__, in_features=in_features, out_features=out_features)
         self.group = resolve_tensor_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.tp_rank = dist.get_rank(self.group)

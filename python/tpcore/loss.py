@@ -13,10 +13,19 @@ __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
 
-def _reduction_code(reduction: str) -> int:
+def _loss_args(
+    group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    z_loss: float,
+) -> tuple:
+    """The arguments both C++ entry points share, after `group` and before their own."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"tpcore: reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
-    return _REDUCTIONS[reduction]
+    vocab = -1 if vocab_size is None else vocab_size
+    return resolve_tensor_group(group), vocab, label_smoothing, ignore_index, _REDUCTIONS[reduction], z_loss
 
 
 def vocab_parallel_cross_entropy(
@@ -46,17 +55,8 @@ def vocab_parallel_cross_entropy(
     is saved beyond the logits; `inplace_backward=True` writes the gradient into the logits
     buffer as well (do not reuse the logits after backward then).
     """
-    return _C.vocab_parallel_cross_entropy(
-        logits,
-        target,
-        resolve_tensor_group(group),
-        -1 if vocab_size is None else vocab_size,
-        label_smoothing,
-        ignore_index,
-        _reduction_code(reduction),
-        z_loss,
-        inplace_backward,
-    )
+    shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
+    return _C.vocab_parallel_cross_entropy(logits, target, *shared, inplace_backward)
 
 
 # Auto chunk size: this many bytes of logits per chunk (big enough for efficient GEMMs,
@@ -91,15 +91,5 @@ def vocab_parallel_linear_cross_entropy(
     """
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
-    return _C.vocab_parallel_linear_cross_entropy(
-        hidden,
-        weight,
-        target,
-        resolve_tensor_group(group),
-        -1 if vocab_size is None else vocab_size,
-        label_smoothing,
-        ignore_index,
-        _reduction_code(reduction),
-        z_loss,
-        chunk_size,
-    )
+    shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
+    return _C.vocab_parallel_linear_cross_entropy(hidden, weight, target, *shared, chunk_size)

@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ._validation import check_positive_ints
+
 __all__ = [
     "RankLayout",
     "ParallelState",
@@ -56,13 +58,12 @@ class RankLayout:
 
 
 def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
-    for name, value in (
-        ("world_size", world_size),
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("pipeline_parallel_size", pipeline_parallel_size),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"tpcore: {name} must be an integer >= 1, got {value!r}")
+    check_positive_ints(
+        "model parallel sizes",
+        world_size=world_size,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+    )
     model_size = tensor_parallel_size * pipeline_parallel_size
     if world_size % model_size != 0:
         raise ValueError(
