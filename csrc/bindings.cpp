@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_to_tensor_parallel", &tpcore::scatter_to_tensor_parallel, release_gil());
   m.def("gather_from_tensor_parallel", &tpcore::gather_from_tensor_parallel, release_gil());
   m.def("scatter_to_sequence_parallel", &tpcore::scatter_to_sequence_parallel, release_gil());
-  m.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, release_gil());
+  m.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, py::arg("input"),
+        py::arg("group"), py::arg("reduce_scatter_grad") = true, release_gil());
   m.def("reduce_scatter_to_sequence_parallel", &tpcore::reduce_scatter_to_sequence_parallel,
         release_gil());
 

@@ -42,6 +42,8 @@ using GatherFromTensorParallel = Mapping<gather_last, split_last>;
 using ScatterToSequenceParallel = Mapping<split_first, gather_first>;
 using GatherFromSequenceParallel = Mapping<gather_first, reduce_scatter_first>;
 using ReduceScatterToSequenceParallel = Mapping<reduce_scatter_first, gather_first>;
+// For a consumer whose gradient is already summed over TP: backward keeps this rank's chunk.
+using GatherFromSequenceParallelSplitGrad = Mapping<gather_first, split_first>;
 
 }  // namespace
 
@@ -60,7 +62,9 @@ at::Tensor gather_from_tensor_parallel(const at::Tensor& input, const Group& gro
 at::Tensor scatter_to_sequence_parallel(const at::Tensor& input, const Group& group) {
   return ScatterToSequenceParallel::apply(input, group);
 }
-at::Tensor gather_from_sequence_parallel(const at::Tensor& input, const Group& group) {
+at::Tensor gather_from_sequence_parallel(const at::Tensor& input, const Group& group,
+                                         bool reduce_scatter_grad) {
+  if (!reduce_scatter_grad) return GatherFromSequenceParallelSplitGrad::apply(input, group);
   return GatherFromSequenceParallel::apply(input, group);
 }
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& input, const Group& group) {

@@ -16,7 +16,9 @@ at::Tensor scatter_to_tensor_parallel(const at::Tensor& input, const Group& grou
 at::Tensor gather_from_tensor_parallel(const at::Tensor& input, const Group& group);
 // Sequence-parallel cousins, acting on dim 0 (the sequence dimension).
 at::Tensor scatter_to_sequence_parallel(const at::Tensor& input, const Group& group);
-at::Tensor gather_from_sequence_parallel(const at::Tensor& input, const Group& group);
+// reduce_scatter_grad=false: backward keeps this rank's chunk of an already summed gradient.
+at::Tensor gather_from_sequence_parallel(const at::Tensor& input, const Group& group,
+                                         bool reduce_scatter_grad);
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& input, const Group& group);
 
 // y = x W^T + b with W sharded along its output features: W is [out/tp, in].

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, comm
+from ._module_utils import to_empty_keeping_attributes
 from ._validation import check_positive_ints
 from .parallel_state import resolve_tensor_group
 
@@ -94,7 +95,7 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of `embedding` (same dtype, device and padding_idx); kwargs as the constructor."""
         kwargs.setdefault("padding_idx", embedding.padding_idx)
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, dtype=embedding.weight.dtype, device="meta", **kwargs)
-        layer.to_empty(device=embedding.weight.device)
+        to_empty_keeping_attributes(layer, embedding.weight.device)
         layer._load_rows(embedding.weight.detach())
         return layer
 

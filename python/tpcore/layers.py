@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, comm
+from ._module_utils import to_empty_keeping_attributes
 from ._validation import check_positive_ints
 from .parallel_state import resolve_tensor_group
 
@@ -116,7 +117,7 @@ class _ParallelLinear(nn.Module):
             device="meta",
             **kwargs,
         )
-        layer.to_empty(device=linear.weight.device)
+        to_empty_keeping_attributes(layer, linear.weight.device)
         layer._load_master(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
         return layer
 

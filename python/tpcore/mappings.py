@@ -51,9 +51,13 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | Non
     return _C.scatter_to_sequence_parallel(x, resolve_tensor_group(group))
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Forward all-gathers dim 0 `[s/tp, ...] -> [s, ...]`; backward reduce-scatters the gradient along dim 0."""
-    return _C.gather_from_sequence_parallel(x, resolve_tensor_group(group))
+def gather_from_sequence_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, *, reduce_scatter_grad: bool = True
+) -> torch.Tensor:
+    """Forward all-gathers dim 0 `[s/tp, ...] -> [s, ...]`; backward reduce-scatters the gradient
+    along dim 0, or with `reduce_scatter_grad=False` (the consumer already summed it over TP)
+    keeps this rank's chunk."""
+    return _C.gather_from_sequence_parallel(x, resolve_tensor_group(group), reduce_scatter_grad)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -1,0 +1,7 @@
+"""GPT models: the tensor-parallel GPTModel and its plain-PyTorch reference."""
+
+from .config import GPTConfig
+from .gpt import GPTModel, finalize_sequence_parallel_grads
+from .reference_gpt import ReferenceGPT
+
+__all__ = ["GPTConfig", "GPTModel", "ReferenceGPT", "finalize_sequence_parallel_grads"]

@@ -1,0 +1,52 @@
+"""Pieces both GPTs use: norms and rotary embeddings (no parallelism in them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim (Zhang & Sennrich 2019)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def make_norm(config: GPTConfig, dtype=None, device=None) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.hidden_size, config.norm_eps, dtype=dtype, device=device)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias, dtype=dtype, device=device)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[seq, 1, 1, head_dim/2]` for positions 0..seq-1 (computed in fp32)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype)[:, None, None, :], angles.sin().to(dtype)[:, None, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of x `[seq, batch, heads, head_dim]` by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """Causal attention. q `[s, b, h, d]`, k / v `[s, b, kv, d]` (kv divides h) -> `[s, b, h*d]`."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+        k = k.repeat_interleave(groups, dim=2)
+        v = v.repeat_interleave(groups, dim=2)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    s, b = out.shape[2], out.shape[0]
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -1,0 +1,237 @@
+"""A tensor-parallel GPT built from tpcore's layers (Megatron-LM's layout).
+
+Attention: one column-parallel QKV projection whose shard holds whole heads of Q, K
+and V for this rank (GQA: whole kv heads, kv_heads divisible by TP), causal
+`scaled_dot_product_attention`, row-parallel output projection. MLP: column ->
+GeLU / SwiGLU -> row. Vocab-parallel embedding, LM head tied to it by default, loss
+through the vocab-parallel cross-entropy (optionally fused with the head).
+With `sequence_parallel`, norms, dropout and residuals hold `[s/tp, b, h]`; the
+column layers all-gather the sequence and the row layers reduce-scatter it.
+Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _C, comm
+from .._module_utils import to_empty_keeping_attributes
+from ..embedding import VocabParallelEmbedding
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from ..mappings import gather_from_sequence_parallel
+from ..parallel_state import resolve_tensor_group
+from .common import apply_rotary, attention_core, make_norm, rotary_tables
+from .config import GPTConfig
+from .reference_gpt import ReferenceGPT
+from .sharding import rule_for, shard, unshard
+
+__all__ = ["GPTModel", "finalize_sequence_parallel_grads"]
+
+
+def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
+    """Tag parameters replicated over TP that see only this rank's sequence shard."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        c, tp = config, dist.get_world_size(group)
+        self.config = c
+        self.heads, self.kv_heads = c.num_attention_heads // tp, c.num_kv_heads // tp
+        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
+        self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, **common)
+        self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, **common)
+        if c.sequence_parallel:
+            _mark_sequence_parallel(self.proj.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        d = self.config.head_dim
+        qkv = self.qkv(x)  # [s, b, (h + 2 kv) d / tp], the full sequence
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q = q.view(s, b, self.heads, d)
+        k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        return self.proj(attention_core(q, k, v, dropout))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        c = config
+        self.swiglu = c.activation == "swiglu"
+        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
+        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if self.swiglu else 1), **common)
+        self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
+        if c.sequence_parallel:
+            _mark_sequence_parallel(self.fc2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:  # the shard holds this rank's rows of both gate and up
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h, approximate="tanh"))
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.input_norm = make_norm(config, device="meta")
+        self.attention = ParallelAttention(config, group)
+        self.post_attention_norm = make_norm(config, device="meta")
+        self.mlp = ParallelMLP(config, group)
+        self.dropout = nn.Dropout(config.dropout)
+        if config.sequence_parallel:
+            _mark_sequence_parallel(*self.input_norm.parameters(), *self.post_attention_norm.parameters())
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rope))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class ParallelEmbedding(nn.Module):
+    """Word (vocab-parallel) plus learned positions; `[b, s]` ids -> `[s(/tp), b, h]`."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.config, self.group = config, group
+        self.word = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            sequence_parallel=config.sequence_parallel,
+            group=group,
+            device="meta",
+        )
+        if config.position_embedding == "learned":
+            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, device="meta")
+            if config.sequence_parallel:
+                _mark_sequence_parallel(self.position.weight)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.word(ids.t())
+        if hasattr(self, "position"):
+            pos = self.position.weight[: ids.shape[1]]
+            if self.config.sequence_parallel:  # this rank's sequence shard of the positions
+                tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+                pos = pos.chunk(tp, 0)[rank]
+            x = x + pos.unsqueeze(1)
+        return self.dropout(x)
+
+
+class GPTModel(nn.Module):
+    """Tensor-parallel GPT; the same function as `ReferenceGPT` for every TP size.
+
+    `GPTModel(config)` draws the full model on CPU from the default generator (seed
+    every rank alike) exactly as `ReferenceGPT(config)` would, then keeps this rank's
+    shards. `forward(ids [b, s])` returns this rank's logits shard `[b, s, vocab_padded/tp]`;
+    with `target [b, s]` the loss (mean over non-ignored tokens, or `[b, s]` with
+    `reduction="none"`).
+    """
+
+    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, device=None, _init: bool = True) -> None:
+        super().__init__()
+        self.config, self.group = config, resolve_tensor_group(group)
+        self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        config.check_tp(self.tp_size)
+        self.embedding = ParallelEmbedding(config, self.group)
+        self.layers = nn.ModuleList(ParallelBlock(config, self.group) for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, device="meta")
+        if config.sequence_parallel:
+            _mark_sequence_parallel(*self.final_norm.parameters())
+        if not config.tie_embeddings:
+            rows = self.embedding.word.weight.shape[0]
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, device="meta"))
+        to_empty_keeping_attributes(self, device or "cpu")
+        if dtype is not None:
+            self.to(dtype)
+        if _init:
+            self.load_dense_state_dict(ReferenceGPT(config, dtype=dtype).state_dict())
+
+    @classmethod
+    def from_dense(cls, dense: ReferenceGPT, *, group: dist.ProcessGroup | None = None) -> "GPTModel":
+        """This rank's shards of `dense` (same config, dtype and device)."""
+        p = next(dense.parameters())
+        model = cls(dense.config, group=group, dtype=p.dtype, device=p.device, _init=False)
+        model.load_dense_state_dict(dense.state_dict())
+        return model
+
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the shards of a `ReferenceGPT` state dict (full tensors, same names)."""
+        rows = self.embedding.word.weight.shape[0]
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name not in state:
+                    raise KeyError(f"tpcore: GPTModel.load_dense_state_dict: {name!r} missing from the dense state dict")
+                piece = shard(state[name], rule_for(name, self.config), self.tp_rank, self.tp_size, rows)
+                if piece.shape != param.shape:
+                    raise ValueError(f"tpcore: GPTModel: {name} shard has shape {list(piece.shape)}, expected {list(param.shape)}")
+                param.copy_(piece)
+
+    def to_dense(self) -> ReferenceGPT:
+        """The full `ReferenceGPT` (a collective: call on every TP rank)."""
+        p = next(self.parameters())
+        dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
+        state = {
+            name: unshard(param.detach(), rule_for(name, self.config), self.group, self.config.vocab_size)
+            for name, param in self.named_parameters()
+        }
+        dense.load_state_dict(state)
+        return dense
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+        c = self.config
+        if ids.dim() != 2:
+            raise ValueError(f"tpcore: GPTModel: ids must be [batch, seq], got shape {list(ids.shape)}")
+        if ids.shape[1] > c.max_position_embeddings:
+            raise ValueError(f"tpcore: GPTModel: sequence length {ids.shape[1]} exceeds max_position_embeddings {c.max_position_embeddings}")
+        if target is not None and target.shape != ids.shape:
+            raise ValueError(f"tpcore: GPTModel: target shape {list(target.shape)} does not match ids {list(ids.shape)}")
+        x = self.embedding(ids)
+        rope = None
+        if c.position_embedding == "rotary":
+            rope = rotary_tables(ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope)
+        x = self.final_norm(x)
+        weight = self.head_weight()
+        if target is None or not c.fused_lm_head_loss:
+            # f (or the sequence all-gather) then the vocab-sharded GEMM: [s, b, V/tp].
+            logits = _C.column_parallel_linear(x, weight, None, self.group, False, c.sequence_parallel)
+            if target is None:
+                return logits.transpose(0, 1)
+            loss = vocab_parallel_cross_entropy(logits, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction)
+        else:
+            if c.sequence_parallel:
+                # The fused loss sums the hidden gradient over TP itself: the gather's
+                # backward must only keep this rank's chunk, not reduce-scatter again.
+                x = gather_from_sequence_parallel(x, self.group, reduce_scatter_grad=False)
+            loss = vocab_parallel_linear_cross_entropy(x, weight, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction)
+        return loss.t() if reduction == "none" else loss
+
+
+def finalize_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Sum over TP the gradients of parameters tagged `sequence_parallel` (norms, row biases,
+    positions): each rank saw only its sequence shard. Call after backward, before the step."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
+    flat = comm.all_reduce(flat, resolve_tensor_group(group))
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))

@@ -1,0 +1,127 @@
+"""A plain-PyTorch GPT: the dense reference for tpcore's tensor-parallel GPT.
+
+Same parameter names and math as `tpcore.models.GPTModel` at TP=1, so that
+`GPTModel.from_dense` / `to_dense` convert between them. Activations are laid out
+`[seq, batch, hidden]` inside, as in the TP model; inputs are ids `[batch, seq]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import apply_rotary, attention_core, make_norm, rotary_tables
+from .config import GPTConfig
+
+__all__ = ["ReferenceGPT"]
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.bias, dtype=dtype, device=device)
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        c, (s, b) = self.config, x.shape[:2]
+        q, k, v = self.qkv(x).split([c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = q.view(s, b, c.num_attention_heads, c.head_dim)
+        k, v = (t.view(s, b, c.num_kv_heads, c.head_dim) for t in (k, v))
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.proj(attention_core(q, k, v, c.attention_dropout if self.training else 0.0))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        c = config
+        self.swiglu = c.activation == "swiglu"
+        width = c.ffn_hidden_size * (2 if self.swiglu else 1)  # SwiGLU: [gate; up]
+        self.fc1 = nn.Linear(c.hidden_size, width, bias=c.bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h, approximate="tanh"))
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        self.input_norm = make_norm(config, dtype, device)
+        self.attention = DenseAttention(config, dtype, device)
+        self.post_attention_norm = make_norm(config, dtype, device)
+        self.mlp = DenseMLP(config, dtype, device)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rope))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class DenseEmbedding(nn.Module):
+    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        if config.position_embedding == "learned":
+            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.word(ids.t())  # [s, b, h]
+        if hasattr(self, "position"):
+            x = x + self.position.weight[: ids.shape[1]].unsqueeze(1)
+        return self.dropout(x)
+
+
+class ReferenceGPT(nn.Module):
+    """Dense GPT. ids `[batch, seq]` -> logits `[batch, seq, vocab]`, or the mean loss with targets."""
+
+    def __init__(self, config: GPTConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = DenseEmbedding(config, dtype, device)
+        self.layers = nn.ModuleList(DenseBlock(config, dtype, device) for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, dtype, device)
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 / Megatron init: normal(0, std) weights, output projections scaled by 1/sqrt(2 layers)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            with torch.no_grad():
+                if "norm" in name:
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, out_std if name.endswith(("proj.weight", "fc2.weight")) else std)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+        x = self.embedding(ids)
+        rope = None
+        if self.config.position_embedding == "rotary":
+            rope = rotary_tables(ids.shape[1], self.config.head_dim, self.config.rotary_base, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope)
+        logits = F.linear(self.final_norm(x), self.head_weight()).transpose(0, 1)  # [b, s, V]
+        if target is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index)

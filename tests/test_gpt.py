@@ -1,0 +1,128 @@
+"""Tensor-parallel GPT vs the dense ReferenceGPT: loss and gradients for a few steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tpcore
+from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
+from tpcore.models.sharding import rule_for, unshard
+from checks import assert_close, expect_error, setup_tp
+
+VARIANTS = {
+    # GPT-2 style: LayerNorm, GeLU, learned positions, tied embeddings, biases.
+    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
+    # Llama style: RMSNorm, SwiGLU, rotary, grouped-query attention, untied head, no biases.
+    "llama": GPTConfig(
+        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
+        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
+        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
+    ),
+}
+BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
+
+
+def _dense_grads(model: GPTModel) -> dict[str, torch.Tensor]:
+    return {n: unshard(p.grad, rule_for(n, model.config), model.group, model.config.vocab_size) for n, p in model.named_parameters()}
+
+
+def _equivalence(rank, world, tp, variant, sequence_parallel, fused):
+    setup_tp(tp)
+    config = dataclasses.replace(VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused)
+    torch.manual_seed(0)
+    dense = ReferenceGPT(config)
+    torch.manual_seed(0)
+    model = GPTModel(config)  # drawn from the same seed: TP-size invariant initialisation
+    for (name, a), b in zip(model.to_dense().state_dict().items(), dense.state_dict().values()):
+        assert torch.equal(a, b), f"init of {name} differs from the dense model"
+    if sequence_parallel:
+        tagged = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+        assert any("norm" in n for n in tagged), tagged
+    g = torch.Generator().manual_seed(1)
+    dense_opt, opt = torch.optim.SGD(dense.parameters(), lr=LR), torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+        target = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+        target[0, 0] = -100
+        dense_loss, loss = dense(ids, target), model(ids, target)
+        assert_close(loss, dense_loss.detach(), f"step {step}: loss")
+        dense_loss.backward()
+        loss.backward()
+        if sequence_parallel:
+            finalize_sequence_parallel_grads(model)
+        grads = _dense_grads(model)
+        for name, p in dense.named_parameters():
+            assert_close(grads[name], p.grad, f"step {step}: grad of {name}")
+        for o in (dense_opt, opt):
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(model.to_dense().state_dict().items(), dense.state_dict().values()):
+        assert_close(a, b, f"after {STEPS} steps: {name}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["ce", "fused-ce"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gpt_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused):
+    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused)
+
+
+def _logits(rank, world):
+    tp_rank, tp = setup_tp(2)
+    config = VARIANTS["llama"]
+    torch.manual_seed(0)
+    dense = ReferenceGPT(config)
+    model = GPTModel.from_dense(dense)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    shard = model(ids)
+    rows = shard.shape[-1]
+    full = dense(ids)
+    real = max(0, min(rows, config.vocab_size - tp_rank * rows))
+    assert_close(shard[..., :real], full[..., tp_rank * rows : tp_rank * rows + real], "logits shard")
+    per_token = model(ids, ids, reduction="none")
+    ref = torch.nn.functional.cross_entropy(full.reshape(-1, config.vocab_size), ids.reshape(-1), reduction="none")
+    assert_close(per_token, ref.view(BATCH, SEQ), "per-token loss")
+
+
+def test_logits_and_per_token_loss(cpu_ranks):
+    cpu_ranks.run(_logits)
+
+
+def _bad_configs(rank, world):
+    setup_tp(4)
+    base = VARIANTS["gpt2"]
+    expect_error(ValueError, "num_attention_heads (6) is not divisible by the tensor-parallel size (4)", GPTModel, dataclasses.replace(base, num_attention_heads=6, num_kv_heads=6, hidden_size=36))
+    expect_error(ValueError, "num_kv_heads (2) is not divisible by the tensor-parallel size (4)", GPTModel, dataclasses.replace(base, num_kv_heads=2))
+    model = GPTModel(dataclasses.replace(base, sequence_parallel=True))
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    expect_error(ValueError, "must be divisible by the tensor-parallel size 4", model, ids)
+    expect_error(ValueError, "exceeds max_position_embeddings 16", model, torch.zeros(1, 20, dtype=torch.long))
+    expect_error(ValueError, "ids must be [batch, seq]", model, torch.zeros(8, dtype=torch.long))
+    expect_error(IndexError, "token id 50 is out of range", model, torch.full((1, 8), 50))
+
+
+def test_bad_inputs_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_bad_configs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(hidden_size=30), "not divisible by num_attention_heads"),
+        (dict(num_kv_heads=3), "not divisible by num_kv_heads"),
+        (dict(norm="batchnorm"), "norm must be one of"),
+        (dict(activation="relu"), "activation must be one of"),
+        (dict(recompute="some"), "recompute must be one of"),
+        (dict(dropout=1.0), "dropout must be in [0, 1)"),
+        (dict(num_layers=0), "num_layers must be a positive int"),
+        (dict(hidden_size=36, num_attention_heads=4, position_embedding="rotary"), "even head dim"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    args = dict(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        GPTConfig(**{**args, **kwargs})
