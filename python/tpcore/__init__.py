@@ -29,6 +29,8 @@ from .mappings import (
     scatter_to_tensor_parallel,
 )
 from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized
+from .random import get_rng_tracker, model_parallel_manual_seed
+from .recompute import checkpoint
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,9 @@ __all__ = [
     "initialize_model_parallel",
     "destroy_model_parallel",
     "is_initialized",
+    "model_parallel_manual_seed",
+    "get_rng_tracker",
+    "checkpoint",
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",

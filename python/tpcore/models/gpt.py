@@ -12,6 +12,8 @@ Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,12 +26,25 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..mappings import gather_from_sequence_parallel
 from ..parallel_state import resolve_tensor_group
+from ..random import get_rng_tracker
+from ..recompute import checkpoint
 from .common import apply_rotary, attention_core, make_norm, rotary_tables
 from .config import GPTConfig
 from .reference_gpt import ReferenceGPT
 from .sharding import rule_for, shard, unshard
 
 __all__ = ["GPTModel", "finalize_sequence_parallel_grads"]
+
+
+def _dropout(dropout: nn.Dropout, x: torch.Tensor, per_tp_rank: bool) -> torch.Tensor:
+    """Dropout whose mask differs across TP ranks when `per_tp_rank` (a TP or sequence-
+    parallel region: the model-parallel RNG), and is identical on them otherwise."""
+    if not dropout.training or dropout.p == 0:
+        return x
+    if not per_tp_rank:
+        return dropout(x)
+    with get_rng_tracker().fork():
+        return dropout(x)
 
 
 def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
@@ -52,16 +67,24 @@ class ParallelAttention(nn.Module):
             _mark_sequence_parallel(self.proj.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        d = self.config.head_dim
         qkv = self.qkv(x)  # [s, b, (h + 2 kv) d / tp], the full sequence
-        s, b = qkv.shape[:2]
+        core = partial(self._core, rope=rope)
+        # Selective recompute: the attention core's activations are rebuilt in backward.
+        out = checkpoint(core, qkv) if self.config.recompute == "selective" else core(qkv)
+        return self.proj(out)
+
+    def _core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        d, (s, b) = self.config.head_dim, qkv.shape[:2]
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q = q.view(s, b, self.heads, d)
         k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.config.attention_dropout if self.training else 0.0
-        return self.proj(attention_core(q, k, v, dropout))
+        if dropout == 0:
+            return attention_core(q, k, v, 0.0)
+        with get_rng_tracker().fork():  # this rank's heads: its own dropout masks
+            return attention_core(q, k, v, dropout)
 
 
 class ParallelMLP(nn.Module):
@@ -91,12 +114,14 @@ class ParallelBlock(nn.Module):
         self.post_attention_norm = make_norm(config, device="meta")
         self.mlp = ParallelMLP(config, group)
         self.dropout = nn.Dropout(config.dropout)
+        self.sequence_parallel = config.sequence_parallel
         if config.sequence_parallel:
             _mark_sequence_parallel(*self.input_norm.parameters(), *self.post_attention_norm.parameters())
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rope))
-        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+        sp = self.sequence_parallel
+        x = x + _dropout(self.dropout, self.attention(self.input_norm(x), rope), sp)
+        return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
 
 
 class ParallelEmbedding(nn.Module):
@@ -127,7 +152,7 @@ class ParallelEmbedding(nn.Module):
                 tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
                 pos = pos.chunk(tp, 0)[rank]
             x = x + pos.unsqueeze(1)
-        return self.dropout(x)
+        return _dropout(self.dropout, x, self.config.sequence_parallel)
 
 
 class GPTModel(nn.Module):
@@ -207,7 +232,8 @@ class GPTModel(nn.Module):
         if c.position_embedding == "rotary":
             rope = rotary_tables(ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope)
+            # Full recompute keeps only each block's input.
+            x = checkpoint(partial(layer, rope=rope), x) if c.recompute == "full" else layer(x, rope)
         x = self.final_norm(x)
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:
