@@ -29,9 +29,11 @@ def _dense_grads(model: GPTModel) -> dict[str, torch.Tensor]:
     return {n: unshard(p.grad, rule_for(n, model.config), model.group, model.config.vocab_size) for n, p in model.named_parameters()}
 
 
-def _equivalence(rank, world, tp, variant, sequence_parallel, fused):
+def _equivalence(rank, world, tp, variant, sequence_parallel, fused, recompute):
     setup_tp(tp)
-    config = dataclasses.replace(VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused)
+    config = dataclasses.replace(
+        VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute
+    )
     torch.manual_seed(0)
     dense = ReferenceGPT(config)
     torch.manual_seed(0)
@@ -63,12 +65,13 @@ def _equivalence(rank, world, tp, variant, sequence_parallel, fused):
         assert_close(a, b, f"after {STEPS} steps: {name}")
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("fused", [False, True], ids=["ce", "fused-ce"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_gpt_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused):
-    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused)
+def test_gpt_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
 
 
 def _logits(rank, world):
