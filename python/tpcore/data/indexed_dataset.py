@@ -1,0 +1,146 @@
+"""Memory-mapped indexed dataset in Megatron-LM's `.bin` / `.idx` layout.
+
+See docs/indexed_dataset_format.md. `IndexedDatasetBuilder` writes a dataset atomically
+(temporary files renamed into place at `finalize`, so a failure never leaves a
+half-written dataset under the final name); `IndexedDataset` memory-maps one without
+reading it into memory and validates it, raising a ValueError that names the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES"]
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document index entries
+
+
+def best_token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype that holds ids below `vocab_size` (Megatron's choice)."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+class IndexedDatasetBuilder:
+    """Writes `prefix.bin` / `prefix.idx`; one sequence per `add_document` call."""
+
+    def __init__(self, prefix: str, dtype: np.dtype | type = np.uint16) -> None:
+        self.prefix, self.dtype = prefix, np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(f"tpcore: IndexedDatasetBuilder: unsupported dtype {self.dtype}")
+        self._tmp = f"{prefix}.tmp{os.getpid()}"
+        self._bin = open(self._tmp + ".bin", "wb")
+        self._sizes: list[int] = []
+
+    def add_document(self, tokens) -> None:
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"tpcore: IndexedDatasetBuilder: a document must be 1-D, got shape {array.shape}")
+        if array.size and self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            if array.min() < info.min or array.max() > info.max:
+                raise ValueError(f"tpcore: IndexedDatasetBuilder: token ids outside the range of {self.dtype}")
+        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes.append(int(array.size))
+
+    def finalize(self) -> None:
+        """Write the index and move both files into place."""
+        self._bin.close()
+        sizes = np.asarray(self._sizes, dtype=np.int32)
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        if len(sizes) > 1:
+            pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize
+        doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
+        with open(self._tmp + ".idx", "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx)))
+            f.write(sizes.tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_idx.tobytes())
+        os.replace(self._tmp + ".bin", self.prefix + ".bin")
+        os.replace(self._tmp + ".idx", self.prefix + ".idx")
+
+    def abort(self) -> None:
+        """Drop what was written (nothing appears under the final names)."""
+        self._bin.close()
+        for ext in (".bin", ".idx"):
+            if os.path.exists(self._tmp + ext):
+                os.remove(self._tmp + ext)
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of `prefix.bin` / `prefix.idx`; `ds[i]` is sequence i."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"tpcore: indexed dataset file {path} does not exist")
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < _HEADER.size:
+            raise ValueError(f"tpcore: {idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
+        with open(idx_path, "rb") as f:
+            magic, version, code, count, doc_count = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != MAGIC:
+            raise ValueError(f"tpcore: {idx_path}: not an indexed dataset index (bad magic {magic!r})")
+        if version != VERSION:
+            raise ValueError(f"tpcore: {idx_path}: unsupported index version {version} (expected {VERSION})")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"tpcore: {idx_path}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = _HEADER.size + count * 4 + count * 8 + doc_count * 8
+        if idx_size != expected:
+            raise ValueError(
+                f"tpcore: {idx_path}: index is {idx_size} bytes but its header describes {expected} "
+                f"({count} sequences, {doc_count} document index entries): truncated or corrupt"
+            )
+        self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        offset = _HEADER.size
+        self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=count, offset=offset)
+        offset += count * 4
+        self.pointers = np.frombuffer(self._idx, dtype=np.int64, count=count, offset=offset)
+        offset += count * 8
+        self.doc_idx = np.frombuffer(self._idx, dtype=np.int64, count=doc_count, offset=offset)
+        bin_size = os.path.getsize(bin_path)
+        if count:
+            ends = self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize
+            if (self.sizes < 0).any() or (self.pointers < 0).any() or ends.max() > bin_size:
+                raise ValueError(
+                    f"tpcore: {bin_path}: sequences extend to byte {int(ends.max())} but the file has {bin_size}: "
+                    "truncated or does not match its index"
+                )
+        self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `[offset, offset + length)` of sequence i, as a read-only array view."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"tpcore: {self.prefix}: sequence {i} out of range [0, {len(self)})")
+        size = int(self.sizes[i])
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tpcore: {self.prefix}: tokens [{offset}, {offset + length}) outside sequence {i} of {size}")
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
