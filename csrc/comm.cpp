@@ -47,6 +47,14 @@ MissingOps& missing_ops() {
 
 void check_group(const Group& group) { TORCH_CHECK_VALUE(group, "tpcore: process group is null"); }
 
+// `dim` of `input` wrapped to be non-negative, after checking it splits into `world` chunks.
+int64_t divisible_dim(const char* op, const at::Tensor& input, int64_t dim, int world) {
+  dim = c10::maybe_wrap_dim(dim, input.dim());
+  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: ", op, ": size ", input.size(dim),
+                    " of dim ", dim, " is not divisible by the group size ", world);
+  return dim;
+}
+
 // Stacks the group-size chunks of `input` along `dim` as a contiguous [world, ...] buffer,
 // the layout the single-tensor collectives use.
 at::Tensor chunks_to_front(const at::Tensor& input, int64_t dim, int world) {
@@ -131,17 +139,13 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group) 
 
 at::Tensor reduce_scatter_via_all_reduce(const at::Tensor& input, int64_t dim, const Group& group) {
   const int world = group_size(group);
-  dim = c10::maybe_wrap_dim(dim, input.dim());
-  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: reduce_scatter: size ", input.size(dim),
-                    " of dim ", dim, " is not divisible by the group size ", world);
+  dim = divisible_dim("reduce_scatter", input, dim, world);
   return all_reduce(input, group).chunk(world, dim)[group_rank(group)].contiguous();
 }
 
 PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, const Group& group) {
   const int world = group_size(group);
-  dim = c10::maybe_wrap_dim(dim, input.dim());
-  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: reduce_scatter: size ", input.size(dim),
-                    " of dim ", dim, " is not divisible by the group size ", world);
+  dim = divisible_dim("reduce_scatter", input, dim, world);
   if (world == 1) return PendingCollective(input);
   if (!missing_ops().lacks(group, "reduce_scatter_base")) {
     at::Tensor stacked = chunks_to_front(input, dim, world);
@@ -179,9 +183,7 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src_rank, const Group& gro
 
 at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const Group& group) {
   const int world = group_size(group);
-  dim = c10::maybe_wrap_dim(dim, input.dim());
-  TORCH_CHECK_VALUE(input.size(dim) % world == 0, "tpcore: split: size ", input.size(dim),
-                    " of dim ", dim, " is not divisible by the group size ", world);
+  dim = divisible_dim("split", input, dim, world);
   if (world == 1) return input;
   return input.chunk(world, dim)[group_rank(group)].contiguous();
 }

@@ -21,6 +21,21 @@ VocabShard vocab_shard(const Group& group, int64_t local_vocab, int64_t vocab_si
   return {start, std::clamp<int64_t>(vocab_size - start, 0, local_vocab)};
 }
 
+CrossEntropyOptions make_cross_entropy_options(const char* what, int64_t vocab_size,
+                                               int64_t local_vocab, int64_t world,
+                                               double label_smoothing, int64_t ignore_index,
+                                               int64_t reduction, double z_loss) {
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "tpcore: ", what, ": bad reduction code");
+  return {vocab_size < 0 ? local_vocab * world : vocab_size, label_smoothing, ignore_index,
+          static_cast<Reduction>(reduction), z_loss};
+}
+
+void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "tpcore: ", what, ": ", name, " must be float32, bfloat16 or float16, got ",
+                   dtype);
+}
+
 void check_cross_entropy_args(const char* what, const at::Tensor& target,
                               at::IntArrayRef expected_shape, const at::Device& device,
                               int64_t local_vocab, int64_t world, const CrossEntropyOptions& o) {
@@ -174,14 +189,10 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                         int64_t reduction, double z_loss, bool inplace_backward) {
   const char* what = "vocab_parallel_cross_entropy";
   const int world = group_size(group);
-  const auto dtype = logits.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "tpcore: ", what, ": logits must be float32, bfloat16 or float16, got ", dtype);
+  check_loss_dtype(what, "logits", logits.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() >= 1, "tpcore: ", what, ": logits must have a vocab dim");
-  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "tpcore: ", what, ": bad reduction code");
-  const CrossEntropyOptions options{vocab_size < 0 ? logits.size(-1) * world : vocab_size,
-                                    label_smoothing, ignore_index,
-                                    static_cast<Reduction>(reduction), z_loss};
+  const CrossEntropyOptions options = make_cross_entropy_options(
+      what, vocab_size, logits.size(-1), world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, logits.sizes().slice(0, logits.dim() - 1), logits.device(),
                            logits.size(-1), world, options);
   return VocabParallelCrossEntropyFn::apply(logits, target, group, options, inplace_backward);

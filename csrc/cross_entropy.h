@@ -32,6 +32,15 @@ struct VocabShard {
 };
 VocabShard vocab_shard(const Group& group, int64_t local_vocab, int64_t vocab_size);
 
+// The options of a call from its arguments: checks the reduction code and fills the
+// default vocab_size (< 0: every column of the shards, local_vocab x world).
+CrossEntropyOptions make_cross_entropy_options(const char* what, int64_t vocab_size,
+                                               int64_t local_vocab, int64_t world,
+                                               double label_smoothing, int64_t ignore_index,
+                                               int64_t reduction, double z_loss);
+// Raises a TypeError unless `dtype` is float32, bfloat16 or float16 (`name` says of what).
+void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype);
+
 // Validates the options, the target (shape `expected_shape`, integer, in range or ignored)
 // and its device; raises before any collective.
 void check_cross_entropy_args(const char* what, const at::Tensor& target,

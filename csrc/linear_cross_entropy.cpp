@@ -104,8 +104,7 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
   const char* what = "vocab_parallel_linear_cross_entropy";
   const int world = group_size(group);
   const auto dtype = hidden.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "tpcore: ", what, ": hidden must be float32, bfloat16 or float16, got ", dtype);
+  check_loss_dtype(what, "hidden", dtype);
   TORCH_CHECK_TYPE(weight.scalar_type() == dtype, "tpcore: ", what, ": weight dtype ",
                    weight.scalar_type(), " does not match hidden dtype ", dtype);
   TORCH_CHECK_VALUE(weight.dim() == 2 && hidden.dim() >= 1 && hidden.size(-1) == weight.size(1),
@@ -116,10 +115,8 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
                     weight.device(), " but hidden is on ", hidden.device());
   TORCH_CHECK_VALUE(chunk_size >= 1, "tpcore: ", what, ": chunk_size must be >= 1, got ",
                     chunk_size);
-  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "tpcore: ", what, ": bad reduction code");
-  const CrossEntropyOptions options{vocab_size < 0 ? weight.size(0) * world : vocab_size,
-                                    label_smoothing, ignore_index,
-                                    static_cast<Reduction>(reduction), z_loss};
+  const CrossEntropyOptions options = make_cross_entropy_options(
+      what, vocab_size, weight.size(0), world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, hidden.sizes().slice(0, hidden.dim() - 1), hidden.device(),
                            weight.size(0), world, options);
   return LinearCrossEntropyFn::apply(hidden, weight, target, group, options, chunk_size);
