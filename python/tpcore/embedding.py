@@ -20,7 +20,15 @@ from ._module_utils import to_empty_keeping_attributes
 from ._validation import check_positive_ints
 from .parallel_state import resolve_tensor_group
 
-__all__ = ["VocabParallelEmbedding", "pad_vocab_size"]
+__all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
+
+
+def vocab_shard(table: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    """Rank `rank`'s `[rows, ...]` slice of a full `[vocab, ...]` table, zero-padded past its end."""
+    local = table.new_zeros(rows, *table.shape[1:])
+    mine = table[rank * rows : (rank + 1) * rows]
+    local[: mine.shape[0]] = mine
+    return local
 
 
 def pad_vocab_size(vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
@@ -86,9 +94,7 @@ class VocabParallelEmbedding(nn.Module):
     def _load_rows(self, table: torch.Tensor) -> None:
         """Keep this rank's rows of the full `[num_embeddings, dim]` table; padding rows are zero."""
         with torch.no_grad():
-            self.weight.zero_()
-            mine = table[self.vocab_start : min(self.vocab_end, self.num_embeddings)]
-            self.weight[: mine.shape[0]].copy_(mine)
+            self.weight.copy_(vocab_shard(table, self.tp_rank, self.weight.shape[0]))
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":

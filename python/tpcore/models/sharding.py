@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..embedding import vocab_shard
 from .config import GPTConfig
 
 Rule = tuple
@@ -37,10 +38,7 @@ def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torc
     if rule[0] == "replicated":
         return full
     if rule[0] == "vocab":
-        local = full.new_zeros(rows, *full.shape[1:])
-        mine = full[rank * rows : (rank + 1) * rows]
-        local[: mine.shape[0]] = mine
-        return local
+        return vocab_shard(full, rank, rows)
     _, dim, sizes = rule
     return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
 
