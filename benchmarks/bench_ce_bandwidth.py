@@ -7,20 +7,18 @@ the same run. Also times F.cross_entropy and the Megatron-style ops on the same 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
+from ranks import init_ranks, run_on_ranks
 
 
-def _bandwidth_case(store, args, results):
+def _bandwidth_case(rank, world, store, args, results):
     import torch
     import torch.nn.functional as F
 
     import tpcore
-    from bench_cross_entropy import _init, _timed
+    from bench_cross_entropy import _timed
     from megatron_ce import megatron_cross_entropy
 
-    _init(0, 1, store, "cuda")
+    init_ranks(rank, world, store, "cuda")
     rows = []
     big = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
     copy = torch.empty_like(big)
@@ -45,17 +43,11 @@ def _bandwidth_case(store, args, results):
             floor_bytes = 3 * logits.numel() * logits.element_size()
             rows.append((str(dtype).split(".")[-1], tokens, vocab, ours, torch_ce, megatron, floor_bytes / ours, floor_bytes / copy_bw / ours))
             del logits
-    results.put((copy_bw, rows))
+    results.put((rank, (copy_bw, rows)))
 
 
 def report_bandwidth(args) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        p = ctx.Process(target=_bandwidth_case, args=(os.path.join(tmp, "store"), args, results))
-        p.start()
-        copy_bw, rows = results.get(timeout=1800)
-        p.join(timeout=60)
+    copy_bw, rows = run_on_ranks(_bandwidth_case, 1, args)[0]
     print(f"\n## 4. CUDA CE kernels, forward+backward at TP=1 (device copy bandwidth {copy_bw / 1e9:.0f} GB/s)")
     print("| dtype | tokens | vocab | tpcore ms | F.cross_entropy ms | megatron-style ms | achieved GB/s | fraction of copy bandwidth |")
     print("|---|---|---|---|---|---|---|---|")

@@ -19,13 +19,12 @@ peak on GPU) is its own. Times are medians.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import resource
 import statistics
-import tempfile
 import time
-from datetime import timedelta
+
+from ranks import init_ranks, run_on_ranks
 
 
 def _rss_bytes() -> int:
@@ -72,24 +71,6 @@ def _timed(fn, device: str, iters: int) -> float:
     return statistics.median(times)
 
 
-def _init(rank: int, world: int, store: str, device: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import tpcore
-
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
-    tpcore.initialize_model_parallel(world)
-
-
 def _ce_case(rank, world, store, args, impl, tokens, vocab, results):
     """One (implementation, shape) case: memory of the first fwd+bwd, then its median time."""
     import torch
@@ -99,7 +80,7 @@ def _ce_case(rank, world, store, args, impl, tokens, vocab, results):
     from megatron_ce import megatron_cross_entropy
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _init(rank, world, store, args.device)
+    init_ranks(rank, world, store, args.device)
     g = torch.Generator().manual_seed(rank)
     local = vocab // world
     logits = torch.randn(tokens, local, generator=g).to(args.device).requires_grad_(True)
@@ -119,7 +100,7 @@ def _ce_case(rank, world, store, args, impl, tokens, vocab, results):
     step()
     extra = meter.peak_extra()
     seconds = _timed(step, args.device, args.iters)
-    results.put((rank, seconds, extra, logits.numel() * logits.element_size()))
+    results.put((rank, (seconds, extra, logits.numel() * logits.element_size())))
 
 
 def _fused_case(rank, world, store, args, impl, tokens, vocab, hidden, results):
@@ -129,7 +110,7 @@ def _fused_case(rank, world, store, args, impl, tokens, vocab, hidden, results):
     import tpcore
 
     torch.set_num_threads(os.cpu_count() or 1)
-    _init(rank, world, store, args.device)
+    init_ranks(rank, world, store, args.device)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=g).to(args.device).requires_grad_(True)
     w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(args.device).requires_grad_(True)
@@ -147,22 +128,13 @@ def _fused_case(rank, world, store, args, impl, tokens, vocab, hidden, results):
     step()
     extra = meter.peak_extra()
     seconds = _timed(step, args.device, args.iters)
-    results.put((rank, seconds, extra, tokens * vocab * 4))
+    results.put((rank, (seconds, extra, tokens * vocab * 4)))
 
 
 def _spawn(target, world: int, *case) -> tuple[float, int, int]:
     """Run a case on `world` fresh ranks; returns (slowest time, largest peak, logits bytes)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=target, args=(r, world, store, *case, results)) for r in range(world)]
-        for p in procs:
-            p.start()
-        rows = [results.get(timeout=1800) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    return max(r[1] for r in rows), max(r[2] for r in rows), rows[0][3]
+    rows = run_on_ranks(target, world, *case)
+    return max(r[0] for r in rows), max(r[1] for r in rows), rows[0][2]
 
 
 def _mib(n: int) -> str:
@@ -221,7 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()

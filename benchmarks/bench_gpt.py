@@ -15,18 +15,13 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear import _init_group  # noqa: E402
-
-import tpcore  # noqa: E402
-from tpcore.models import GPTConfig, GPTModel, ReferenceGPT  # noqa: E402
+import tpcore
+from ranks import init_ranks, run_on_ranks
+from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
 
 
 def _config(args) -> GPTConfig:
@@ -61,8 +56,7 @@ def _batch(args, device):
 
 def _worker(rank, world, store, args, results):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _init_group(rank, world, store, args.device)
-    tpcore.initialize_model_parallel(world)
+    init_ranks(rank, world, store, args.device)
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     torch.manual_seed(0)
     dense = ReferenceGPT(_config(args)).to(device)
@@ -80,17 +74,8 @@ def _worker(rank, world, store, args, results):
 
 
 def _spawn(world, args) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, args, results)) for r in range(world)]
-        for p in procs:
-            p.start()
-        rows = [results.get(timeout=1800)[1] for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    return {k: max(r[k] for r in rows) for k in rows[0]}
+    rows = run_on_ranks(_worker, world, args)
+    return {k: max(r[k] for r in rows) for k in rows[0]}  # a step is done when the slowest rank is
 
 
 def _saved_bytes(model, ids, target) -> int:
@@ -109,8 +94,7 @@ def _saved_bytes(model, ids, target) -> int:
 
 def _memory_worker(rank, world, store, args, results):
     torch.set_num_threads(1)
-    _init_group(rank, world, store, "cpu")
-    tpcore.initialize_model_parallel(world)
+    init_ranks(rank, world, store, "cpu")
     ids, target = _batch(args, "cpu")
     rows = {}
     for sp in (False, True):
@@ -147,16 +131,7 @@ def main() -> None:
         two = _spawn(2, args)
         print("\n## 2. TP=2 (2 ranks) vs TP=1")
         print(f"| TP=2 | {two['tp'] * 1e3:.1f} ms | {tokens / two['tp']:.0f} tokens/s | speed-up vs TP=1 {one['tp'] / two['tp']:.2f} |")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_memory_worker, args=(r, 2, os.path.join(tmp, "s"), args, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        rows = results.get(timeout=1800)[1]
-        results.get(timeout=1800)
-        for p in procs:
-            p.join(timeout=60)
+    rows = run_on_ranks(_memory_worker, 2, args)[0]
     print("\n## 3. Saved activation MiB per rank at TP=2 (one forward)")
     print("| recompute | without SP | with SP |")
     print("|---|---|---|")

@@ -15,15 +15,13 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 import tpcore
+from ranks import init_ranks, run_on_ranks
 
 
 def _sync(device: str) -> None:
@@ -47,19 +45,10 @@ def time_fwd_bwd(module: nn.Module, x: torch.Tensor, device: str, iters: int, wa
     return statistics.median(times)
 
 
-def _init_group(rank: int, world: int, store_path: str, device: str) -> None:
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    store = dist.FileStore(store_path, world)
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-
-
 def layer_overhead(args) -> None:
     device, dtype = args.device, torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        _init_group(0, 1, os.path.join(tmp, "store"), device)
-        tpcore.initialize_model_parallel(1)
+        init_ranks(0, 1, os.path.join(tmp, "store"), device)
         x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
         print(f"## TP=1 layer overhead: tokens={args.tokens}, {args.hidden} -> {4 * args.hidden}, {device}, fp32")
         print("| layer | nn.Linear ms | tpcore ms | ratio tpcore/nn.Linear |")
@@ -84,8 +73,7 @@ def layer_overhead(args) -> None:
 
 def _mlp_worker(rank: int, world: int, store_path: str, args, threads: int, results) -> None:
     torch.set_num_threads(threads)
-    _init_group(rank, world, store_path, args.device)
-    tpcore.initialize_model_parallel(world)
+    init_ranks(rank, world, store_path, args.device)
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     torch.manual_seed(0)
     h = args.hidden
@@ -101,17 +89,8 @@ def _mlp_worker(rank: int, world: int, store_path: str, args, threads: int, resu
 
 
 def _mlp_step_time(world: int, threads: int, args) -> float:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_mlp_worker, args=(r, world, store, args, threads, results)) for r in range(world)]
-        for p in procs:
-            p.start()
-        times = [results.get(timeout=600)[1] for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    return max(times)  # a step is done when the slowest rank is
+    # A step is done when the slowest rank is.
+    return max(run_on_ranks(_mlp_worker, world, args, threads))
 
 
 def mlp_scaling(args) -> None:
