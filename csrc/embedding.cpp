@@ -68,7 +68,9 @@ void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size
   if (ids.numel() == 0) return;
   // One host sync buys a clear error instead of a device-side assert or silent zeros.
   auto [lo, hi] = at::aminmax(ids);
-  const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
+  // Both bounds in one device-to-host copy.
+  const at::Tensor bounds = at::stack({lo, hi}).to(at::kCPU, at::kLong);
+  const int64_t min_id = bounds[0].item<int64_t>(), max_id = bounds[1].item<int64_t>();
   TORCH_CHECK_INDEX(min_id >= 0 && max_id < vocab_size, "tpcore: ", what, ": token id ",
                     min_id < 0 ? min_id : max_id, " is out of range [0, ", vocab_size, ")");
 }
