@@ -1,7 +1,8 @@
 """GPT models: the tensor-parallel GPTModel and its plain-PyTorch reference."""
 
 from .config import GPTConfig
+from .generate import generate
 from .gpt import GPTModel, finalize_sequence_parallel_grads
 from .reference_gpt import ReferenceGPT
 
-__all__ = ["GPTConfig", "GPTModel", "ReferenceGPT", "finalize_sequence_parallel_grads"]
+__all__ = ["GPTConfig", "GPTModel", "ReferenceGPT", "finalize_sequence_parallel_grads", "generate"]
