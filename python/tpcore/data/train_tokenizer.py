@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import Iterator
 
 from .preprocess import _parsed_lines
@@ -62,13 +61,13 @@ def train_tokenizer(
         raise ValueError(f"tpcore: train-tokenizer: no documents in {', '.join(inputs)}")
     directory = os.path.dirname(os.path.abspath(output))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(output)}.", suffix=".tmp")
-    os.close(fd)
+    tmp = os.path.join(directory, f".{os.path.basename(output)}.{os.getpid()}.tmp")
     try:
         tok.save(tmp)
         os.replace(tmp, output)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
     return output
 
