@@ -43,15 +43,22 @@ def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torc
     return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
 
 
+def merge(pieces: list[torch.Tensor], rule: Rule, vocab_size: int) -> torch.Tensor:
+    """The full tensor from every rank's piece, in rank order (the inverse of `shard`)."""
+    if rule[0] == "replicated":
+        return pieces[0]
+    if rule[0] == "vocab":
+        return torch.cat(pieces, 0)[:vocab_size]
+    _, dim, sizes = rule
+    tp = len(pieces)
+    split = [p.split([s // tp for s in sizes], dim) for p in pieces]  # [rank][part]
+    return torch.cat([torch.cat([split[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
+
+
 def unshard(local: torch.Tensor, rule: Rule, group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
     """The full tensor from every rank's piece (a collective for sharded rules)."""
     if rule[0] == "replicated":
         return local
-    if rule[0] == "vocab":
-        return comm.all_gather(local, 0, group)[:vocab_size]
-    _, dim, sizes = rule
-    tp = dist.get_world_size(group)
-    per_rank = comm.all_gather(local, dim, group).chunk(tp, dim)
-    local_sizes = [s // tp for s in sizes]
-    pieces = [r.split(local_sizes, dim) for r in per_rank]  # [rank][part]
-    return torch.cat([torch.cat([pieces[r][p] for r in range(tp)], dim) for p in range(len(sizes))], dim)
+    dim = 0 if rule[0] == "vocab" else rule[1]
+    gathered = comm.all_gather(local, dim, group)
+    return merge(list(gathered.chunk(dist.get_world_size(group), dim)), rule, vocab_size)

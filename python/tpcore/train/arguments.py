@@ -1,0 +1,175 @@
+"""Training arguments: Megatron-style flags, a YAML/JSON config file, validation.
+
+Precedence: the defaults below < values in `--config FILE` < flags on the command line.
+Flag names are the field names with dashes (`micro_batch_size` -> `--micro-batch-size`);
+config files may use either spelling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..models import GPTConfig
+
+__all__ = ["TrainArgs", "parse_args", "load_config_file"]
+
+
+def _arg(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainArgs:
+    """Everything `tpcore.train.pretrain` needs; one field per command-line flag."""
+
+    # Model
+    num_layers: int = _arg(4, "transformer blocks")
+    hidden_size: int = _arg(256, "model width")
+    num_attention_heads: int = _arg(8, "query heads (divisible by the TP size)")
+    num_kv_heads: int | None = _arg(None, "key/value heads for GQA (default: as many as query heads)")
+    ffn_hidden_size: int | None = _arg(None, "MLP width (default 4 * hidden)")
+    seq_length: int = _arg(128, "tokens per sample")
+    max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
+    norm: str = _arg("layernorm", "normalisation", ("layernorm", "rmsnorm"))
+    activation: str = _arg("gelu", "MLP activation", ("gelu", "swiglu"))
+    position_embedding: str = _arg("learned", "positions", ("learned", "rotary"))
+    dropout: float = _arg(0.0, "hidden dropout")
+    attention_dropout: float = _arg(0.0, "attention-probability dropout")
+    untie_embeddings: bool = _arg(False, "separate LM head instead of the tied word embedding")
+    disable_bias: bool = _arg(False, "no biases in linear layers and norms")
+    fused_lm_head_loss: bool = _arg(False, "LM head + loss chunk by chunk (logits never materialised)")
+    # Parallelism and memory
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
+    sequence_parallel: bool = _arg(False, "sequence parallelism in norm/dropout regions")
+    recompute: str = _arg("none", "activation recomputation", ("none", "selective", "full"))
+    # Data
+    data_path: str | None = _arg(None, "prefix of the .bin/.idx dataset (tpcore-preprocess output)")
+    tokenizer: str = _arg("byte", '"byte" or the path of a tokenizer.json (must match the data)')
+    valid_fraction: float = _arg(0.05, "fraction of the documents held out for validation")
+    # Optimisation
+    micro_batch_size: int = _arg(4, "samples per forward/backward on one data-parallel rank")
+    global_batch_size: int | None = _arg(None, "samples per optimizer step over all DP ranks (default micro * DP)")
+    train_iters: int = _arg(100, "optimizer steps")
+    lr: float = _arg(3e-4, "peak learning rate")
+    min_lr: float = _arg(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = _arg(0, "linear warmup steps from 0 to lr")
+    lr_decay_style: str = _arg("cosine", "decay after warmup", ("cosine", "linear", "constant"))
+    lr_decay_iters: int | None = _arg(None, "steps over which lr decays to min-lr (default train-iters)")
+    weight_decay: float = _arg(0.1, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = _arg(0.9, "AdamW beta1")
+    adam_beta2: float = _arg(0.95, "AdamW beta2")
+    adam_eps: float = _arg(1e-8, "AdamW epsilon")
+    clip_grad: float = _arg(1.0, "clip the global gradient norm to this (0: no clipping)")
+    bf16: bool = _arg(False, "bfloat16 model, fp32 master weights")
+    fp16: bool = _arg(False, "float16 model, fp32 master weights, dynamic loss scaling")
+    initial_loss_scale: float = _arg(2.0**16, "fp16: starting loss scale")
+    loss_scale_window: int = _arg(1000, "fp16: clean steps before the loss scale doubles")
+    seed: int = _arg(1234, "random seed (initialisation, dropout, data order)")
+    # Evaluation, logging, checkpoints
+    eval_interval: int = _arg(100, "evaluate every this many steps (and at the end)")
+    eval_iters: int = _arg(10, "validation batches per evaluation (0: no evaluation)")
+    log_interval: int = _arg(10, "print and record metrics every this many steps")
+    log_dir: str | None = _arg(None, "metrics.csv, loss_curve.png, TensorBoard (default: --save, else no files)")
+    save: str | None = _arg(None, "checkpoint directory")
+    save_interval: int | None = _arg(None, "checkpoint every this many steps (always at the end with --save)")
+    load: str | None = _arg(None, "resume from (or reshard) the latest checkpoint in this directory")
+    exit_interval: int | None = _arg(None, "stop after this many steps of this run (after any save due)")
+    device: str = _arg("auto", "cpu, cuda, or auto (cuda when available)", ("auto", "cpu", "cuda"))
+    sample_tokens: int = _arg(0, "at the end, generate this many tokens from --sample-prompt")
+    sample_prompt: str = _arg("\n", "prompt of the final sample")
+    progress: bool = _arg(True, "progress bar on rank 0 when stdout is a terminal")
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ValueError(f"tpcore: training arguments: {what}")
+
+        for name in ("tensor_parallel_size", "micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length", "loss_scale_window"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
+            need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+        need(not (self.bf16 and self.fp16), "--bf16 and --fp16 exclude each other")
+        need(0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        need(self.clip_grad >= 0 and self.weight_decay >= 0, "--clip-grad and --weight-decay must be >= 0")
+        need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
+        need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
+        need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
+        for name, f in _FIELDS.items():
+            choices = f.metadata["choices"]
+            need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
+        self.model_config()  # validates the model shape now, with the GPTConfig message
+
+    def model_config(self, vocab_size: int = 1) -> GPTConfig:
+        """The GPTConfig these arguments describe, for a tokenizer of `vocab_size` ids."""
+        return GPTConfig(
+            vocab_size=vocab_size,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            max_position_embeddings=self.max_position_embeddings or self.seq_length,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            norm=self.norm,
+            activation=self.activation,
+            position_embedding=self.position_embedding,
+            tie_embeddings=not self.untie_embeddings,
+            bias=not self.disable_bias,
+            sequence_parallel=self.sequence_parallel,
+            recompute=self.recompute,
+            fused_lm_head_loss=self.fused_lm_head_loss,
+        )
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
+
+
+def load_config_file(path: str) -> dict:
+    """Field values from a `.json`, `.yaml` or `.yml` file (keys with dashes or underscores)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tpcore: config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError("tpcore: YAML config files need PyYAML (pip install pyyaml); JSON works without it") from e
+        values = yaml.safe_load(text) or {}
+    else:
+        values = json.loads(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"tpcore: config file {path} must hold a mapping of argument names to values")
+    out = {}
+    for key, value in values.items():
+        name = key.lstrip("-").replace("-", "_")
+        if name not in _FIELDS:
+            raise ValueError(f"tpcore: config file {path}: unknown argument {key!r}")
+        out[name] = value
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="GPT pretraining with tensor and data parallelism (tpcore)", argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML or JSON file of argument values (command-line flags override it)")
+    for name, f in _FIELDS.items():
+        flag, help = "--" + name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default!r})"
+        kind = str(f.type).split(" ")[0]  # annotations are strings: "int", "int | None", ...
+        if kind == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), choices=f.metadata["choices"], help=help)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    """TrainArgs from the command line (and `--config`); raises ValueError on bad values."""
+    given = vars(_parser().parse_args(argv))
+    values = load_config_file(given.pop("config")) if "config" in given else {}
+    values.update(given)
+    return TrainArgs(**values)

@@ -1,0 +1,159 @@
+"""AdamW over data- and tensor-parallel ranks: DP gradient averaging, TP-aware gradient
+norm and clipping, fp32 master weights for bf16/fp16 models, dynamic loss scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+
+__all__ = ["LossScaler", "ParallelAdamW", "average_data_parallel_grads", "grad_norm"]
+
+
+def average_data_parallel_grads(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> None:
+    """Replace each gradient by its mean over the DP group (one fp32 all-reduce for all)."""
+    dp = dist.get_world_size(dp_group)
+    if dp == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = comm.all_reduce(flat, dp_group).div_(dp)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def grad_norm(grads: list[torch.Tensor], replicated: list[bool], tp_group: dist.ProcessGroup) -> float:
+    """L2 norm of the full model's gradient: sharded gradients summed over TP, replicated
+    ones (identical on every TP rank) counted once, from TP rank 0."""
+    first = dist.get_rank(tp_group) == 0
+    squares = [g.float().pow(2).sum() for g, rep in zip(grads, replicated) if first or not rep]
+    local = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = comm.all_reduce(local.reshape(1).to(grads[0].device if grads else "cpu"), tp_group)
+    return math.sqrt(float(total.item()))
+
+
+class LossScaler:
+    """fp16 dynamic loss scale: halves on an overflow (the step is skipped), doubles after
+    `window` clean steps."""
+
+    def __init__(self, initial: float = 2.0**16, window: int = 1000, min_scale: float = 1.0) -> None:
+        self.scale, self.window, self.min_scale, self.clean_steps = float(initial), window, min_scale, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean_steps = max(self.scale / 2, self.min_scale), 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.window:
+                self.scale, self.clean_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
+
+class ParallelAdamW:
+    """AdamW for a tensor/data-parallel model.
+
+    `step()` averages gradients over DP, unscales them (fp16), skips the step when any
+    gradient is not finite (on every rank alike), clips the TP-aware global norm, and
+    updates fp32 master weights that are copied back into bf16/fp16 parameters.
+    Biases and norm weights (1-D parameters) get no weight decay. The state dict is keyed
+    by parameter name, so a checkpoint can be resharded to another TP size.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        is_replicated: Callable[[str], bool],
+        tp_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.replicated = [is_replicated(n) for n in self.names]
+        # fp32 parameters are their own master; low-precision ones get an fp32 copy.
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
+        self.tp_group, self.dp_group, self.scaler = tp_group, dp_group, loss_scaler
+        decay = [m for m in self.masters if m.dim() >= 2]
+        no_decay = [m for m in self.masters if m.dim() < 2]
+        self.adam = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps
+        )
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    def step(self, lr: float, clip_grad: float) -> tuple[float, bool]:
+        """One update; returns (gradient norm before clipping, whether the step was skipped)."""
+        for p in self.params:
+            if p.grad is None:  # unused parameter: a zero gradient keeps ranks in step
+                p.grad = torch.zeros_like(p)
+        average_data_parallel_grads([p.grad for p in self.params], self.dp_group)
+        inv_scale = 1.0 / self.loss_scale
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float() if m is not p else p.grad
+            if inv_scale != 1.0:
+                m.grad.mul_(inv_scale)
+        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group)
+        skipped = not math.isfinite(norm)  # the norm is the same on every rank: all skip alike
+        if self.scaler:
+            self.scaler.update(skipped)
+        if skipped:
+            self.zero_grad()
+            return norm, True
+        if clip_grad > 0 and norm > clip_grad:
+            for m in self.masters:
+                m.grad.mul_(clip_grad / (norm + 1e-6))
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        self.adam.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    p.copy_(m)
+        self.zero_grad()
+        return norm, False
+
+    def state_dict(self) -> dict:
+        """{"params": {name: {"exp_avg", "exp_avg_sq", "step"[, "master"]}}, "loss_scaler": ...}."""
+        params = {}
+        for name, p, m in zip(self.names, self.params, self.masters):
+            entry = {k: v for k, v in self.adam.state.get(m, {}).items()}
+            if m is not p:
+                entry["master"] = m.detach()
+            params[name] = entry
+        return {"params": params, "loss_scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [n for n in self.names if n not in state["params"]]
+        if missing:
+            raise KeyError(f"tpcore: optimizer checkpoint lacks parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, p, m in zip(self.names, self.params, self.masters):
+                entry = dict(state["params"][name])
+                master = entry.pop("master", None)
+                if m is not p:  # fp32 master from the checkpoint, else from the loaded weights
+                    m.copy_(master if master is not None else p.float())
+                self.adam.state[m] = {k: v.to(m.device) if k != "step" else v.clone() for k, v in entry.items()}
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,186 @@
+"""GPT pretraining loop: tensor + data parallel, gradient accumulation, eval, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state
+from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
+from ..models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
+from ..models.generate import generate
+from ..models.sharding import rule_for
+from ..random import model_parallel_manual_seed
+from .arguments import TrainArgs
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .logger import MetricsLogger, StepTimer, plot_loss_curve
+from .optimizer import LossScaler, ParallelAdamW
+from .schedule import learning_rate
+
+__all__ = ["pretrain", "init_distributed"]
+
+
+def init_distributed(device: str, timeout_s: float = 600.0) -> None:
+    """Join the torchrun job (gloo on CPU, NCCL on CUDA), or form a 1-rank job when not
+    launched by torchrun. Collectives time out after `timeout_s` instead of hanging."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _check_tokens(indexed: IndexedDataset, vocab_size: int) -> None:
+    """Every rank reads the whole token file once, so a tokenizer/data mismatch raises
+    everywhere before training instead of on one rank mid-step."""
+    usable = len(indexed._bin) // indexed.dtype.itemsize
+    tokens = np.frombuffer(indexed._bin, dtype=indexed.dtype, count=usable) if usable else np.zeros(0, np.uint8)
+    for start in range(0, len(tokens), 1 << 26):
+        top = int(tokens[start : start + (1 << 26)].max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"tpcore: {indexed.prefix}.bin holds token id {top}, outside the tokenizer's vocabulary of {vocab_size}; "
+                "was it preprocessed with another tokenizer?"
+            )
+
+
+class _Batches:
+    """This DP rank's micro batches `[micro, seq + 1]` of a GPTDataset."""
+
+    def __init__(self, dataset: GPTDataset, args: TrainArgs, global_batch: int, dp_rank: int, dp_size: int, device) -> None:
+        self.dataset, self.device = dataset, device
+        self.layout = dict(global_batch_size=global_batch, micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        self.accumulation = global_batch // (args.micro_batch_size * dp_size)
+
+    def __call__(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.stack([self.dataset[i] for i in micro_batch_indices(step, micro_step, **self.layout)]).to(self.device)
+        return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
+
+
+def _dp_mean(value: torch.Tensor, dp_group) -> float:
+    dist.all_reduce(value, group=dp_group)
+    return float(value.item()) / dist.get_world_size(dp_group)
+
+
+def pretrain(args: TrainArgs) -> dict:
+    """Train a GPT as `args` say (call on every rank of a torchrun job). Returns the
+    final metrics {"iteration", "loss", "valid_loss"} (identical on every rank)."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("tpcore: --device cuda but CUDA is not available")
+    init_distributed(device)
+    if not parallel_state.is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
+    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    dp, dp_rank, rank0 = dist.get_world_size(dp_group), dist.get_rank(dp_group), dist.get_rank() == 0
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        raise ValueError(f"tpcore: --global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    if args.data_path is None:
+        raise ValueError("tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by tpcore-preprocess)")
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = args.model_config(tokenizer.vocab_size)
+    config.check_tp(dist.get_world_size(tp_group))
+    indexed = IndexedDataset(args.data_path)
+    _check_tokens(indexed, tokenizer.vocab_size)
+    common = dict(valid_fraction=args.valid_fraction, seed=args.seed)
+    train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
+    valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
+    train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
+    valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    resume_from = find_checkpoint(args.load) if args.load else None
+    torch.manual_seed(args.seed)  # the same full model is drawn on every rank: TP-size invariant
+    model = GPTModel(config, group=tp_group, dtype=dtype, device=device, _init=resume_from is None)
+    model_parallel_manual_seed(args.seed, tp_group)
+    optimizer = ParallelAdamW(
+        model,
+        is_replicated=lambda name: rule_for(name, config)[0] == "replicated",
+        tp_group=tp_group,
+        dp_group=dp_group,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        loss_scaler=LossScaler(args.initial_loss_scale, args.loss_scale_window) if args.fp16 else None,
+    )
+    start = 0
+    if resume_from:
+        meta = load_checkpoint(resume_from, model, optimizer, tp_group=tp_group)
+        start = meta["iteration"]
+    log_dir = args.log_dir or args.save
+    logger = MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress)
+    params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
+    logger.print(
+        f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp} | "
+        f"{device} {str(dtype).removeprefix('torch.')} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
+        + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
+    )
+
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for step in range(args.eval_iters):
+                for micro in range(valid_batches.accumulation):
+                    total += model(*valid_batches(step, micro)).double().cpu()
+        model.train()
+        return _dp_mean(total / (args.eval_iters * valid_batches.accumulation), dp_group)
+
+    def save(iteration: int) -> None:
+        path = save_checkpoint(
+            args.save, iteration, model, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group,
+            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer},
+        )
+        logger.print(f"tpcore: saved checkpoint {path}")
+
+    model.train()
+    loss = valid_loss = float("nan")
+    iteration = start
+    while iteration < args.train_iters:
+        step_loss = torch.zeros((), dtype=torch.float64)
+        with StepTimer(device == "cuda") as timer:
+            for micro in range(train_batches.accumulation):
+                micro_loss = model(*train_batches(iteration, micro)) / train_batches.accumulation
+                (micro_loss * optimizer.loss_scale).backward()
+                step_loss += micro_loss.detach().double().cpu()
+            if config.sequence_parallel:
+                finalize_sequence_parallel_grads(model, tp_group)
+            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
+            grad_norm, skipped = optimizer.step(lr, args.clip_grad)
+        iteration += 1
+        loss = _dp_mean(step_loss, dp_group)
+        stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - start >= args.exit_interval)
+        metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=optimizer.loss_scale, skipped=float(skipped),
+                       tokens_per_s=global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
+        if valid_batches and (iteration % args.eval_interval == 0 or stop):
+            metrics["valid_loss"] = valid_loss = evaluate()
+            logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
+        logger.record(iteration, **metrics)
+        if args.save and ((args.save_interval and iteration % args.save_interval == 0) or stop):
+            save(iteration)
+        if stop:
+            break
+
+    logger.close()
+    if rank0 and log_dir and logger.csv_path and os.path.isfile(logger.csv_path):
+        png = os.path.join(log_dir, "loss_curve.png")
+        logger.print(f"tpcore: loss curve {png}" if plot_loss_curve(logger.csv_path, png) else "tpcore: no loss-curve PNG (matplotlib is not installed)")
+    if args.sample_tokens:
+        prompt = torch.tensor([tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=device)
+        out = generate(model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=tokenizer.eod)
+        logger.print("tpcore: sample (top-k 8):\n" + tokenizer.decode(out[0].tolist()))
+    return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
