@@ -1,0 +1,114 @@
+"""Export a tpcore checkpoint (any TP size) to one dense safetensors file, and load it back.
+
+    tpcore-convert --load checkpoints/gpt --output gpt.safetensors
+
+The file holds the `ReferenceGPT` state dict (the shards merged) plus metadata:
+"format" ("tpcore-gpt-dense"), "model_config" (the GPTConfig as JSON), "tokenizer"
+(when the checkpoint recorded one) and "iteration". `load_dense_gpt` rebuilds the
+plain-PyTorch model from it; no process group or tpcore extension is involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+
+from ..models import GPTConfig, ReferenceGPT
+from .checkpoint import CheckpointError, find_checkpoint, load_dense_state_dict, read_metadata
+
+__all__ = ["export_safetensors", "load_dense_gpt", "main", "FORMAT"]
+
+FORMAT = "tpcore-gpt-dense"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as e:  # an optional dependency
+        raise ImportError("tpcore: exporting/loading safetensors needs the `safetensors` package (pip install safetensors)") from e
+    return safetensors
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and alone in its storage (a slice such as the vocab-trimmed table is copied)."""
+    t = t.detach().contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def export_safetensors(checkpoint: str, output: str) -> str:
+    """Merge the checkpoint at `checkpoint` (a save directory or an `iter_N`) into the dense
+    state dict and write it to `output` atomically. Returns `output`."""
+    st = _safetensors()
+    directory = find_checkpoint(checkpoint)
+    if directory is None:
+        raise CheckpointError(f"tpcore: no checkpoint in {checkpoint} (no metadata.json and no 'latest' file)")
+    meta = read_metadata(directory)
+    config, state = load_dense_state_dict(directory)
+    metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(config)), "iteration": str(meta["iteration"])}
+    if meta.get("tokenizer") is not None:
+        metadata["tokenizer"] = str(meta["tokenizer"])
+    folder = os.path.dirname(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(output)}.{os.getpid()}.tmp")
+    try:
+        st.torch.save_file({k: _own_storage(v) for k, v in state.items()}, tmp, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # save_file creates the file 0600: give it a normal file's mode
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return output
+
+
+def load_dense_gpt(path: str, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[ReferenceGPT, dict]:
+    """The `ReferenceGPT` stored in `path` by `export_safetensors` (in `dtype`, default the
+    stored one, on `device`) and the file's metadata."""
+    st = _safetensors()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tpcore: {path} does not exist")
+    try:
+        with st.safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:  # safetensors' own error type for a file that is not safetensors
+        raise ValueError(f"tpcore: {path} is not a safetensors file: {e}") from e
+    if metadata.get("format") != FORMAT or "model_config" not in metadata:
+        raise ValueError(f"tpcore: {path} is not a {FORMAT} safetensors file (made by tpcore-convert): its metadata has no tpcore model config")
+    config = GPTConfig(**json.loads(metadata["model_config"]))
+    state = st.torch.load_file(path, device=str(device))
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model = ReferenceGPT(config, device="meta")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"tpcore: {path} does not match its own model config: {e}") from e
+    return model.eval(), metadata
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP size) to one dense safetensors file")
+    p.add_argument("--load", required=True, help="checkpoint: a save directory (its 'latest') or an iter_N directory")
+    p.add_argument("--output", required=True, help="the .safetensors file to write")
+    args = p.parse_args(argv)
+    try:
+        path = export_safetensors(args.load, args.output)
+        with _safetensors().safe_open(path, framework="pt") as f:
+            params, meta = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()), f.metadata()
+    except (CheckpointError, ValueError, ImportError, OSError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"tpcore: wrote {path}: {params:,} parameters, iteration {meta['iteration']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
