@@ -1,0 +1,168 @@
+"""tpcore-convert (checkpoint -> dense safetensors) and examples/generate.py, on a checkpoint
+made by the real trainer at TP=2 (once per module: the trainer runs as torchrun processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+import safetensors.torch  # noqa: E402
+
+from tpcore.data import load_tokenizer  # noqa: E402
+from tpcore.data.preprocess import preprocess  # noqa: E402
+from tpcore.models import ReferenceGPT, generate  # noqa: E402
+from tpcore.train import CheckpointError, export_safetensors, load_dense_gpt, load_dense_state_dict  # noqa: E402
+from tpcore.train import convert  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATE = ROOT / "examples" / "generate.py"
+TIMEOUT = 300
+PROMPT, NEW = "The quick", 24
+
+
+def _run(cmd: list[str], cwd) -> str:
+    """Run a subprocess; its stdout (bytes decoded, no newline translation) or a failure with its output."""
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=TIMEOUT)
+    out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out}\n{err}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A 3-step TP=2 checkpoint of a tiny GPT trained on a tiny byte-level corpus."""
+    work = tmp_path_factory.mktemp("convert")
+    corpus = work / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"The quick brown fox {i} jumps over the lazy dog. " * 3}) + "\n" for i in range(40)))
+    preprocess(str(corpus), str(work / "data" / "docs"), append_eod=True)
+    _run([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tpcore.train",
+        "--data-path", str(work / "data" / "docs"), "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "0", "--lr", "0.01",
+        "--tensor-parallel-size", "2", "--save", str(work / "ckpt"), "--device", "cpu", "--no-progress",
+    ], cwd=work)
+    assert (work / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+    return work / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def dense_file(ckpt, tmp_path_factory) -> Path:
+    return Path(export_safetensors(str(ckpt), str(tmp_path_factory.mktemp("export") / "model.safetensors")))
+
+
+def test_export_round_trip(ckpt, dense_file):
+    config, state = load_dense_state_dict(str(ckpt))
+    model, meta = load_dense_gpt(str(dense_file))
+    assert isinstance(model, ReferenceGPT) and not model.training
+    assert meta["format"] == "tpcore-gpt-dense" and meta["iteration"] == "3" and meta["tokenizer"] == "byte"
+    assert json.loads(meta["model_config"]) == dataclasses.asdict(config) and model.config == config
+    loaded = model.state_dict()
+    assert loaded.keys() == state.keys()
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    reference = ReferenceGPT(config)
+    reference.load_state_dict(state)
+    reference.eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+    half, _ = load_dense_gpt(str(dense_file), dtype=torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
+    # An iter_N directory names the same checkpoint as its save directory.
+    again = export_safetensors(str(ckpt / "iter_0000003"), str(dense_file.parent / "again.safetensors"))
+    model2, meta2 = load_dense_gpt(again)
+    assert meta2 == meta and all(torch.equal(t, loaded[k]) for k, t in model2.state_dict().items())
+
+
+def test_parameters_are_the_shards_concatenated(ckpt, dense_file):
+    shards = [torch.load(ckpt / "iter_0000003" / f"model_tp0{r}.pt", weights_only=True)["model"] for r in range(2)]
+    dense = safetensors.torch.load_file(str(dense_file))
+    c, name = load_dense_state_dict(str(ckpt))[0], "layers.1.attention.proj.weight"
+    assert torch.equal(dense[name], torch.cat([s[name] for s in shards], 1))  # row parallel: input dim
+    name = "layers.0.mlp.fc1.weight"
+    assert torch.equal(dense[name], torch.cat([s[name] for s in shards], 0))  # column parallel: output dim
+    name = "layers.0.attention.qkv.weight"  # per rank [q_r; k_r; v_r]: whole heads of each
+    q, k, v = zip(*(s[name].split(c.hidden_size // 2, 0) for s in shards))
+    assert torch.equal(dense[name], torch.cat([*q, *k, *v], 0))
+    name = "embedding.word.weight"  # vocab rows, padding dropped
+    assert torch.equal(dense[name], torch.cat([s[name] for s in shards], 0)[: c.vocab_size])
+    assert dense[name].shape == (257, 32)
+    name = "layers.0.input_norm.weight"  # replicated
+    assert torch.equal(dense[name], shards[0][name]) and torch.equal(dense[name], shards[1][name])
+
+
+def test_cli(ckpt, tmp_path, capsys):
+    out = tmp_path / "cli" / "gpt.safetensors"
+    assert convert.main(["--load", str(ckpt), "--output", str(out)]) == 0
+    params = sum(p.numel() for p in load_dense_gpt(str(out))[0].parameters())
+    printed = capsys.readouterr().out
+    assert str(out) in printed and f"{params:,} parameters" in printed and "iteration 3" in printed
+    assert os.listdir(out.parent) == ["gpt.safetensors"]  # no temporary file left
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+    assert convert.main(["--load", str(tmp_path / "nothing"), "--output", str(tmp_path / "x.safetensors")]) == 1
+    assert "no checkpoint in" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        export_safetensors(str(tmp_path / "nothing"), str(tmp_path / "x.safetensors"))
+
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(foreign), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{foreign}.*not a tpcore-gpt-dense"):
+        load_dense_gpt(str(foreign))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"{junk} is not a safetensors file"):
+        load_dense_gpt(str(junk))
+
+
+def test_failed_export_keeps_the_old_file(ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "gpt.safetensors"
+    out.write_bytes(b"old")
+
+    def broken(tensors, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_safetensors(str(ckpt), str(out))
+    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["gpt.safetensors"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _example_main():
+    spec = importlib.util.spec_from_file_location("tpcore_example_generate", GENERATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_generate_example_same_text_at_every_tp(ckpt, dense_file, tmp_path, capsys):
+    model, _ = load_dense_gpt(str(dense_file))
+    tok = load_tokenizer("byte")
+    tokens = generate(model, torch.tensor([tok.encode(PROMPT)]), NEW, greedy=True, eod=tok.eod)
+    expected = tok.decode(tokens[0].tolist()) + "\n"
+    assert tokens.shape[1] > len(PROMPT)
+
+    flags = ["--load", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--greedy", "--device", "cpu"]
+    tp2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(GENERATE), *flags, "--tensor-parallel-size", "2"], tmp_path)
+    tp1 = _run([sys.executable, str(GENERATE), *flags], tmp_path)  # one rank: the TP=2 checkpoint resharded
+    assert _example_main()(["--dense", str(dense_file), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--greedy", "--device", "cpu"]) == 0
+    from_dense = capsys.readouterr().out
+    assert tp2 == expected, f"TP=2: {tp2!r} != {expected!r}"  # printed once (rank 0 only)
+    assert tp1 == expected, f"TP=1: {tp1!r} != {expected!r}"
+    assert from_dense == expected, f"dense: {from_dense!r} != {expected!r}"
