@@ -143,7 +143,7 @@ def pretrain(args: TrainArgs) -> dict:
     def save(iteration: int) -> None:
         path = save_checkpoint(
             args.save, iteration, model, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group,
-            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer},
+            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer)},
         )
         logger.print(f"tpcore: saved checkpoint {path}")
 
