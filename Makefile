@@ -3,12 +3,19 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 NPROC ?= 2
 
-.PHONY: setup build test train bench clean
+# The main job's corpus: Debian's fortunes as JSON lines, then byte-tokenized .bin/.idx.
+FORTUNES_DIR := /usr/share/games/fortunes
+CORPUS := data/fortunes.jsonl
+DATASET := data/fortunes_text_document
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup build test train bench clean corpus
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
 # then tpcore itself, editable, built against that torch (--no-build-isolation).
 setup:
-	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout
+	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
+		pyyaml matplotlib safetensors tokenizers
 	$(MAKE) build
 
 build:
@@ -17,13 +24,24 @@ build:
 test: setup
 	$(PYTHON) -m pytest -q
 
-# The main job (for now a demo; "GPT pretraining" replaces it): two ranks run a
-# column -> GeLU -> row MLP and check it against the dense MLP.
-train: setup
-	$(PYTHON) -m torch.distributed.run --nproc_per_node $(NPROC) examples/mlp_demo.py
+# The main job: GPT pretraining, TP=2 on two CPU ranks (examples/gpt_small.yaml), from
+# scratch each time; ends with a checkpoint, a loss-curve PNG and a generated sample.
+train: setup corpus
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) examples/pretrain_gpt.py --config examples/gpt_small.yaml
+
+corpus: $(DATASET).idx
+
+$(FORTUNES_DIR):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes
+
+$(CORPUS): | $(FORTUNES_DIR)
+	$(PYTHON) examples/prepare_fortunes.py --source-dir $(FORTUNES_DIR) --output $@
+
+$(DATASET).idx: $(CORPUS)
+	$(PYTHON) -m tpcore.data.preprocess --input $(CORPUS) --output-prefix $(DATASET) --append-eod --workers $(NPROC)
 
 bench: setup
 	$(PYTHON) benchmarks/bench_linear.py
 
 clean:
-	rm -rf build dist python/tpcore/*.so
+	rm -rf build dist python/tpcore/*.so data/fortunes* checkpoints/gpt_small

@@ -57,6 +57,13 @@ def test_flag_overrides_yaml_overrides_default(tmp_path):
     assert args.micro_batch_size == 4
 
 
+def test_yaml_exponent_numbers_are_floats(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 3e-4\nmin-lr: 1e-5\ntrain-iters: 1e3\n")  # PyYAML reads these as strings
+    args = parse_args(["--config", str(cfg)])
+    assert (args.lr, args.min_lr, args.train_iters) == (3e-4, 1e-5, 1000)
+
+
 def test_bool_flags():
     assert parse_args(["--no-progress"]).progress is False
     a = parse_args(["--bf16", "--untie-embeddings", "--disable-bias", "--sequence-parallel"])
@@ -93,7 +100,8 @@ def test_bad_flag_values_raise(argv, match):
         ({"bogus-key": 1}, "unknown argument 'bogus-key'"),
         ({"norm": "batchnorm"}, "--norm must be one of"),
         ({"lr_decay_style": "exp"}, "--lr-decay-style must be one of"),
-        ({"micro_batch_size": 2.5}, "--micro-batch-size must be an int >= 1"),
+        ({"micro_batch_size": 2.5}, "micro_batch_size must be of type int"),
+        ({"lr": "fast"}, "lr must be of type float"),
     ],
 )
 def test_bad_config_values_raise(tmp_path, values, match):
@@ -391,10 +399,17 @@ def _fp16_skip(rank, world, inf_param, inf_rank):
     return skipped
 
 
-@pytest.mark.parametrize("inf_rank", [0, 3])
-def test_fp16_overflow_on_one_rank_skips_everywhere(cpu_ranks, inf_rank):
-    # A TP-sharded gradient; DP spreads the inf to the DP peer, the norm to the TP peers.
-    assert cpu_ranks.run(_fp16_skip, "layers.0.attention.qkv.weight", inf_rank) == [False] * 4
+@pytest.mark.parametrize(
+    "param,inf_rank",
+    [
+        ("layers.0.attention.qkv.weight", 0),  # TP-sharded; DP spreads the inf to the DP peer, the norm to the TP peers
+        ("layers.0.attention.qkv.weight", 3),
+        ("final_norm.weight", 1),  # replicated, on a TP rank whose copy the norm does not count
+        ("final_norm.weight", 3),
+    ],
+)
+def test_fp16_overflow_on_one_rank_skips_everywhere(cpu_ranks, param, inf_rank):
+    assert cpu_ranks.run(_fp16_skip, param, inf_rank) == [False] * 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -629,3 +644,9 @@ def test_metrics_csv_plot_and_resume(tmp_path, capsys):
     log = _logger(log_dir)
     log.close()
     assert read_metrics(csv_path) == []
+
+
+def test_decay_ending_before_warmup_ends_gives_min_lr():
+    common = dict(lr=1.0, min_lr=0.25, warmup_iters=10, decay_iters=5)
+    assert [learning_rate(i, style="cosine", **common) for i in (0, 9, 10, 50)] == [0.1, 1.0, 0.25, 0.25]
+    assert learning_rate(50, style="constant", **common) == 1.0

@@ -98,6 +98,8 @@ class TrainArgs:
         need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
         need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
+        need(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1")
+        need(self.initial_loss_scale > 0, "--initial-loss-scale must be > 0")
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
             need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
@@ -150,8 +152,27 @@ def load_config_file(path: str) -> dict:
         name = key.lstrip("-").replace("-", "_")
         if name not in _FIELDS:
             raise ValueError(f"tpcore: config file {path}: unknown argument {key!r}")
-        out[name] = value
+        out[name] = _coerce(name, value, path)
     return out
+
+
+def _coerce(name: str, value, path: str):
+    """A config value as its field's type (YAML reads `3e-4` as a string, for one)."""
+    kind = str(_FIELDS[name].type).split(" ")[0]
+    if value is None and "None" in str(_FIELDS[name].type):
+        return None
+    try:
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if kind == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
+            return int(float(value))
+        if kind == "float" and not isinstance(value, bool):
+            return float(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"tpcore: config file {path}: {name} must be of type {kind}, got {value!r}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -168,7 +189,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    """TrainArgs from the command line (and `--config`); raises ValueError on bad values."""
+    """TrainArgs from the command line (and `--config`); raises ValueError on bad values
+    (argparse itself exits with a usage message on a malformed flag)."""
     given = vars(_parser().parse_args(argv))
     values = load_config_file(given.pop("config")) if "config" in given else {}
     values.update(given)

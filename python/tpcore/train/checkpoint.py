@@ -84,12 +84,15 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, *, consumed
         }
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(metadata, f, indent=1)
-        if os.path.exists(final):  # re-saving an iteration: the new one replaces it
-            shutil.rmtree(final)
+        old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
         with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
             f.write(name + "\n")
         os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -104,6 +107,8 @@ def find_checkpoint(path: str) -> str | None:
         return None
     with open(latest) as f:
         target = os.path.join(path, f.read().strip())
+    if not os.path.exists(target) and os.path.isfile(os.path.join(target + ".old", "metadata.json")):
+        target += ".old"  # killed while re-saving this iteration: the previous copy is complete
     if not os.path.isfile(os.path.join(target, "metadata.json")):
         raise CheckpointError(f"tpcore: {latest} points to {target}, which is not a complete checkpoint")
     return target

@@ -28,12 +28,19 @@ def average_data_parallel_grads(grads: list[torch.Tensor], dp_group: dist.Proces
 
 def grad_norm(grads: list[torch.Tensor], replicated: list[bool], tp_group: dist.ProcessGroup) -> float:
     """L2 norm of the full model's gradient: sharded gradients summed over TP, replicated
-    ones (identical on every TP rank) counted once, from TP rank 0."""
+    ones (identical on every TP rank) counted once, from TP rank 0. Infinite (NaN) when
+    any gradient on any TP rank holds inf or NaN, replicated ones included."""
     first = dist.get_rank(tp_group) == 0
-    squares = [g.float().pow(2).sum() for g, rep in zip(grads, replicated) if first or not rep]
-    local = torch.stack(squares).sum() if squares else torch.zeros(())
-    total = comm.all_reduce(local.reshape(1).to(grads[0].device if grads else "cpu"), tp_group)
-    return math.sqrt(float(total.item()))
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), device=device)
+    bad = torch.zeros((), device=device)
+    for g, rep in zip(grads, replicated):
+        square = g.float().pow(2).sum()
+        bad += (~torch.isfinite(square)).float()  # checked on every rank, counted or not
+        if first or not rep:
+            squares += square
+    total = comm.all_reduce(torch.stack([squares, bad]), tp_group)  # one collective for both
+    return math.inf if total[1].item() > 0 else math.sqrt(float(total[0].item()))
 
 
 class LossScaler:

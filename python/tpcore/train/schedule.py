@@ -14,15 +14,14 @@ def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int
     the decay then goes from `lr` to `min_lr` over steps [warmup_iters, decay_iters) and
     stays at `min_lr` afterwards.
     """
+    if style not in ("cosine", "linear", "constant"):
+        raise ValueError(f"tpcore: unknown lr decay style {style!r} (cosine, linear, constant)")
     if iteration < warmup_iters:
         return lr * (iteration + 1) / warmup_iters
-    if style == "constant" or decay_iters <= warmup_iters:
+    if style == "constant":
         return lr
-    progress = min(1.0, (iteration - warmup_iters) / (decay_iters - warmup_iters))
-    if style == "linear":
-        factor = 1.0 - progress
-    elif style == "cosine":
-        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"tpcore: unknown lr decay style {style!r} (cosine, linear, constant)")
+    if iteration >= decay_iters:
+        return min_lr
+    progress = (iteration - warmup_iters) / (decay_iters - warmup_iters)
+    factor = 1.0 - progress if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_lr + (lr - min_lr) * factor
