@@ -83,6 +83,13 @@ def _live_groups(rank, world, tp, pp):
     tpcore.destroy_model_parallel()
     assert not tpcore.is_initialized()
     expect_error(RuntimeError, "not initialized", ps.get_data_parallel_group)
+    # Re-initializing with the same layout reuses the groups (they are never freed, so
+    # new ones would pile up); they still talk to the right peers.
+    again = tpcore.initialize_model_parallel(tp, pp)
+    assert again.tensor_group is state.tensor_group and again.data_group is state.data_group
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=again.tensor_group)
+    assert t.item() == sum(want_tp)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 1), (2, 2), (1, 4), (1, 2)])

@@ -97,6 +97,25 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
+# Every group made so far, by (ranks, timeout, backend), for the current default group.
+# destroy_model_parallel cannot free subgroups safely (see there), so re-initializing
+# with a layout seen before reuses its groups: without this each re-initialization
+# leaks a group per rank set (with gloo, threads that keep polling).
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_GROUPS_WORLD: list = [None]  # the default group _GROUPS belongs to
+
+
+def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None) -> dist.ProcessGroup:
+    """A group of `ranks`, created collectively (every rank calls in the same order)."""
+    if _GROUPS_WORLD[0] is not dist.group.WORLD:  # a new default group: old groups are dead
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = dist.group.WORLD
+    key = (tuple(ranks), timeout, backend)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
+    return _GROUPS[key]
+
+
 def initialize_model_parallel(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -127,7 +146,7 @@ def initialize_model_parallel(
     # Every rank must create every group, in the same order, even those it is not in.
     for kind in ("tensor", "data", "pipeline"):
         for ranks in getattr(layout, kind):
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            group = _new_group(ranks, timeout, backend)
             if rank in ranks:
                 mine[kind] = group
     _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout)
@@ -139,7 +158,8 @@ def destroy_model_parallel() -> None:
 
     The groups are not torn down one by one: on some torch versions destroying a
     subgroup and creating new ones makes the new groups reuse its store keys and hang.
-    They are released with the default group (`torch.distributed.destroy_process_group()`).
+    They are released with the default group (`torch.distributed.destroy_process_group()`);
+    until then a later `initialize_model_parallel` with the same layout reuses them.
     """
     global _STATE
     _STATE = None
