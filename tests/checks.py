@@ -6,11 +6,25 @@ import torch
 import torch.distributed as dist
 
 import tpcore
+from tpcore.models import GPTConfig
 
 # Per-dtype tolerance, relative to the magnitude of the reference. fp32 differs from
 # the dense reference only by summation order; bf16 rounds every partial sum that
 # crosses a collective to 8 mantissa bits (eps = 2**-7 = 7.8e-3), so two roundings.
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 * 2**-7}
+
+
+# Tiny GPTs shared by the model, generation and trainer tests.
+GPT_VARIANTS = {
+    # GPT-2 style: LayerNorm, GeLU, learned positions, tied embeddings, biases.
+    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
+    # Llama style: RMSNorm, SwiGLU, rotary, grouped-query attention, untied head, no biases.
+    "llama": GPTConfig(
+        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
+        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
+        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
+    ),
+}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:

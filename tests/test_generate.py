@@ -8,18 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, generate
-from checks import expect_error, setup_tp
-
-# Tiny configs as in test_gpt.py (GPT-2 style; Llama style with GQA, rotary, untied head).
-VARIANTS = {
-    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
-    "llama": GPTConfig(
-        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
-        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
-    ),
-}
+from tpcore.models import GPTModel, ReferenceGPT, generate
+from checks import GPT_VARIANTS as VARIANTS, expect_error, setup_tp
 
 NEW = 4
 

@@ -10,18 +10,8 @@ import torch
 import tpcore
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
 from tpcore.models.sharding import rule_for, unshard
-from checks import assert_close, expect_error, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, assert_close, expect_error, setup_tp
 
-VARIANTS = {
-    # GPT-2 style: LayerNorm, GeLU, learned positions, tied embeddings, biases.
-    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
-    # Llama style: RMSNorm, SwiGLU, rotary, grouped-query attention, untied head, no biases.
-    "llama": GPTConfig(
-        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
-        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
-    ),
-}
 BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
 
 

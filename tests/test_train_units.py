@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import assert_close, expect_error, per_rank_tensor, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, assert_close, expect_error, per_rank_tensor, setup_tp
 from tpcore import parallel_state
 from tpcore.data.sampler import micro_batch_indices
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
@@ -223,14 +223,6 @@ def test_loss_scaler():
 # 5. TP-aware gradient norm, clipping and AdamW vs the dense model (rank pool)
 # ---------------------------------------------------------------------------------------
 
-VARIANTS = {
-    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
-    "llama": GPTConfig(
-        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
-        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
-    ),
-}
 BATCH, SEQ = 2, 8
 BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-3, 0.1, 0.05
 LRS = [1e-2, 5e-3, 2e-2]
