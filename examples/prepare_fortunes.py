@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from tpcore._atomic import atomic_output
+
 DEFAULT_SOURCE = "/usr/share/games/fortunes"
 
 
@@ -51,17 +53,8 @@ def prepare(source_dir: str, output: str) -> tuple[int, int]:
         json.dumps({"text": text}, ensure_ascii=False).encode() + b"\n"
         for path in fortune_files(source_dir) for text in read_fortunes(path)
     )
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(output)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_output(output) as tmp, open(tmp, "wb") as f:
+        f.write(data)
     return data.count(b"\n"), len(data)
 
 

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from .._atomic import atomic_output
 from .indexed_dataset import IndexedDataset
 
 __all__ = ["GPTDataset", "split_documents"]
@@ -97,9 +98,9 @@ class GPTDataset(torch.utils.data.Dataset):
         return order, starts, shuffle
 
     def _save_cache(self, arrays) -> None:
-        tmp = f"{self.cache_path}.tmp{os.getpid()}.npz"
-        np.savez(tmp, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
-        os.replace(tmp, self.cache_path)  # ranks building at once each write a whole file
+        # Ranks building the same index at once each put a whole file in place.
+        with atomic_output(self.cache_path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
 
     def __len__(self) -> int:
         return self.num_samples

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Iterator
 
+from .._atomic import atomic_output
 from .preprocess import _parsed_lines
 
 __all__ = ["train_tokenizer", "main", "EOD_TOKEN"]
@@ -59,16 +60,8 @@ def train_tokenizer(
     tok.train_from_iterator(_documents(inputs, fmt, json_key, counts), trainer)
     if counts["documents"] == 0:
         raise ValueError(f"tpcore: train-tokenizer: no documents in {', '.join(inputs)}")
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(output)}.{os.getpid()}.tmp")
-    try:
+    with atomic_output(output) as tmp:
         tok.save(tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return output
 
 

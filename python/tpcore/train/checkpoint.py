@@ -24,6 +24,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from .._atomic import atomic_output
 from ..embedding import pad_vocab_size
 from ..models import GPTConfig
 from ..models.sharding import merge, rule_for, shard
@@ -89,9 +90,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, *, consumed
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(tmp, final)
-        with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+        with atomic_output(os.path.join(save_dir, "latest")) as tmp, open(tmp, "w") as f:
             f.write(name + "\n")
-        os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

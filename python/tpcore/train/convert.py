@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from .._atomic import atomic_output
 from ..models import GPTConfig, ReferenceGPT
 from .checkpoint import CheckpointError, find_checkpoint, load_dense_state_dict, read_metadata
 
@@ -53,19 +54,11 @@ def export_safetensors(checkpoint: str, output: str) -> str:
     metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(config)), "iteration": str(meta["iteration"])}
     if meta.get("tokenizer") is not None:
         metadata["tokenizer"] = str(meta["tokenizer"])
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(output)}.{os.getpid()}.tmp")
-    try:
+    with atomic_output(output) as tmp:
         st.torch.save_file({k: _own_storage(v) for k, v in state.items()}, tmp, metadata=metadata)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # save_file creates the file 0600: give it a normal file's mode
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return output
 
 

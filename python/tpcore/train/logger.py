@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from .._atomic import atomic_output
+
 __all__ = ["MetricsLogger", "read_metrics", "plot_loss_curve"]
 
 COLUMNS = ["iteration", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "step_ms", "valid_loss"]
@@ -37,10 +39,9 @@ def plot_loss_curve(csv_path: str, png_path: str) -> bool:
     ax.set(xlabel="iteration", ylabel="loss (nats/token)", title="tpcore GPT pretraining")
     ax.grid(alpha=0.3)
     ax.legend()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    with atomic_output(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, png_path)
     return True
 
 
