@@ -15,22 +15,27 @@ Typical use, on every rank of a `torchrun` job:
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-from . import _C, comm, parallel_state
-from .embedding import VocabParallelEmbedding, pad_vocab_size
-from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
-from .loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from .mappings import (
+from . import _C, comm, parallel_state, tensor_parallel
+from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    InitMethod,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    checkpoint,
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+    pad_vocab_size,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
 )
-from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized
-from .random import get_rng_tracker, model_parallel_manual_seed
-from .recompute import checkpoint
 
 __version__ = "0.1.0"
 
@@ -44,6 +49,7 @@ __all__ = [
     "InitMethod",
     "comm",
     "parallel_state",
+    "tensor_parallel",
     "initialize_model_parallel",
     "destroy_model_parallel",
     "is_initialized",

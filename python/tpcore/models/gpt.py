@@ -21,13 +21,13 @@ from torch import nn
 
 from .. import _C, comm
 from .._module_utils import to_empty_keeping_attributes
-from ..embedding import VocabParallelEmbedding
-from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from ..mappings import gather_from_sequence_parallel
+from ..tensor_parallel.embedding import VocabParallelEmbedding
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from ..tensor_parallel.mappings import gather_from_sequence_parallel
 from ..parallel_state import resolve_tensor_group
-from ..random import get_rng_tracker
-from ..recompute import checkpoint
+from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.recompute import checkpoint
 from .common import apply_rotary, attention_core, make_norm, rotary_tables
 from .config import GPTConfig
 from .reference_gpt import ReferenceGPT

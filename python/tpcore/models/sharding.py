@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..embedding import vocab_shard
+from ..tensor_parallel.embedding import vocab_shard
 from .config import GPTConfig
 
 Rule = tuple

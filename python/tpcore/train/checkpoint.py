@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .._atomic import atomic_output
-from ..embedding import pad_vocab_size
+from ..tensor_parallel.embedding import pad_vocab_size
 from ..models import GPTConfig
 from ..models.sharding import merge, rule_for, shard
-from ..random import device_rng_states, get_rng_tracker, set_device_rng_states
+from ..tensor_parallel.random import device_rng_states, get_rng_tracker, set_device_rng_states
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
 

@@ -16,7 +16,7 @@ from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indic
 from ..models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
 from ..models.generate import generate
 from ..models.sharding import rule_for
-from ..random import model_parallel_manual_seed
+from ..tensor_parallel.random import model_parallel_manual_seed
 from .arguments import TrainArgs
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .logger import MetricsLogger, StepTimer, plot_loss_curve

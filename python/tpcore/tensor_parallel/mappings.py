@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .parallel_state import resolve_tensor_group
+from .. import _C
+from ..parallel_state import resolve_tensor_group
 
 __all__ = [
     "copy_to_tensor_parallel",

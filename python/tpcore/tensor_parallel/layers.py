@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, comm
-from ._module_utils import to_empty_keeping_attributes
-from ._validation import check_positive_ints
-from .parallel_state import resolve_tensor_group
+from .. import _C, comm
+from .._module_utils import to_empty_keeping_attributes
+from .._validation import check_positive_ints
+from ..parallel_state import resolve_tensor_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
 

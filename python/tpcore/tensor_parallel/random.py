@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .parallel_state import resolve_tensor_group
+from ..parallel_state import resolve_tensor_group
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "MODEL_PARALLEL_RNG", "device_rng_states", "set_device_rng_states"]
 

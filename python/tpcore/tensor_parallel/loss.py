@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .parallel_state import resolve_tensor_group
+from .. import _C
+from ..parallel_state import resolve_tensor_group
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"]
 

@@ -1,0 +1,42 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the layers, the f / g mappings,
+the vocab-parallel loss, the model-parallel RNG tracker and activation recompute.
+
+Users import these names from `tpcore` itself; this package groups them by kind of
+parallelism, beside `tpcore.pipeline_parallel` and `tpcore.hf`.
+"""
+
+from .embedding import VocabParallelEmbedding, pad_vocab_size, vocab_shard
+from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from .mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
+)
+from .random import get_rng_tracker, model_parallel_manual_seed
+from .recompute import checkpoint
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "InitMethod",
+    "VocabParallelEmbedding",
+    "pad_vocab_size",
+    "vocab_shard",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "checkpoint",
+]
