@@ -29,8 +29,12 @@ RNGState = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def device_rng_states() -> RNGState:
-    """The default CPU generator's state and, where CUDA is initialised, the current GPU's."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    """The default CPU generator's state and, wherever CUDA is available, the current GPU's.
+
+    CUDA is tracked even before it is initialised (reading the state initialises it): a
+    tracker seeded before the first CUDA tensor exists must still give each TP rank its own
+    CUDA dropout masks later."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     return torch.get_rng_state(), cuda
 
 

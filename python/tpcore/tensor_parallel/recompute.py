@@ -1,50 +1,49 @@
 """Activation recomputation that replays the RNG: dropout masks match on recompute.
 
-`checkpoint(fn, x)` keeps only `x` from the forward and reruns `fn` in the backward,
-with the CPU/CUDA generators and the model-parallel tracker put back as they were, so
-dropout draws the same masks and the C++ collectives inside run again, in the same
-order on every rank.
+`checkpoint(fn, *args)` keeps only the inputs from the forward and reruns `fn` in the
+backward. It is `torch.utils.checkpoint` (non-reentrant), which restores the CPU / CUDA
+generators and the autocast state and gives gradients to parameters used inside `fn`
+even when no input requires grad, plus the model-parallel RNG tracker: its states are put
+back as they were during the forward, so dropout in TP regions draws the same masks. The
+C++ collectives inside `fn` run again, in the same order on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 
-from .random import device_rng_states, get_rng_tracker, set_device_rng_states
+from .random import get_rng_tracker
 
 __all__ = ["checkpoint"]
 
 
-class _Checkpoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
-        ctx.rng = device_rng_states()
-        ctx.tracker = get_rng_tracker().get_states()
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return fn(x)
+def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """(forward context, recompute context): the first records the tracker's states as the
+    forward starts, the second swaps them in for the recompute and restores the live ones."""
+    tracker = get_rng_tracker()
+    recorded: dict = {}
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        tracker = get_rng_tracker()
-        now, now_tracker = device_rng_states(), tracker.get_states()
-        set_device_rng_states(ctx.rng)
-        tracker.set_states(ctx.tracker)
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        recorded.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        live = tracker.get_states()
+        tracker.set_states(recorded)
         try:
-            x = x.detach().requires_grad_(x.requires_grad)
-            with torch.enable_grad():
-                out = ctx.fn(x)
+            yield
         finally:
-            set_device_rng_states(now)
-            tracker.set_states(now_tracker)
-        torch.autograd.backward(out, grad)
-        return None, x.grad
+            tracker.set_states(live)
+
+    return forward(), recompute()
 
 
-def checkpoint(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` whose intermediate activations are recomputed in the backward, not stored."""
-    return _Checkpoint.apply(fn, x)
+def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` whose intermediate activations are recomputed in the backward, not stored."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_tracker_contexts)
