@@ -5,6 +5,7 @@
 
 #include "comm.h"
 #include "cpu_buffer_pool.h"
+#include "kernels.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -81,6 +82,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("group"),
         py::arg("vocab_size"), py::arg("label_smoothing"), py::arg("ignore_index"),
         py::arg("reduction"), py::arg("z_loss"), py::arg("chunk_size"), release_gil());
+  // Test hooks: stand in for a backend without a collective; cap CUDA grids to exercise
+  // the grid-stride loops on small inputs.
+  m.def("_collective_fallbacks", &tpcore::collective_fallbacks);
+  m.def("_mark_collective_missing", &tpcore::mark_collective_missing, py::arg("group"),
+        py::arg("op"), py::arg("like"), py::arg("missing") = true);
+  m.def("_set_max_grid_blocks", &tpcore::set_max_grid_blocks, py::arg("cap"));
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

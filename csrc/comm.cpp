@@ -21,21 +21,34 @@ bool is_unsupported_error(const c10::Error& e) {
          msg.find("not implemented") != std::string::npos;
 }
 
-// Backends found lacking a single-tensor collective, remembered so the
-// unsupported call is attempted once per process, not once per step.
+// (backend, collective, dtype, device) combinations found unsupported, remembered so the
+// unsupported call is attempted once per process, not once per step. Keyed that finely so
+// that one failure (say gloo's reduce-scatter of one dtype) never sends other dtypes or
+// operations down the slower fallback.
 class MissingOps {
  public:
-  bool lacks(const Group& g, const char* op) {
+  bool lacks(const Group& g, const char* op, const at::Tensor& t) {
     std::lock_guard<std::mutex> lock(mu_);
-    return missing_.count(key(g, op)) > 0;
+    return missing_.count(key(g, op, t)) > 0;
   }
-  void mark(const Group& g, const char* op) {
+  void mark(const Group& g, const char* op, const at::Tensor& t, bool missing = true) {
     std::lock_guard<std::mutex> lock(mu_);
-    missing_.insert(key(g, op));
+    if (missing) {
+      missing_.insert(key(g, op, t));
+    } else {
+      missing_.erase(key(g, op, t));
+    }
+  }
+  std::vector<std::string> list() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {missing_.begin(), missing_.end()};
   }
 
  private:
-  static std::string key(const Group& g, const char* op) { return g->getBackendName() + "/" + op; }
+  static std::string key(const Group& g, const char* op, const at::Tensor& t) {
+    return g->getBackendName() + "/" + op + "/" + std::string(c10::toString(t.scalar_type())) +
+           "/" + c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
+  }
   std::mutex mu_;
   std::set<std::string> missing_;
 };
@@ -104,6 +117,8 @@ at::Tensor all_reduce(const at::Tensor& input, const Group& group) {
 
 PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const Group& group) {
   const int world = group_size(group);
+  // A 0-d tensor gathers like a 1-element vector: [world] (as all_gather_into_tensor does).
+  if (input.dim() == 0) return all_gather_async(input.reshape({1}), 0, group);
   dim = c10::maybe_wrap_dim(dim, input.dim());
   if (world == 1) return PendingCollective(input);
   at::Tensor local = input.contiguous();
@@ -112,14 +127,14 @@ PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const G
   at::Tensor buffer = at::empty(buffer_shape, local.options());
 
   c10::intrusive_ptr<c10d::Work> work;
-  if (!missing_ops().lacks(group, "allgather_base")) {
+  if (!missing_ops().lacks(group, "allgather_base", input)) {
     try {
       at::Tensor flat = buffer.view({-1});
       at::Tensor flat_in = local.view({-1});
       work = group->_allgather_base(flat, flat_in);
     } catch (const c10::Error& e) {
       if (!is_unsupported_error(e)) throw;
-      missing_ops().mark(group, "allgather_base");
+      missing_ops().mark(group, "allgather_base", input);
     }
   }
   if (!work) {
@@ -147,7 +162,7 @@ PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, con
   const int world = group_size(group);
   dim = divisible_dim("reduce_scatter", input, dim, world);
   if (world == 1) return PendingCollective(input);
-  if (!missing_ops().lacks(group, "reduce_scatter_base")) {
+  if (!missing_ops().lacks(group, "reduce_scatter_base", input)) {
     at::Tensor stacked = chunks_to_front(input, dim, world);
     auto out_shape = input.sizes().vec();
     out_shape[dim] /= world;
@@ -159,7 +174,7 @@ PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, con
       return PendingCollective(work, [out]() { return out; });
     } catch (const c10::Error& e) {
       if (!is_unsupported_error(e)) throw;
-      missing_ops().mark(group, "reduce_scatter_base");
+      missing_ops().mark(group, "reduce_scatter_base", input);
     }
   }
   return PendingCollective(reduce_scatter_via_all_reduce(input, dim, group));
@@ -186,6 +201,13 @@ at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const Group& gr
   dim = divisible_dim("split", input, dim, world);
   if (world == 1) return input;
   return input.chunk(world, dim)[group_rank(group)].contiguous();
+}
+
+std::vector<std::string> collective_fallbacks() { return missing_ops().list(); }
+
+void mark_collective_missing(const Group& group, const std::string& op, const at::Tensor& like,
+                             bool missing) {
+  missing_ops().mark(group, op.c_str(), like, missing);
 }
 
 }  // namespace tpcore

@@ -9,7 +9,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
 
 namespace tpcore {
 
@@ -55,6 +57,13 @@ at::Tensor reduce_scatter_via_all_reduce(const at::Tensor& input, int64_t dim, c
 
 // Copy of `src_rank`'s tensor (rank within `group`) on every rank; out of place.
 at::Tensor broadcast(const at::Tensor& input, int64_t src_rank, const Group& group);
+
+// The (backend/collective/dtype/device) combinations routed to a fallback because the
+// backend lacks them; mark_collective_missing adds (or with missing=false removes) one:
+// tests use it to stand in for a backend without the collective.
+std::vector<std::string> collective_fallbacks();
+void mark_collective_missing(const Group& group, const std::string& op, const at::Tensor& like,
+                             bool missing);
 
 // This rank's chunk of `input` along `dim` (no communication; contiguous copy).
 at::Tensor split_along_dim(const at::Tensor& input, int64_t dim, const Group& group);

@@ -7,6 +7,13 @@
 
 namespace tpcore {
 
+// Blocks to launch for `work` independent units (rows, tokens, segments). Kernels stride
+// over the grid, so any count is covered while the grid stays under CUDA's limits (its x
+// dimension stops at 2^31 - 1). Tests lower the cap with set_max_grid_blocks to exercise
+// the striding on small inputs; a cap <= 0 restores the default.
+int64_t grid_blocks(int64_t work);
+void set_max_grid_blocks(int64_t cap);
+
 // out[t] = weight[ids[t] - vocab_start] when vocab_start <= ids[t] < vocab_start + rows,
 // else zeros. ids [N] int64, weight [rows, D] -> out [N, D].
 at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,

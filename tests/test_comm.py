@@ -75,3 +75,28 @@ def _overlap(rank, world):
 
 def test_async_collectives_overlap(cpu_ranks):
     cpu_ranks.run(_overlap)
+
+
+def _edge_collectives(rank, world):
+    tp_rank, tp = setup_tp(2)
+    group = tpcore.parallel_state.get_tensor_model_parallel_group()
+    # A 0-d tensor gathers into [tp], like all_gather_into_tensor.
+    gathered = comm.all_gather(torch.tensor(float(rank)))
+    assert torch.equal(gathered, torch.tensor([float(rank - tp_rank + r) for r in range(tp)])), gathered
+    # A backend lacking reduce-scatter for one dtype (stood in for by marking it) sends only
+    # that dtype to the fallback; the fallback still gives the right answer.
+    bf16, fp32 = per_rank_tensor((4, 3), rank, torch.bfloat16), per_rank_tensor((4, 3), rank)
+    _C._mark_collective_missing(group, "reduce_scatter_base", bf16)
+    fallbacks = _C._collective_fallbacks()
+    assert fallbacks == ["gloo/reduce_scatter_base/BFloat16/cpu"], fallbacks
+    for x in (bf16, fp32):
+        inputs = [per_rank_tensor((4, 3), rank - tp_rank + r, x.dtype) for r in range(tp)]
+        want = torch.stack([t.double() for t in inputs]).sum(0).to(x.dtype).chunk(tp, 0)[tp_rank]
+        assert_close(comm.reduce_scatter(x, 0), want, f"reduce_scatter {x.dtype}")
+    assert _C._collective_fallbacks() == fallbacks, "a dtype the backend supports must not fall back"
+    _C._mark_collective_missing(group, "reduce_scatter_base", bf16, missing=False)
+    assert _C._collective_fallbacks() == []
+
+
+def test_zero_dim_all_gather_and_per_dtype_collective_fallback(cpu_ranks):
+    cpu_ranks.run(_edge_collectives)
