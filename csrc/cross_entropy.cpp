@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "autocast_util.h"
 #include "autograd_util.h"
 #include "cpu_buffer_pool.h"
 #include "kernels.h"
@@ -126,7 +127,9 @@ at::Tensor loss_grad_scale(const at::Tensor& grad_loss, const at::Tensor& mask,
     case Reduction::Mean:
       break;
   }
-  return g / mask.sum() * mask;
+  // With every target ignored the mean is 0 / 0 = NaN (as in F.cross_entropy), but its
+  // gradient is zero there, not 0 * inf.
+  return g / mask.sum().clamp_min(1.0) * mask;
 }
 
 CrossEntropyOptions load_options(AutogradContext* ctx) {
@@ -149,9 +152,13 @@ namespace {
 struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParallelCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, const Group& group,
-                            CrossEntropyOptions options, bool inplace_backward) {
+                            CrossEntropyOptions options, bool inplace_backward,
+                            at::ScalarType loss_dtype) {
     const int64_t local_vocab = logits.size(-1);
-    const at::Tensor x = logits.reshape({-1, local_vocab}).contiguous();
+    // The logits themselves are saved (not a view made here), so autograd's version check
+    // guards them; a non-contiguous input is saved as its contiguous copy.
+    const at::Tensor saved_logits = logits.contiguous();
+    const at::Tensor x = saved_logits.view({-1, local_vocab});
     const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
     const VocabShard shard = vocab_shard(group, local_vocab, options.vocab_size);
     const TokenLoss token =
@@ -161,23 +168,33 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     ctx->saved_data["inplace_backward"] = inplace_backward;
     ctx->saved_data["logits_shape"] = logits.sizes();
     // Nothing [tokens, vocab]-sized is saved beyond the logits themselves.
-    ctx->save_for_backward({x, t, token.lse, token.mask});
-    return reduce_loss(token, options, target, logits.scalar_type());
+    ctx->save_for_backward({saved_logits, t, token.lse, token.mask});
+    return reduce_loss(token, options, target, loss_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const CrossEntropyOptions options = load_options(ctx);
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2], &mask = saved[3];
+    const at::Tensor x = saved[0].view({-1, saved[0].size(-1)});
+    const at::Tensor &t = saved[1], &lse = saved[2], &mask = saved[3];
     const VocabShard shard = vocab_shard(load_group(ctx), x.size(1), options.vocab_size);
     at::Tensor out = x;
     if (!ctx->saved_data["inplace_backward"].toBool()) {
       out = x.is_cpu() ? empty_cached_cpu(x.sizes(), x.scalar_type()) : at::empty_like(x);
     }
     cross_entropy_grad(x, t, lse, loss_grad_scale(grads[0], mask, options), out, shard, options);
+    // The logits now hold their gradient: whoever saved them (another node, or this one
+    // under retain_graph=True) must get autograd's "modified by an inplace operation"
+    // error instead of a silently wrong gradient.
+    if (out.is_same(x)) torch::autograd::impl::bump_version(x);
     const auto shape = ctx->saved_data["logits_shape"].toIntVector();
     // Not a view (a view would stop autograd from stealing the buffer into .grad: a copy).
-    return {at::_unsafe_view(out, shape), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::_unsafe_view(out, shape),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -195,7 +212,16 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
       what, vocab_size, logits.size(-1), world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, logits.sizes().slice(0, logits.dim() - 1), logits.device(),
                            logits.size(-1), world, options);
-  return VocabParallelCrossEntropyFn::apply(logits, target, group, options, inplace_backward);
+  TORCH_CHECK_VALUE(!(inplace_backward && logits.is_leaf() && logits.requires_grad()),
+                    "tpcore: ", what,
+                    ": inplace_backward=True would overwrite a leaf tensor's data with its ",
+                    "gradient; pass logits computed by an operation (e.g. the LM head's output)");
+  // The math is fp32 whatever the logits; the loss comes back in the logits' dtype, or in
+  // fp32 under autocast, as F.cross_entropy's would.
+  const at::ScalarType loss_dtype = autocast_dtype(logits) ? at::kFloat : logits.scalar_type();
+  const NoAutocast no_autocast;
+  return VocabParallelCrossEntropyFn::apply(logits, target, group, options, inplace_backward,
+                                            loss_dtype);
 }
 
 }  // namespace tpcore

@@ -47,11 +47,15 @@ void stats_rows(const at::Tensor& logits, const int64_t* target, int64_t vocab_s
         const int64_t n = std::min(kBlock, valid - j);
         const float* x = as_float(row + j, n, buffer);
         const float bm = loops.block_max(x, n);
-        if (bm > m) {
+        if (bm > m || std::isnan(bm)) {  // a NaN max sticks: the row's loss is NaN
           s = (m == kNegInf) ? 0.0f : s * std::exp(m - bm);
           m = bm;
         }
-        if (m != kNegInf) s += loops.block_sum_exp(x, n, m, &total);
+        if (m != kNegInf) {
+          s += loops.block_sum_exp(x, n, m, &total);
+        } else {
+          total += kNegInf;  // every logit so far is -inf: they add nothing to s, -inf to the sum
+        }
       }
       const int64_t local = target[r] - vocab_start;
       float* out = stats + r * 4;
@@ -80,19 +84,18 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
       const float a = g * (1.0f + 2.0f * z_loss * lse[r]);
       const float b = g * smoothing / static_cast<float>(vocab);
       const int64_t local = target[r] - vocab_start;
-      // Read the target logit first: `out` may alias `logits`.
+      // Each block is read before it is written: `out` may alias `logits`.
       for (int64_t j = 0; j < valid; j += kBlock) {
         const int64_t n = std::min(kBlock, valid - j);
         const float* x = as_float(row + j, n, in_buf);
-        if constexpr (std::is_same_v<T, float>) {
-          loops.block_grad(x, n, lse[r], a, b, grad + j);
-        } else {
-          loops.block_grad(x, n, lse[r], a, b, out_buf);
+        float* g_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(grad + j) : out_buf;
+        loops.block_grad(x, n, lse[r], a, b, g_out);
+        // The target's p - 1 is formed in fp32 and rounded once: near p = 1 a rounded p
+        // would cancel to 0.
+        if (local >= j && local < j + n) g_out[local - j] -= g * (1.0f - smoothing);
+        if constexpr (!std::is_same_v<T, float>) {
           for (int64_t i = 0; i < n; ++i) grad[j + i] = static_cast<T>(out_buf[i]);
         }
-      }
-      if (local >= 0 && local < valid) {
-        grad[local] = static_cast<T>(static_cast<float>(grad[local]) - g * (1.0f - smoothing));
       }
       std::fill(grad + valid, grad + stride, static_cast<T>(0));
     }

@@ -8,6 +8,7 @@
 // reduce-scatters them along the sequence; the bias is added after the sum.
 #include <ATen/ATen.h>
 
+#include "autocast_util.h"
 #include "autograd_util.h"
 #include "ops.h"
 
@@ -123,12 +124,29 @@ struct RowParallelLinearFn : public torch::autograd::Function<RowParallelLinearF
   }
 };
 
+// Under torch.autocast a linear computes in the autocast dtype, as nn.Linear does there.
+struct LinearInputs {
+  at::Tensor input, weight;
+  std::optional<at::Tensor> bias;
+};
+
+LinearInputs autocast_linear_inputs(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias) {
+  const auto dtype = autocast_dtype(input);
+  if (!dtype) return {input, weight, bias};
+  std::optional<at::Tensor> cast_bias = bias;
+  if (bias && bias->defined()) cast_bias = autocast_input(*bias, *dtype);
+  return {autocast_input(input, *dtype), autocast_input(weight, *dtype), cast_bias};
+}
+
 }  // namespace
 
-at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, const Group& group,
+at::Tensor column_parallel_linear(const at::Tensor& input_, const at::Tensor& weight_,
+                                  const std::optional<at::Tensor>& bias_, const Group& group,
                                   bool gather_output, bool sequence_parallel) {
   const char* layer = "ColumnParallelLinear";
+  const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
+  const NoAutocast no_autocast;
   check_linear_args(layer, input, weight, bias, weight.size(0), group);
   TORCH_CHECK_VALUE(!(gather_output && sequence_parallel), "tpcore: ", layer,
                     ": gather_output=True cannot be combined with sequence_parallel=True");
@@ -141,10 +159,12 @@ at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& wei
   return gather_output ? gather_from_tensor_parallel(out, group) : out;
 }
 
-at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias, const Group& group,
+at::Tensor row_parallel_linear(const at::Tensor& input_, const at::Tensor& weight_,
+                               const std::optional<at::Tensor>& bias_, const Group& group,
                                bool input_is_parallel, bool sequence_parallel) {
   const char* layer = "RowParallelLinear";
+  const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
+  const NoAutocast no_autocast;
   const int world = group_size(group);
   TORCH_CHECK_VALUE(input_is_parallel || !sequence_parallel, "tpcore: ", layer,
                     ": sequence_parallel=True needs input_is_parallel=True");
@@ -158,7 +178,11 @@ at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight
   check_linear_args(layer, x, weight, bias, weight.size(0), group);
   if (sequence_parallel) check_sequence_dim(layer, x, group);
   at::Tensor out = RowParallelLinearFn::apply(x, weight, group, sequence_parallel);
-  if (bias && bias->defined()) out = out + *bias;
+  if (bias && bias->defined()) {
+    // The replicated bias is added to this rank's rows only: with sequence parallelism each
+    // rank sees its sequence shard, so the bias gradient is summed over TP (f's backward).
+    out = out + (sequence_parallel ? copy_to_tensor_parallel(*bias, group) : *bias);
+  }
   return out;
 }
 

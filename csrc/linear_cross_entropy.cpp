@@ -3,10 +3,12 @@
 // [tokens, vocab/tp] logits never exist. The backward recomputes each chunk's logits,
 // turns them into their gradient in place, and feeds both GEMMs from that buffer.
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "autocast_util.h"
 #include "autograd_util.h"
 #include "cpu_buffer_pool.h"
 #include "cross_entropy.h"
@@ -22,10 +24,28 @@ at::Tensor chunk_logits(const at::Tensor& h_c, const at::Tensor& weight) {
   return at::mm_out(out, h_c, weight.t());
 }
 
+// grad_weight (fp32) += g^T h for one chunk of low-precision g [n, V_local] and h [n, H],
+// accumulated in fp32 without a [V_local, H] temporary rounded to g's dtype.
+void accumulate_weight_grad(at::Tensor& grad_weight, const at::Tensor& g, const at::Tensor& h) {
+  if (g.scalar_type() == at::kFloat) {
+    grad_weight.addmm_(g.t(), h);
+    return;
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (g.is_cuda()) {  // cuBLAS: bf16 / fp16 inputs, fp32 accumulator and output
+    at::addmm_out(grad_weight, grad_weight, g.t(), h, at::kFloat);
+    return;
+  }
+#endif
+  // Elsewhere the chunk is widened to fp32 (temporaries the size of the chunk, not of W).
+  grad_weight.addmm_(g.t().to(at::kFloat), h.to(at::kFloat));
+}
+
 struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& target, const Group& group,
-                            CrossEntropyOptions options, int64_t chunk_size) {
+                            CrossEntropyOptions options, int64_t chunk_size,
+                            at::ScalarType loss_dtype) {
     const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
     const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
     const VocabShard shard = vocab_shard(group, weight.size(0), options.vocab_size);
@@ -42,7 +62,7 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
     ctx->saved_data["chunk_size"] = chunk_size;
     ctx->saved_data["hidden_shape"] = hidden.sizes();
     ctx->save_for_backward({h, weight, t, token.lse, token.mask});
-    return reduce_loss(token, options, target, hidden.scalar_type());
+    return reduce_loss(token, options, target, loss_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -75,18 +95,13 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
         at::mm_out(part, logits, weight);
         pending.push_back(all_reduce_inplace_async(part, group));
       }
-      if (need_weight) {
-        if (logits.scalar_type() == at::kFloat) {
-          grad_weight.addmm_(logits.t(), h_c);  // no [V_local, H] temporary
-        } else {
-          grad_weight.add_(at::mm(logits.t(), h_c));
-        }
-      }
+      if (need_weight) accumulate_weight_grad(grad_weight, logits, h_c);
     }
     for (auto& p : pending) p.wait();
     const auto shape = d["hidden_shape"].toIntVector();
     return {need_hidden ? at::_unsafe_view(grad_hidden, shape) : at::Tensor(),
             need_weight ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
+            at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -96,12 +111,18 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
 
 }  // namespace
 
-at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden_, const at::Tensor& weight_,
                                                const at::Tensor& target, const Group& group,
                                                int64_t vocab_size, double label_smoothing,
                                                int64_t ignore_index, int64_t reduction,
                                                double z_loss, int64_t chunk_size) {
   const char* what = "vocab_parallel_linear_cross_entropy";
+  // Under autocast: the head's GEMMs in the autocast dtype (as F.linear), the loss in fp32
+  // (as F.cross_entropy).
+  const auto autocast = autocast_dtype(hidden_);
+  const at::Tensor hidden = autocast ? autocast_input(hidden_, *autocast) : hidden_;
+  const at::Tensor weight = autocast ? autocast_input(weight_, *autocast) : weight_;
+  const NoAutocast no_autocast;
   const int world = group_size(group);
   const auto dtype = hidden.scalar_type();
   check_loss_dtype(what, "hidden", dtype);
@@ -119,7 +140,8 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
       what, vocab_size, weight.size(0), world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, hidden.sizes().slice(0, hidden.dim() - 1), hidden.device(),
                            weight.size(0), world, options);
-  return LinearCrossEntropyFn::apply(hidden, weight, target, group, options, chunk_size);
+  return LinearCrossEntropyFn::apply(hidden, weight, target, group, options, chunk_size,
+                                     autocast ? at::kFloat : dtype);
 }
 
 }  // namespace tpcore

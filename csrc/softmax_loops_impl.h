@@ -20,10 +20,11 @@ inline v8f load(const float* p) {
 }
 inline void store(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{} + x; }
-inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+// Maxima that propagate NaN (as torch.max does): a NaN logit must make the loss NaN.
+inline v8f vmax(v8f a, v8f b) { return (a > b) | (a != a) ? a : b; }
 inline float hmax(v8f v) {
   float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  for (int l = 1; l < kLanes; ++l) m = (v[l] > m || v[l] != v[l]) ? v[l] : m;
   return m;
 }
 inline float hsum(v8f v) {

@@ -10,8 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int64_t grid_for(int64_t blocks) { return std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535); }
-
 // One block per token (grid-stride): copy its row if it lives here, zeros otherwise.
 template <typename T>
 __global__ void lookup_kernel(const int64_t* __restrict__ ids, const T* __restrict__ weight,
@@ -54,12 +52,12 @@ at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight
   at::Tensor out = at::empty({n, dim}, weight.options());
   if (n == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "emb_lookup",
-                                  [&] {
-                                    lookup_kernel<scalar_t><<<grid_for(n), kThreads, 0, stream>>>(
-                                        ids.data_ptr<int64_t>(), weight.data_ptr<scalar_t>(),
-                                        out.data_ptr<scalar_t>(), n, rows, dim, vocab_start);
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, weight.scalar_type(), "emb_lookup", [&] {
+        lookup_kernel<scalar_t><<<grid_blocks(n), kThreads, 0, stream>>>(
+            ids.data_ptr<int64_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, rows,
+            dim, vocab_start);
+      });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -83,7 +81,7 @@ at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad
   if (segments == 0) return grad_weight;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "emb_bwd", [&] {
-    segment_sum_kernel<scalar_t><<<grid_for(segments), kThreads, 0, stream>>>(
+    segment_sum_kernel<scalar_t><<<grid_blocks(segments), kThreads, 0, stream>>>(
         grad_out.data_ptr<scalar_t>(), order.data_ptr<int64_t>(), segment_rows.data_ptr<int64_t>(),
         starts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), segments, dim,
         grad_weight.data_ptr<scalar_t>());

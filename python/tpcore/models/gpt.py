@@ -63,8 +63,6 @@ class ParallelAttention(nn.Module):
         common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
         self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, **common)
         self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, **common)
-        if c.sequence_parallel:
-            _mark_sequence_parallel(self.proj.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (h + 2 kv) d / tp], the full sequence
@@ -95,8 +93,6 @@ class ParallelMLP(nn.Module):
         common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
         self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if self.swiglu else 1), **common)
         self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
-        if c.sequence_parallel:
-            _mark_sequence_parallel(self.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -252,8 +248,8 @@ class GPTModel(nn.Module):
 
 
 def finalize_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Sum over TP the gradients of parameters tagged `sequence_parallel` (norms, row biases,
-    positions): each rank saw only its sequence shard. Call after backward, before the step."""
+    """Sum over TP the gradients of parameters tagged `sequence_parallel` (norms and
+    positions; the row layers' biases are summed by the layers themselves): each rank saw only its sequence shard. Call after backward, before the step."""
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads:
         return

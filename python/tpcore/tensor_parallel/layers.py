@@ -205,8 +205,10 @@ class RowParallelLinear(_ParallelLinear):
     Shapes: weight `[out, in/tp]`, bias `[out]` replicated and added after the
     reduction; input `[..., in/tp]` with `input_is_parallel=True`, else `[..., in]`
     (split here); output `[..., out]` summed over TP, or this rank's sequence shard
-    `[s/tp, b, out]` (reduce-scatter) with `sequence_parallel=True`.
-    With `skip_bias_add=True` returns `(output, bias)`.
+    `[s/tp, b, out]` (reduce-scatter) with `sequence_parallel=True`; the bias gradient is
+    then summed over TP inside, so the layer is correct on its own.
+    With `skip_bias_add=True` returns `(output, bias)` (with sequence parallelism the
+    bias comes through f, so adding it to the shard keeps its gradient right).
     """
 
     shard_dim = 1
@@ -244,4 +246,8 @@ class RowParallelLinear(_ParallelLinear):
         out = _C.row_parallel_linear(
             x, self.weight, self._forward_bias(), self.group, self.input_is_parallel, self.sequence_parallel
         )
+        if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
+            # The caller adds the bias to a sequence shard: hand it over through f, whose
+            # backward sums its gradient over TP, so the bias stays correct on its own.
+            return out, _C.copy_to_tensor_parallel(self.bias, self.group)
         return self._result(out)
