@@ -167,3 +167,40 @@ def _inplace_misuse(rank, world, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_inplace_backward_misuse_raises(request, device):
     pool_for(request, device, 2).run(_inplace_misuse, device)
+
+
+def _strided_grids(rank, world):
+    """CUDA kernels stride over rows when the grid is capped (as past 2^31 rows it must be):
+    capped to 3 blocks, the embedding and the loss still equal F.embedding / F.cross_entropy."""
+    tp_rank, tp = setup_tp(1)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 300, generator=g).cuda()
+    target = torch.randint(0, 300, (37,), generator=g).cuda()
+    table = torch.randn(50, 8, generator=g).cuda()
+    ids = torch.randint(0, 50, (41,), generator=g).cuda()
+    tpcore._C._set_max_grid_blocks(3)
+    try:
+        local = logits.clone().requires_grad_(True)
+        loss = tpcore.vocab_parallel_cross_entropy(local, target, reduction="none")
+        loss.sum().backward()
+        emb = tpcore.VocabParallelEmbedding(50, 8, make_vocab_size_divisible_by=1, device="cuda")
+        with torch.no_grad():
+            emb.weight.copy_(table)
+        out = emb(ids)
+        out.square().sum().backward()
+    finally:
+        tpcore._C._set_max_grid_blocks(0)
+    ref = logits.clone().requires_grad_(True)
+    ref_loss = F.cross_entropy(ref, target, reduction="none")
+    ref_loss.sum().backward()
+    _same(loss, ref_loss, "capped grid: loss")
+    _same(local.grad, ref.grad, "capped grid: grad")
+    ref_table = table.clone().requires_grad_(True)
+    ref_out = F.embedding(ids, ref_table)
+    ref_out.square().sum().backward()
+    _same(out, ref_out, "capped grid: embedding")
+    _same(emb.weight.grad, ref_table.grad, "capped grid: embedding grad")
+
+
+def test_cuda_kernels_stride_past_the_grid_cap(request):
+    pool_for(request, "cuda", 1).run(_strided_grids)

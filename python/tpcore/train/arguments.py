@@ -66,6 +66,7 @@ class TrainArgs:
     clip_grad: float = _arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     bf16: bool = _arg(False, "bfloat16 model, fp32 master weights")
     fp16: bool = _arg(False, "float16 model, fp32 master weights, dynamic loss scaling")
+    autocast: str = _arg("none", "mixed precision with fp32 weights: forward under torch.autocast in this dtype (fp16 adds loss scaling)", ("none", "bf16", "fp16"))
     initial_loss_scale: float = _arg(2.0**16, "fp16: starting loss scale")
     loss_scale_window: int = _arg(1000, "fp16: clean steps before the loss scale doubles")
     seed: int = _arg(1234, "random seed (initialisation, dropout, data order)")
@@ -93,6 +94,7 @@ class TrainArgs:
         for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
         need(not (self.bf16 and self.fp16), "--bf16 and --fp16 exclude each other")
+        need(self.autocast == "none" or not (self.bf16 or self.fp16), "--autocast keeps fp32 weights: it excludes --bf16 and --fp16")
         need(0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         need(self.clip_grad >= 0 and self.weight_decay >= 0, "--clip-grad and --weight-decay must be >= 0")
         need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")

@@ -23,7 +23,7 @@ from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler, ParallelAdamW
 from .schedule import learning_rate
 
-__all__ = ["pretrain", "init_distributed"]
+__all__ = ["pretrain", "init_distributed", "precision", "micro_batch_loss"]
 
 
 def init_distributed(device: str, timeout_s: float = 600.0) -> None:
@@ -68,6 +68,21 @@ class _Batches:
         return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
 
 
+def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None): --bf16 / --fp16 make the model itself low
+    precision (fp32 masters in the optimizer); --autocast keeps fp32 weights and runs the
+    forward under torch.autocast."""
+    params = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return params, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+
+
+def micro_batch_loss(model, ids: torch.Tensor, target: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """The model's mean loss on one micro batch, under autocast when asked (backward then
+    runs outside it, as torch.autocast recommends)."""
+    with torch.autocast(ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        return model(ids, target)
+
+
 def _dp_mean(value: torch.Tensor, dp_group) -> float:
     dist.all_reduce(value, group=dp_group)
     return float(value.item()) / dist.get_world_size(dp_group)
@@ -101,7 +116,7 @@ def pretrain(args: TrainArgs) -> dict:
     train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
     valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype, autocast_dtype = precision(args)
     resume_from = find_checkpoint(args.load) if args.load else None
     torch.manual_seed(args.seed)  # the same full model is drawn on every rank: TP-size invariant
     model = GPTModel(config, group=tp_group, dtype=dtype, device=device, _init=resume_from is None)
@@ -115,7 +130,7 @@ def pretrain(args: TrainArgs) -> dict:
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps,
-        loss_scaler=LossScaler(args.initial_loss_scale, args.loss_scale_window) if args.fp16 else None,
+        loss_scaler=LossScaler(args.initial_loss_scale, args.loss_scale_window) if torch.float16 in (dtype, autocast_dtype) else None,
     )
     start = 0
     if resume_from:
@@ -126,7 +141,7 @@ def pretrain(args: TrainArgs) -> dict:
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
     logger.print(
         f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp} | "
-        f"{device} {str(dtype).removeprefix('torch.')} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
+        f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
         + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
     )
 
@@ -136,7 +151,7 @@ def pretrain(args: TrainArgs) -> dict:
         with torch.no_grad():
             for step in range(args.eval_iters):
                 for micro in range(valid_batches.accumulation):
-                    total += model(*valid_batches(step, micro)).double().cpu()
+                    total += micro_batch_loss(model, *valid_batches(step, micro), autocast_dtype).double().cpu()
         model.train()
         return _dp_mean(total / (args.eval_iters * valid_batches.accumulation), dp_group)
 
@@ -154,7 +169,7 @@ def pretrain(args: TrainArgs) -> dict:
         step_loss = torch.zeros((), dtype=torch.float64)
         with StepTimer(device == "cuda") as timer:
             for micro in range(train_batches.accumulation):
-                micro_loss = model(*train_batches(iteration, micro)) / train_batches.accumulation
+                micro_loss = micro_batch_loss(model, *train_batches(iteration, micro), autocast_dtype) / train_batches.accumulation
                 (micro_loss * optimizer.loss_scale).backward()
                 step_loss += micro_loss.detach().double().cpu()
             if config.sequence_parallel:
