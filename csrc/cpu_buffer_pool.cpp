@@ -1,75 +1,89 @@
 #include "cpu_buffer_pool.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <cstdlib>
+#include <deque>
 #include <mutex>
-#include <vector>
+#include <unordered_map>
 
 namespace tpcore {
 namespace {
 
 // Small buffers are cheap to allocate; only large ones are worth keeping.
 constexpr size_t kMinCachedBytes = size_t(1) << 20;
-constexpr size_t kAlignment = 64;
+constexpr size_t kDefaultLimitMB = 256;
 
 size_t limit_from_env() {
   const char* mb = std::getenv("TPCORE_CPU_CACHE_MB");
-  return (mb ? std::strtoull(mb, nullptr, 10) : 4096) << 20;
+  return static_cast<size_t>(mb ? std::strtoull(mb, nullptr, 10) : kDefaultLimitMB) << 20;
 }
 
 class BufferPool {
  public:
+  // A buffer of exactly `bytes`, cached or new; owned by the pool until give_back.
   void* take(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < free_.size(); ++i) {
-        if (free_[i].bytes == bytes) {
-          void* ptr = free_[i].ptr;
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->bytes == bytes) {
+          void* ptr = it->data.get();
           cached_ -= bytes;
-          free_.erase(free_.begin() + i);
+          in_use_.emplace(ptr, std::move(*it));
+          free_.erase(it);
           return ptr;
         }
       }
     }
-    void* ptr = nullptr;
-    TORCH_CHECK(posix_memalign(&ptr, kAlignment, bytes) == 0, "tpcore: out of memory allocating ",
-                bytes, " bytes");
+    c10::DataPtr data = c10::GetCPUAllocator()->allocate(bytes);
+    void* ptr = data.get();
+    std::lock_guard<std::mutex> lock(mu_);
+    in_use_.emplace(ptr, Block{std::move(data), bytes});
     return ptr;
   }
 
-  void give_back(void* ptr, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Keep the newest buffers: evict the oldest until this one fits.
-    while (!free_.empty() && cached_ + bytes > limit_) {
-      std::free(free_.front().ptr);
-      cached_ -= free_.front().bytes;
-      free_.erase(free_.begin());
-    }
-    if (bytes >= kMinCachedBytes && bytes <= limit_) {
-      free_.push_back({ptr, bytes});
-      cached_ += bytes;
-    } else {
-      std::free(ptr);
+  // Called when the tensor holding `ptr` is freed: keep it if it fits under the limit,
+  // evicting the oldest cached buffers first; otherwise release it.
+  void give_back(void* ptr) {
+    Block dropped;  // released after the lock, like the evicted ones
+    std::deque<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = in_use_.find(ptr);
+      Block block = std::move(it->second);
+      in_use_.erase(it);
+      if (block.bytes > limit_) {
+        dropped = std::move(block);
+      } else {
+        while (cached_ + block.bytes > limit_) {
+          cached_ -= free_.front().bytes;
+          evicted.push_back(std::move(free_.front()));
+          free_.pop_front();
+        }
+        cached_ += block.bytes;
+        free_.push_back(std::move(block));
+      }
     }
   }
 
   int64_t clear() {
+    std::deque<Block> released;
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t released = static_cast<int64_t>(cached_);
-    for (auto& block : free_) std::free(block.ptr);
-    free_.clear();
+    const int64_t bytes = static_cast<int64_t>(cached_);
+    released.swap(free_);
     cached_ = 0;
-    return released;
+    return bytes;
   }
 
  private:
   struct Block {
-    void* ptr;
-    size_t bytes;
+    c10::DataPtr data;
+    size_t bytes = 0;
   };
   std::mutex mu_;
-  std::vector<Block> free_;
+  std::deque<Block> free_;  // oldest first
+  std::unordered_map<void*, Block> in_use_;
   size_t cached_ = 0;
   const size_t limit_ = limit_from_env();
 };
@@ -87,7 +101,7 @@ at::Tensor empty_cached_cpu(at::IntArrayRef shape, at::ScalarType dtype) {
   if (bytes < kMinCachedBytes) return at::empty(shape, at::TensorOptions().dtype(dtype));
   void* ptr = pool().take(bytes);
   return at::from_blob(
-      ptr, shape, [bytes](void* p) { pool().give_back(p, bytes); },
+      ptr, shape, [](void* p) { pool().give_back(p); },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 

@@ -18,6 +18,9 @@ namespace tpcore {
 namespace {
 
 constexpr int64_t kBlock = 512;  // floats per block: stays in L1 between the two block passes
+// fp32 gradients at least this large are written with streaming stores: they cannot stay in
+// the caches anyway, and such stores skip reading each line before writing it.
+constexpr int64_t kStreamBytes = int64_t(32) << 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rows of type T are handled in float blocks: float rows are used in place, others
@@ -75,6 +78,9 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
   const T* base = logits.data_ptr<T>();
   T* out_base = out.data_ptr<T>();
   const SoftmaxLoops& loops = softmax_loops();
+  // Not in place: there the lines were just read and are in the cache already.
+  const bool stream = std::is_same_v<T, float> && out.data_ptr() != logits.data_ptr() &&
+                      out.nbytes() >= kStreamBytes;
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     float in_buf[kBlock], out_buf[kBlock];
     for (int64_t r = r0; r < r1; ++r) {
@@ -89,16 +95,20 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
         const int64_t n = std::min(kBlock, valid - j);
         const float* x = as_float(row + j, n, in_buf);
         float* g_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(grad + j) : out_buf;
-        loops.block_grad(x, n, lse[r], a, b, g_out);
+        const bool has_target = local >= j && local < j + n;
+        // The target's block is read back below: keep it in the cache.
+        (stream && !has_target ? loops.block_grad_stream : loops.block_grad)(x, n, lse[r], a, b,
+                                                                              g_out);
         // The target's p - 1 is formed in fp32 and rounded once: near p = 1 a rounded p
         // would cancel to 0.
-        if (local >= j && local < j + n) g_out[local - j] -= g * (1.0f - smoothing);
+        if (has_target) g_out[local - j] -= g * (1.0f - smoothing);
         if constexpr (!std::is_same_v<T, float>) {
           for (int64_t i = 0; i < n; ++i) grad[j + i] = static_cast<T>(out_buf[i]);
         }
       }
       std::fill(grad + valid, grad + stride, static_cast<T>(0));
     }
+    if (stream) loops.stream_fence();  // before another thread reads the gradient
   });
 }
 

@@ -15,6 +15,10 @@ struct SoftmaxLoops {
   float (*block_sum_exp)(const float* x, int64_t n, float m, float* total);
   // out = exp(x - lse) * a - b
   void (*block_grad)(const float* x, int64_t n, float lse, float a, float b, float* out);
+  // The same with non-temporal stores where `out` allows (aligned lanes); for outputs
+  // much larger than the caches. Call stream_fence() before others read them.
+  void (*block_grad_stream)(const float* x, int64_t n, float lse, float a, float b, float* out);
+  void (*stream_fence)();
 };
 
 // The fastest variant this CPU supports.

@@ -3,7 +3,7 @@
 
 namespace tpcore {
 const SoftmaxLoops& softmax_loops_avx2() {
-  static const SoftmaxLoops loops{block_max, block_sum_exp, block_grad};
+  static const SoftmaxLoops loops{block_max, block_sum_exp, block_grad, block_grad_stream, stream_fence};
   return loops;
 }
 }  // namespace tpcore

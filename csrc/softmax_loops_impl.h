@@ -1,87 +1,120 @@
 // The loops behind SoftmaxLoops; included once per target by softmax_loops*.cpp.
-// Written with GCC/Clang vector extensions (8 floats): SSE pairs on the baseline
-// target, one AVX register with -mavx2. Everything has internal linkage.
+// Written with GCC/Clang vector extensions of kLanes floats: SSE pairs on the baseline
+// target, one AVX register with -mavx2, one AVX-512 register with TPCORE_LOOPS_AVX512.
+// Everything has internal linkage.
 #include <cstdint>
 #include <cstring>
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
 
 #include "softmax_loops.h"
 
 namespace {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(TPCORE_LOOPS_AVX512)
+constexpr int kLanes = 16;
+#else
 constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(float))));
 constexpr float kNegInf = -__builtin_inff();
 
-inline v8f load(const float* p) {
-  v8f v;
+inline vf load(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8f splat(float x) { return v8f{} + x; }
-// Maxima that propagate NaN (as torch.max does): a NaN logit must make the loss NaN.
-inline v8f vmax(v8f a, v8f b) { return (a > b) | (a != a) ? a : b; }
-inline float hmax(v8f v) {
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf splat(float x) { return vf{} + x; }
+
+// max(a, b) lane by lane, one instruction where there is one. Where a lane of either is
+// NaN the result is b's lane (x86's MAXPS rule), so vmax(c, x) keeps a NaN x. Maxima may
+// drop a NaN: the sums of exps carry it to the loss instead.
+inline vf vmax(vf a, vf b) {
+#if defined(TPCORE_LOOPS_AVX512)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+inline float hmax(vf v) {
   float m = v[0];
   for (int l = 1; l < kLanes; ++l) m = (v[l] > m || v[l] != v[l]) ? v[l] : m;
   return m;
 }
-inline float hsum(v8f v) {
+inline float hsum(vf v) {
   float s = 0;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
-// exp(x) for x <= ~0: 2^n * 2^f with n = round(x / ln2), |f| <= ln2 / 2, and a
-// degree-7 polynomial for e^f (relative error < 1e-8 before rounding). Rounding uses
-// the 1.5 * 2^23 trick so that it vectorizes; inputs below -87 give ~0; NaN stays NaN.
-inline v8f vexp(v8f x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const v8f t = x * 1.44269504088896341f;
-  const v8f n = (t + 12582912.0f) - 12582912.0f;
-  const v8f f = (t - n) * 0.693147180559945309f;
-  v8f p = splat(1.0f / 5040);
-  p = p * f + 1.0f / 720;
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
+// exp(d) for d <= 0 (and up to ~80), as 2^t with t = d / ln2 = n + f, n an integer and
+// |f| <= 1/2: a degree-5 polynomial for 2^f (relative error 1.3e-7, about one fp32
+// rounding) times 2^n built from its exponent bits. Adding kRoundBias rounds t to an
+// integer that lands in the low mantissa bits (shifted up by 23 they are the exponent
+// of 2^n, biased by 127), which vectorizes without a float-to-int conversion.
+// d < -86.6 gives 2^-125 (~1e-38) instead of ~0; NaN gives NaN.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kRoundBias = 12582912.0f + 127.0f;  // 1.5 * 2^23, plus the exponent bias
+constexpr float kMinExpArg = -86.64f;               // t >= -125: 2^n stays a normal float
+
+inline vf vexp(vf d) {
+  d = vmax(splat(kMinExpArg), d);  // a NaN d stays NaN
+  const vf j = d * kLog2e + kRoundBias;  // fused: j - kRoundBias = round(t)
+  const vf n = j - kRoundBias;
+  const vf f = d * kLog2e - n;  // fused, so f is exact
+  // Minimax coefficients of 2^f on [-1/2, 1/2] for relative error (Lawson's algorithm).
+  vf p = splat(0x1.5ac05ap-10f);
+  p = p * f + 0x1.3cdd42p-7f;
+  p = p * f + 0x1.c6b99cp-5f;
+  p = p * f + 0x1.ebf9e0p-3f;
+  p = p * f + 0x1.62e426p-1f;
   p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+  vi bits;
+  std::memcpy(&bits, &j, sizeof(bits));
+  bits <<= 23;
+  vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * scale;  // a product, not an exponent add: NaN in p stays NaN
 }
 
-// Tails shorter than 8 go through a padded vector; `fill` pads the unused lanes.
-inline v8f load_tail(const float* p, int64_t n, float fill) {
-  v8f v = splat(fill);
+// Tails shorter than kLanes go through a padded vector; `fill` pads the unused lanes.
+inline vf load_tail(const float* p, int64_t n, float fill) {
+  vf v = splat(fill);
   for (int64_t i = 0; i < n; ++i) v[i] = p[i];
   return v;
 }
 
 float block_max(const float* x, int64_t n) {
-  v8f m = splat(kNegInf);
+  // Two accumulators: a max's latency, not its throughput, would bound one.
+  vf m0 = splat(kNegInf), m1 = m0;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) m = vmax(m, load(x + i));
-  if (i < n) m = vmax(m, load_tail(x + i, n - i, kNegInf));
-  return hmax(m);
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    m0 = vmax(m0, load(x + i));
+    m1 = vmax(m1, load(x + i + kLanes));
+  }
+  for (; i + kLanes <= n; i += kLanes) m0 = vmax(m0, load(x + i));
+  if (i < n) m1 = vmax(m1, load_tail(x + i, n - i, kNegInf));
+  return hmax(vmax(m0, m1));
 }
 
 float block_sum_exp(const float* x, int64_t n, float m, float* total) {
-  v8f se = {}, sx = {};
+  vf se = {}, sx = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const v8f v = load(x + i);
+    const vf v = load(x + i);
     se += vexp(v - m);
     sx += v;
   }
   if (i < n) {
     // Padding lanes hold -inf (exp gives ~0) for the exps and 0 for the sum.
-    const v8f v = load_tail(x + i, n - i, kNegInf);
-    const v8f e = vexp(v - m);
+    const vf v = load_tail(x + i, n - i, kNegInf);
+    const vf e = vexp(v - m);
     for (int64_t l = 0; l < n - i; ++l) {
       se[l] += e[l];
       sx[l] += v[l];
@@ -95,9 +128,43 @@ void block_grad(const float* x, int64_t n, float lse, float a, float b, float* o
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(out + i, vexp(load(x + i) - lse) * a - b);
   if (i < n) {
-    const v8f g = vexp(load_tail(x + i, n - i, 0.0f) - lse) * a - b;
+    const vf g = vexp(load_tail(x + i, n - i, 0.0f) - lse) * a - b;
     for (int64_t l = 0; l < n - i; ++l) out[i + l] = g[l];
   }
+}
+
+// A store that bypasses the caches (no read of the line before it is written), for
+// outputs far larger than the caches; `p` is aligned to the vector size.
+inline void stream_store(float* p, vf v) {
+#if defined(TPCORE_LOOPS_AVX512)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  _mm256_stream_ps(p, (__m256)v);
+#elif defined(__SSE__)
+  __m128 half[2];
+  std::memcpy(half, &v, sizeof(v));
+  _mm_stream_ps(p, half[0]);
+  _mm_stream_ps(p + 4, half[1]);
+#else
+  store(p, v);
+#endif
+}
+
+void block_grad_stream(const float* x, int64_t n, float lse, float a, float b, float* out) {
+  // Plain stores up to the first aligned address, streaming ones from there.
+  constexpr uintptr_t kAlign = sizeof(vf);
+  int64_t i = static_cast<int64_t>((kAlign - reinterpret_cast<uintptr_t>(out) % kAlign) % kAlign /
+                                   sizeof(float));
+  if (i >= n) return block_grad(x, n, lse, a, b, out);
+  block_grad(x, i, lse, a, b, out);
+  for (; i + kLanes <= n; i += kLanes) stream_store(out + i, vexp(load(x + i) - lse) * a - b);
+  block_grad(x + i, n - i, lse, a, b, out + i);
+}
+
+void stream_fence() {
+#if defined(__SSE__)
+  _mm_sfence();
+#endif
 }
 
 }  // namespace
