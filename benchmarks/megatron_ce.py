@@ -1,7 +1,14 @@
-"""Baseline for the benchmarks: Megatron-LM's vocab-parallel cross-entropy algorithm,
-written here in plain PyTorch from its description (Shoeybi et al. 2019): three
-all-reduces in the forward (max, target logit, sum of exps) and the softmax saved
-for the backward. Not part of tpcore."""
+"""Baselines for the benchmarks: Megatron-LM's vocab-parallel cross-entropy.
+
+1. `megatron_cross_entropy`: its algorithm written here in plain PyTorch from its
+   description (Shoeybi et al. 2019): three all-reduces in the forward (max, target
+   logit, sum of exps) and the softmax saved for the backward, out of place.
+2. `load_megatron_core()`: Megatron-LM's own implementation,
+   `megatron.core.tensor_parallel.vocab_parallel_cross_entropy`, imported at run time
+   from the `megatron-core` package when it is installed (never copied here). It works
+   in place: the logits are overwritten by their softmax, then by their gradient.
+Not part of tpcore.
+"""
 
 from __future__ import annotations
 
@@ -45,3 +52,28 @@ def megatron_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.
     """Per-token loss [tokens] of logits [tokens, vocab/tp] on the TP group."""
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     return _MegatronCrossEntropy.apply(logits, target, group)
+
+
+def load_megatron_core(world: int):
+    """Megatron-LM's own `vocab_parallel_cross_entropy(logits, target) -> [tokens]` on a
+    TP group of `world` ranks (the whole job, which must already be initialised), or the
+    reason it cannot run here as a string."""
+    import logging
+    import warnings
+
+    # Its import pulls in torch.utils.cpp_extension, which logs that no CUDA runtime is found.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # It warns that Transformer Engine and Apex are missing; the loss needs neither.
+            warnings.simplefilter("ignore")
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
+        return f"megatron-core not importable: {type(e).__name__}: {e}"
+    try:
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    except Exception as e:  # noqa: BLE001
+        return f"megatron-core's parallel_state.initialize_model_parallel failed: {type(e).__name__}: {e}"
+    return vocab_parallel_cross_entropy

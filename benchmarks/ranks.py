@@ -1,13 +1,76 @@
 """Fresh processes as ranks, for the benchmarks (each case gets its own, so memory
-peaks and thread settings do not leak between cases)."""
+peaks, thread settings and the allocator do not leak between cases), and the allocator
+conditions every contender of a case runs under alike."""
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
+import subprocess
 import tempfile
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+# Debian / Ubuntu package names, for the message when none is installed.
+_TCMALLOC_PACKAGES = "libtcmalloc-minimal4 (or libgoogle-perftools4)"
+
+
+def find_tcmalloc() -> str | None:
+    """Path of a tcmalloc shared library on this machine, or None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    found = [line.split("=>")[-1].strip() for line in out.splitlines() if "libtcmalloc" in line and "debug" not in line]
+    found += sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.*")) + sorted(glob.glob("/usr/lib/*/libtcmalloc.so.*"))
+    found = [p for p in found if os.path.isfile(p) and "debug" not in os.path.basename(p)]
+    # tcmalloc_minimal first: no profiler hooks.
+    found.sort(key=lambda p: "minimal" not in p)
+    return found[0] if found else None
+
+
+def allocator_conditions(names: list[str]) -> list[tuple[str, str, dict[str, str]]]:
+    """(name, description, environment) for each requested allocator condition; prints
+    why one is skipped (tcmalloc not installed)."""
+    conditions = []
+    for name in names:
+        if name == "default":
+            conditions.append((name, "default allocator (glibc malloc: large blocks are fresh mmaps, faulted in on first touch)", {}))
+        elif name == "tcmalloc":
+            path = find_tcmalloc()
+            if path is None:
+                print(f"\n**tcmalloc is not installed**: the caching-allocator condition is skipped (apt-get install {_TCMALLOC_PACKAGES}).")
+                continue
+            conditions.append((name, f"caching allocator for every contender: LD_PRELOAD={path}", {"LD_PRELOAD": path}))
+        elif name == "thp":
+            conditions.append((name, "default allocator with torch's THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for large CPU tensors)", {"THP_MEM_ALLOC_ENABLE": "1"}))
+        else:
+            raise ValueError(f"unknown allocator condition {name!r} (default, tcmalloc, thp)")
+    return conditions
+
+
+def loaded_allocator() -> str:
+    """What this process's malloc is, from its mapped libraries (to check a preload took)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return "tcmalloc" if "libtcmalloc" in maps else "glibc"
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with `env` added, for the processes spawned inside (they inherit it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
@@ -29,17 +92,24 @@ def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     tpcore.initialize_model_parallel(world)
 
 
-def run_on_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 1800) -> list[Any]:
-    """Start `target(rank, world, store_path, *args, results)` on `world` spawned processes;
-    each puts `(rank, value)` into `results`. Returns the values in rank order."""
+def run_on_ranks(
+    target: Callable[..., None], world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 1800
+) -> list[Any]:
+    """Start `target(rank, world, store_path, *args, results)` on `world` spawned processes
+    (with `env` added to their environment); each puts `(rank, value)` into `results`.
+    Returns the values in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, environment(env or {}):
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=target, args=(r, world, store, *args, results)) for r in range(world)]
         for p in procs:
             p.start()
-        values = dict(results.get(timeout=timeout) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
+        try:
+            values = dict(results.get(timeout=timeout) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
     return [values[r] for r in range(world)]

@@ -26,12 +26,25 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows of type T are handled in float blocks: float rows are used in place, others
 // are converted block by block into a small buffer.
 template <typename T>
-const float* as_float(const T* src, int64_t n, float* buffer) {
+const float* as_float(const T* src, int64_t n, float* buffer, const SoftmaxLoops& loops) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    loops.widen_bf16(reinterpret_cast<const uint16_t*>(src), n, buffer);
+    return buffer;
   } else {
     for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(src[i]);
     return buffer;
+  }
+}
+
+// Rounds a float block into row `dst` of type T (not float), once.
+template <typename T>
+void store_rounded(const float* src, int64_t n, T* dst, const SoftmaxLoops& loops) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    loops.narrow_bf16(src, n, reinterpret_cast<uint16_t*>(dst));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
 }
 
@@ -48,7 +61,7 @@ void stats_rows(const at::Tensor& logits, const int64_t* target, int64_t vocab_s
       float m = kNegInf, s = 0, total = 0;
       for (int64_t j = 0; j < valid; j += kBlock) {
         const int64_t n = std::min(kBlock, valid - j);
-        const float* x = as_float(row + j, n, buffer);
+        const float* x = as_float(row + j, n, buffer, loops);
         const float bm = loops.block_max(x, n);
         if (bm > m || std::isnan(bm)) {  // a NaN max sticks: the row's loss is NaN
           s = (m == kNegInf) ? 0.0f : s * std::exp(m - bm);
@@ -93,7 +106,7 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
       // Each block is read before it is written: `out` may alias `logits`.
       for (int64_t j = 0; j < valid; j += kBlock) {
         const int64_t n = std::min(kBlock, valid - j);
-        const float* x = as_float(row + j, n, in_buf);
+        const float* x = as_float(row + j, n, in_buf, loops);
         float* g_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(grad + j) : out_buf;
         const bool has_target = local >= j && local < j + n;
         // The target's block is read back below: keep it in the cache.
@@ -102,9 +115,7 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
         // The target's p - 1 is formed in fp32 and rounded once: near p = 1 a rounded p
         // would cancel to 0.
         if (has_target) g_out[local - j] -= g * (1.0f - smoothing);
-        if constexpr (!std::is_same_v<T, float>) {
-          for (int64_t i = 0; i < n; ++i) grad[j + i] = static_cast<T>(out_buf[i]);
-        }
+        if constexpr (!std::is_same_v<T, float>) store_rounded(out_buf, n, grad + j, loops);
       }
       std::fill(grad + valid, grad + stride, static_cast<T>(0));
     }

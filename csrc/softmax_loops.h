@@ -19,6 +19,9 @@ struct SoftmaxLoops {
   // much larger than the caches. Call stream_fence() before others read them.
   void (*block_grad_stream)(const float* x, int64_t n, float lse, float a, float b, float* out);
   void (*stream_fence)();
+  // bfloat16 (as raw bits) to float, and back with rounding to nearest even as c10 does.
+  void (*widen_bf16)(const uint16_t* src, int64_t n, float* dst);
+  void (*narrow_bf16)(const float* src, int64_t n, uint16_t* dst);
 };
 
 // The fastest variant this CPU supports.

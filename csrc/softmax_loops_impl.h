@@ -161,6 +161,45 @@ void block_grad_stream(const float* x, int64_t n, float lse, float a, float b, f
   block_grad(x + i, n - i, lse, a, b, out + i);
 }
 
+// bfloat16 <-> float on blocks (bf16 is the top half of a float's bits).
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vh h;
+    std::memcpy(&h, src + i, sizeof(h));
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
+  for (; i < n; ++i) {
+    const uint32_t u = uint32_t(src[i]) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
+}
+
+// Rounds to nearest even, a NaN to 0x7FC0: bit for bit what c10::BFloat16(float) does.
+inline uint32_t round_bf16(uint32_t u) { return (u + (((u >> 16) & 1) + 0x7FFF)) >> 16; }
+
+void narrow_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf f = load(src + i);
+    vu u;
+    std::memcpy(&u, &f, sizeof(u));
+    const vu nan = (vu)(f != f);
+    const vu r = (((u + (((u >> 16) & 1) + 0x7FFF)) >> 16) & ~nan) | (nan & 0x7FC0);
+    const vh h = __builtin_convertvector(r, vh);
+    std::memcpy(dst + i, &h, sizeof(h));
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    dst[i] = static_cast<uint16_t>(src[i] != src[i] ? 0x7FC0 : round_bf16(u));
+  }
+}
+
 void stream_fence() {
 #if defined(__SSE__)
   _mm_sfence();

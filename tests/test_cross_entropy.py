@@ -167,3 +167,28 @@ def _large_shards(rank, world):
 
 def test_large_gradients_match_f_cross_entropy(cpu_ranks):
     cpu_ranks.run(_large_shards)
+
+
+def _bf16_rounding(rank, world):
+    """bf16 logits: widened exactly, the gradient rounded once exactly as torch rounds fp32
+    to bf16 (nearest even, NaN to NaN): bit-equal to the fp32 gradient of the same values
+    cast by torch, over enough values (1M per rank) to include exact ties."""
+    tp_rank, tp = setup_tp(2)
+    g = torch.Generator().manual_seed(7)
+    logits = (5 * torch.randn(64, 2 * 8200, generator=g)).bfloat16()
+    logits[3, 17] = float("nan")
+    logits[5, :100] = float("-inf")
+    target = torch.randint(0, 2 * 8200, (64,), generator=g)
+    local = logits.chunk(tp, -1)[tp_rank]
+    grads = []
+    for x in (local.clone(), local.float()):
+        x.requires_grad_(True)
+        tpcore.vocab_parallel_cross_entropy(x, target, label_smoothing=0.1, reduction="sum").backward()
+        grads.append(x.grad)
+    expected = grads[1].to(torch.bfloat16)
+    torch.testing.assert_close(grads[0], expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(grads[0][3]).all() and not torch.isnan(grads[0][4]).any()
+
+
+def test_bf16_gradient_rounds_like_torch(cpu_ranks):
+    cpu_ranks.run(_bf16_rounding)
