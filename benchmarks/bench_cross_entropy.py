@@ -188,12 +188,16 @@ def _run_case(world, spec, env):
         peak = max(m[0] for m in mem) if mem[0] else None
         held = max(m[1] for m in mem) if mem[0] else None
         out[name] = (statistics.median(per_step) * 1e3, peak, held)
+        if name == "copy":
+            # Load from other jobs only ever slows a copy down: its fastest step is the
+            # best estimate of the machine's bandwidth, so the floor is not inflated.
+            info["copy_min_ms"] = min(per_step) * 1e3
     info["load"] = max(r[2]["load"][0] for r in rows)
     return out, info
 
 
 def _report(world, spec, out, info, cond):
-    copy_ms = out["copy"][0]
+    copy_ms = info["copy_min_ms"]
     # Every rank copies its shard at once: bandwidth of one rank, times the ranks.
     bandwidth = copy_bandwidth(copy_ms / 1e3, info["logits_bytes"]) * world
     floor_ms = info["floor_bytes"] * world / bandwidth * 1e3
@@ -205,7 +209,7 @@ def _report(world, spec, out, info, cond):
     )
     print(
         f"malloc in the ranks: {info['allocator']}; load average at the end: {info['load']:.1f}. Copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (all ranks); floor = read logits twice + write gradient once = "
+        f"{bandwidth / 1e9:.1f} GB/s (all ranks, fastest copy step); floor = read logits twice + write gradient once = "
         f"{info['floor_bytes'] * world / 2**30:.2f} GiB -> {floor_ms:.0f} ms. tpcore's default cache "
         f"(256 MiB) here means \"{default_is}\"."
     )
@@ -226,7 +230,27 @@ def _report(world, spec, out, info, cond):
         if mem:
             row += f" {peak / MiB:.0f} | {held / MiB:.0f} |"
         print(row)
-    print(f"| copy (dst.copy_(logits)) | {copy_ms:.1f} |" + " |" * (len(refs) + 2) + (" | |" if mem else ""))
+    print(f"| copy (dst.copy_(logits)), median / fastest | {out['copy'][0]:.1f} / {copy_ms:.1f} |" + " |" * (len(refs) + 2) + (" | |" if mem else ""))
+
+
+def _summary(cond, results) -> None:
+    """The issue's goal per TP size: >= 1.5x faster than F.cross_entropy, >= 2x faster than
+    Megatron-LM (its own implementation, else the rewrite), under this allocator."""
+    print(f"\n### Goal check, {cond} (>= 1.5x vs F.cross_entropy, >= 2x vs Megatron; same run)")
+    print("| TP | dtype | shape | tpcore variant | vs F.cross_entropy | vs Megatron | met |")
+    print("|---|---|---|---|---|---|---|")
+    for (world, dtype, tokens, vocab), out in results.items():
+        megatron = "megatron-core" if "megatron-core" in out else "megatron-style rewrite"
+        # F.cross_entropy cannot take a shard: at TP>1 compare with it at TP=1 on the same
+        # cores (same run, another case: not interleaved).
+        torch_ce = results.get((1, dtype, tokens, vocab), {}).get("F.cross_entropy")
+        for name in ("tpcore, cache off", "tpcore, cache on", "tpcore, inplace_backward"):
+            ms = out[name][0]
+            vs_ce = torch_ce[0] / ms if torch_ce else float("nan")
+            vs_m = out[megatron][0] / ms
+            met = "yes" if vs_ce >= 1.5 and vs_m >= 2 else "no"
+            note = "" if world == 1 else " (F.ce at TP=1)"
+            print(f"| {world} | {dtype} | {tokens}x{vocab} | {name.split(', ')[1]} | {vs_ce:.2f}{note} | {vs_m:.2f} ({megatron}) | {met} |")
 
 
 def main() -> None:
@@ -263,12 +287,17 @@ def main() -> None:
     conditions = allocator_conditions(args.allocators.split(","))
     for ci, (cond, description, env) in enumerate(conditions):
         print(f"\n## Allocator: {cond} — {description}")
+        results = {}
         for world in (int(t) for t in args.tp.split(",")):
             for dtype in args.dtypes.split(","):
                 for tokens, vocab in shapes:
                     spec = dict(tokens=tokens, vocab=vocab, dtype=dtype, rounds=args.rounds, iters=args.iters, memory=ci == 0)
-                    out, info = _run_case(world, spec, env)
+                    # The cache must be able to keep the gradient for "cache on"; "cache off"
+                    # empties it each step, which is what a smaller limit does.
+                    out, info = _run_case(world, spec, {**env, "TPCORE_CPU_CACHE_MB": "65536"})
                     _report(world, spec, out, info, cond)
+                    results[(world, dtype, tokens, vocab)] = out
+        _summary(cond, results)
     if args.fused:
         from bench_fused_ce import report_fused
 

@@ -71,7 +71,7 @@ __all__ = [
 def empty_cpu_cache() -> int:
     """Free the large CPU buffers tpcore keeps for reuse (logits-sized gradients and
     chunks); returns the bytes released. The cache holds at most TPCORE_CPU_CACHE_MB
-    (default 4096; 0 disables it)."""
+    (default 256; 0 disables it)."""
     return _C.empty_cpu_cache()
 
 
