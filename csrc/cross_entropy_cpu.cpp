@@ -111,7 +111,7 @@ void grad_rows(const at::Tensor& logits, const int64_t* target, const float* lse
         const bool has_target = local >= j && local < j + n;
         // The target's block is read back below: keep it in the cache.
         (stream && !has_target ? loops.block_grad_stream : loops.block_grad)(x, n, lse[r], a, b,
-                                                                              g_out);
+                                                                             g_out);
         // The target's p - 1 is formed in fp32 and rounded once: near p = 1 a rounded p
         // would cancel to 0.
         if (has_target) g_out[local - j] -= g * (1.0f - smoothing);

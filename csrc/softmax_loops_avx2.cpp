@@ -3,8 +3,8 @@
 
 namespace tpcore {
 const SoftmaxLoops& softmax_loops_avx2() {
-  static const SoftmaxLoops loops{block_max, block_sum_exp, block_grad, block_grad_stream, stream_fence,
-                                         widen_bf16, narrow_bf16};
+  static const SoftmaxLoops loops{block_max,    block_sum_exp, block_grad, block_grad_stream,
+                                  stream_fence, widen_bf16,    narrow_bf16};
   return loops;
 }
 }  // namespace tpcore

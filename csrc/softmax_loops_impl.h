@@ -64,7 +64,7 @@ constexpr float kRoundBias = 12582912.0f + 127.0f;  // 1.5 * 2^23, plus the expo
 constexpr float kMinExpArg = -86.64f;               // t >= -125: 2^n stays a normal float
 
 inline vf vexp(vf d) {
-  d = vmax(splat(kMinExpArg), d);  // a NaN d stays NaN
+  d = vmax(splat(kMinExpArg), d);        // a NaN d stays NaN
   const vf j = d * kLog2e + kRoundBias;  // fused: j - kRoundBias = round(t)
   const vf n = j - kRoundBias;
   const vf f = d * kLog2e - n;  // fused, so f is exact
