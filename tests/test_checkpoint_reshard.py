@@ -15,11 +15,12 @@ from tpcore import parallel_state
 from tpcore.models import GPTModel
 from tpcore.tensor_parallel.embedding import pad_vocab_size
 from tpcore.models.sharding import rule_for
-from tpcore.train import CheckpointError, ParallelAdamW, load_checkpoint, load_dense_state_dict, save_checkpoint
+from tpcore.train import CheckpointError, ParallelAdamW, checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
 from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, expect_error, setup_tp
 
 # llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters).
 CASES = {"llama": torch.float32, "gpt2": torch.bfloat16}
+REMAP_BYTES = checkpoint._MappedFile.REMAP_BYTES
 
 
 def _make(variant: str, seed: int):
@@ -76,15 +77,23 @@ def _merge(pieces: list[torch.Tensor], rule: tuple, config) -> torch.Tensor:
     return torch.cat([torch.cat([parts[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
 
 
-def _reshard(rank, world, root, variant, saved_tp, tp):
+def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
     tp_rank, tp = setup_tp(tp)
     directory = os.path.join(root, f"{variant}-tp{saved_tp}", "iter_0000002")
     files = [torch.load(os.path.join(directory, f"model_tp{r:02d}.pt"), weights_only=True) for r in range(saved_tp)]
     model, opt = _make(variant, 9)
     config = model.config
-    with LargestAllocation() as seen:
-        meta = load_checkpoint(directory, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group())
+    opened, load = [], checkpoint._load
+    checkpoint._load = lambda path, mmap=False: opened.append(path) or load(path, mmap)
+    if remap_bytes is not None:  # map the files afresh after every piece
+        checkpoint._MappedFile.REMAP_BYTES = remap_bytes
+    try:
+        with LargestAllocation() as seen:
+            meta = load_checkpoint(directory, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group())
+    finally:
+        checkpoint._load, checkpoint._MappedFile.REMAP_BYTES = load, REMAP_BYTES
     assert meta["tensor_parallel_size"] == saved_tp
+    assert len(opened) >= saved_tp and (remap_bytes is None or len(opened) > 4 * saved_tp), len(opened)
     what = f"{variant} TP {saved_tp} -> {tp}"
     for name, p in model.named_parameters():
         rule = rule_for(name, config)
@@ -109,6 +118,11 @@ def _reshard(rank, world, root, variant, saved_tp, tp):
 @pytest.mark.parametrize("variant", list(CASES))
 def test_sliced_reshard_equals_merge_then_shard(cpu_ranks, saved, variant, saved_tp, tp):
     cpu_ranks.run(_reshard, saved, variant, saved_tp, tp)
+
+
+@pytest.mark.parametrize("saved_tp,tp", [(1, 4), (4, 2)])
+def test_reshard_with_the_files_mapped_afresh_after_every_piece(cpu_ranks, saved, saved_tp, tp):
+    cpu_ranks.run(_reshard, saved, "llama", saved_tp, tp, 1)
 
 
 @pytest.mark.parametrize("saved_tp", [1, 4])

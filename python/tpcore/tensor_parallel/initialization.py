@@ -61,7 +61,9 @@ class ShardedInit:
 
 def check_init_method(owner: str, init_method: object) -> None:
     """Raise a ValueError unless `init_method` is None, a ShardedInit, "dense" or a callable."""
-    if init_method is None or isinstance(init_method, ShardedInit) or callable(init_method) or init_method == "dense":
+    if init_method is None or isinstance(init_method, ShardedInit) or callable(init_method):
+        return
+    if isinstance(init_method, str) and init_method == "dense":
         return
     raise ValueError(f"tpcore: {owner}: init_method must be None, a ShardedInit, 'dense' or a callable, got {init_method!r}")
 
@@ -69,7 +71,7 @@ def check_init_method(owner: str, init_method: object) -> None:
 def draw_seed() -> int:
     """One draw of the default CPU generator: the seed of a layer or model, so that
     `torch.manual_seed(s)` before building gives the same weights on every rank."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
 
 
 def _tile_seed(seed: int, key: str, index: tuple[int, ...]) -> int:

@@ -144,19 +144,54 @@ def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
         raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")
 
 
-def _copy_from(path: str, saved: dict, targets: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, saved_rank: int, saved_tp: int, what: str) -> None:
+class _MappedFile:
+    """A saved shard file, memory-mapped and read piece by piece. The pages a mapping has
+    touched stay in the process's resident set until it is unmapped, so the file is mapped
+    afresh after every `REMAP_BYTES` read through it: whatever the file's size, at most
+    about that much of it is resident at once."""
+
+    REMAP_BYTES = 64 << 20
+
+    def __init__(self, path: str) -> None:
+        self.path, self._state, self._read = path, None, 0
+
+    @property
+    def state(self) -> dict:
+        if self._state is None:
+            self._state, self._read = _load(self.path, mmap=True), 0
+        return self._state
+
+    def count(self, nbytes: int) -> None:
+        self._read += nbytes
+        if self._read >= self.REMAP_BYTES:
+            self._state = None  # unmapped once the last piece taken from it is dropped
+
+
+def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
+    return state["model"]
+
+
+def _optimizer_pieces(state: dict) -> dict[str, torch.Tensor]:
+    return {f"{n}/{k}": v for n, entry in state["optimizer"]["params"].items() for k, v in entry.items() if k != "step"}
+
+
+def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, saved_rank: int, saved_tp: int, what: str) -> None:
     """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
-    state) what they share with one saved file's pieces."""
-    missing, extra = sorted(set(targets) - set(saved)), sorted(set(saved) - set(targets))
+    state) what they share with the pieces `section(state)` of one saved file."""
+    mapping, pieces = file.state, section(file.state)
+    missing, extra = sorted(set(targets) - set(pieces)), sorted(set(pieces) - set(targets))
     if missing or extra:
-        raise CheckpointError(f"tpcore: {path}: {what} does not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
+        raise CheckpointError(f"tpcore: {file.path}: {what} does not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
     common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
     for name, target in targets.items():
+        if file.state is not mapping:  # re-mapped
+            mapping, pieces = file.state, section(file.state)
+        piece = pieces[name]
         try:
-            rule = rule_for(name.split("/")[0], config)
-            copy_overlap(target, rule, rank, tp, saved[name], saved_rank, saved_tp, **common)
+            if copy_overlap(target, rule_for(name.split("/")[0], config), rank, tp, piece, saved_rank, saved_tp, **common):
+                file.count(piece.numel() * piece.element_size())
         except ValueError as e:
-            raise CheckpointError(f"tpcore: {path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
+            raise CheckpointError(f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
 
 
 def _optimizer_targets(saved: dict, params: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -175,14 +210,6 @@ def _optimizer_targets(saved: dict, params: dict[str, torch.Tensor]) -> tuple[di
     return state, flat
 
 
-def _copy_file(directory: str, saved_rank: int, saved_tp: int, saved: dict, params: dict, optimizer_targets: dict, config: GPTConfig, rank: int, tp: int) -> None:
-    path = _model_file(directory, saved_rank)
-    _copy_from(path, saved["model"], params, config, rank, tp, saved_rank, saved_tp, "model parameter")
-    if optimizer_targets:
-        pieces = {f"{n}/{k}": v for n, entry in saved["optimizer"]["params"].items() for k, v in entry.items() if k != "step"}
-        _copy_from(path, pieces, optimizer_targets, config, rank, tp, saved_rank, saved_tp, "optimizer state")
-
-
 def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: bool = True) -> dict:
     """Load the checkpoint at `path` (a save directory or one `iter_N`) into this rank's
     model (and optimizer); any saved TP size. Returns the metadata."""
@@ -196,11 +223,13 @@ def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: boo
     params = {name: p.detach() for name, p in model.named_parameters()}
     optimizer_state, optimizer_targets = None, {}
     for saved_rank in range(saved_tp):  # one file mapped at a time: only shared ranges are read
-        saved = _load(_model_file(directory, saved_rank), mmap=True)
-        if saved_rank == 0 and optimizer is not None and saved["optimizer"] is not None:
-            optimizer_state, optimizer_targets = _optimizer_targets(saved["optimizer"], params)
-        _copy_file(directory, saved_rank, saved_tp, saved, params, optimizer_targets, config, rank, tp)
-        del saved  # unmaps the file
+        file = _MappedFile(_model_file(directory, saved_rank))
+        if saved_rank == 0 and optimizer is not None and file.state["optimizer"] is not None:
+            optimizer_state, optimizer_targets = _optimizer_targets(file.state["optimizer"], params)
+        _copy_from(file, _model_pieces, params, config, rank, tp, saved_rank, saved_tp, "model parameter")
+        if optimizer_targets:
+            _copy_from(file, _optimizer_pieces, optimizer_targets, config, rank, tp, saved_rank, saved_tp, "optimizer state")
+        del file
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
@@ -223,11 +252,10 @@ def load_dense_state_dict(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor]
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
     dense: dict[str, torch.Tensor] = {}
     for saved_rank in range(meta["tensor_parallel_size"]):
-        file = _model_file(directory, saved_rank)
-        saved = _load(file, mmap=True)["model"]
+        file = _MappedFile(_model_file(directory, saved_rank))
         if not dense:
-            dtype = next(iter(saved.values())).dtype
+            dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
-        _copy_from(file, saved, dense, config, 0, 1, saved_rank, meta["tensor_parallel_size"], "model parameter")
-        del saved
+        _copy_from(file, _model_pieces, dense, config, 0, 1, saved_rank, meta["tensor_parallel_size"], "model parameter")
+        del file
     return config, dense
