@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import tpcore
 from tpcore import ShardedInit

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from ..tensor_parallel.embedding import pad_vocab_size
