@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import tpcore
 from tpcore.models import GPTConfig
@@ -74,3 +76,24 @@ def reference_cross_entropy(logits, target, *, smoothing, ignore_index, reductio
         loss = loss + z_loss * torch.logsumexp(flat.float(), -1).square().to(loss.dtype) * kept
         loss = {"none": loss, "sum": loss.sum(), "mean": loss.sum() / kept.sum()}[reduction]
     return loss.view(target.shape) if reduction == "none" else loss
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage (bytes) any op allocated while active: outputs of
+    non-mutating ops whose storage is none of the inputs' (views, in-place ops and tensors
+    rebuilt over a memory-mapped file allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.is_mutable:
+            return out
+        tensors = lambda tree: [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]  # noqa: E731
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        for t in tensors(out):
+            if t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out

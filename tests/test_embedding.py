@@ -63,8 +63,8 @@ def test_embedding_matches_nn_embedding(request, device, tp, dtype):
 
 def _init_and_round_trip(rank, world, tp):
     tp_rank, tp = setup_tp(tp)
-    torch.manual_seed(11)
-    layer = tpcore.VocabParallelEmbedding(VOCAB, DIM, padding_idx=2, make_vocab_size_divisible_by=8)
+    torch.manual_seed(11)  # init_method="dense": the full table drawn exactly as nn.Embedding draws it
+    layer = tpcore.VocabParallelEmbedding(VOCAB, DIM, padding_idx=2, make_vocab_size_divisible_by=8, init_method="dense")
     torch.manual_seed(11)
     dense = nn.Embedding(VOCAB, DIM, padding_idx=2)
     rows = layer.weight.shape[0]

@@ -146,12 +146,13 @@ def _init_is_tp_invariant(rank, world, tp):
     tp_rank, tp = setup_tp(tp)
     mine = lambda t, dim: t.chunk(tp, dim)[tp_rank]  # noqa: E731
     for cls, dim in ((tpcore.ColumnParallelLinear, 0), (tpcore.RowParallelLinear, 1)):
+        # init_method="dense": the full weight drawn exactly as nn.Linear draws it.
         torch.manual_seed(7)
-        layer = cls(IN, OUT)
+        layer = cls(IN, OUT, init_method="dense")
         torch.manual_seed(7)
         dense = nn.Linear(IN, OUT)
-        assert torch.equal(layer.weight, mine(dense.weight, dim)), f"{cls.__name__} default init"
-        assert torch.equal(layer.bias, mine(dense.bias, 0) if dim == 0 else dense.bias), f"{cls.__name__} bias init"
+        assert torch.equal(layer.weight, mine(dense.weight, dim)), f"{cls.__name__} dense init"
+        assert torch.equal(layer.bias, mine(dense.bias, 0) if dim == 0 else dense.bias), f"{cls.__name__} dense bias init"
         # A custom init_method sees the full master weight; the bias starts at zero.
         torch.manual_seed(7)
         layer = cls(IN, OUT, init_method=partial(nn.init.normal_, std=0.02))

@@ -2,18 +2,23 @@
 
 See docs/indexed_dataset_format.md. `IndexedDatasetBuilder` writes a dataset atomically
 (temporary files renamed into place at `finalize`, so a failure never leaves a
-half-written dataset under the final name); `IndexedDataset` memory-maps one without
-reading it into memory and validates it, raising a ValueError that names the file.
+half-written dataset under the final name) plus a small sidecar `PREFIX.stats.json` with
+the smallest and largest token id, so a trainer can check ids against its vocabulary
+without reading `.bin`; `IndexedDataset` memory-maps a dataset without reading it into
+memory and validates it, raising a ValueError that names the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
 import numpy as np
 
-__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES"]
+from .._atomic import atomic_output
+
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES", "stats_path"]
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -22,6 +27,12 @@ DTYPE_CODES = {
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document index entries
+_STATS_FORMAT = "tpcore-token-stats"
+
+
+def stats_path(prefix: str) -> str:
+    """The sidecar with the token-id range of `prefix.bin` (not part of Megatron's layout)."""
+    return prefix + ".stats.json"
 
 
 def best_token_dtype(vocab_size: int) -> np.dtype:
@@ -39,6 +50,8 @@ class IndexedDatasetBuilder:
         self._tmp = f"{prefix}.tmp{os.getpid()}"
         self._bin = open(self._tmp + ".bin", "wb")
         self._sizes: list[int] = []
+        self._min_id: int | None = None
+        self._max_id: int | None = None
 
     def add_document(self, tokens) -> None:
         array = np.asarray(tokens)
@@ -50,6 +63,10 @@ class IndexedDatasetBuilder:
                 raise ValueError(f"tpcore: IndexedDatasetBuilder: token ids outside the range of {self.dtype}")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(array.size))
+        if array.size:
+            low, high = array.min().item(), array.max().item()
+            self._min_id = low if self._min_id is None else min(self._min_id, low)
+            self._max_id = high if self._max_id is None else max(self._max_id, high)
 
     def finalize(self) -> None:
         """Write the index and move both files into place."""
@@ -64,8 +81,17 @@ class IndexedDatasetBuilder:
             f.write(sizes.tobytes())
             f.write(pointers.tobytes())
             f.write(doc_idx.tobytes())
+        # An old sidecar goes first: a crash below leaves none, never a stale one.
+        if os.path.exists(stats_path(self.prefix)):
+            os.remove(stats_path(self.prefix))
         os.replace(self._tmp + ".bin", self.prefix + ".bin")
         os.replace(self._tmp + ".idx", self.prefix + ".idx")
+        stats = {
+            "format": _STATS_FORMAT, "min_token_id": self._min_id, "max_token_id": self._max_id,
+            "bin_bytes": os.path.getsize(self.prefix + ".bin"), "idx_bytes": os.path.getsize(self.prefix + ".idx"),
+        }
+        with atomic_output(stats_path(self.prefix)) as tmp, open(tmp, "w") as f:
+            json.dump(stats, f)
 
     def abort(self) -> None:
         """Drop what was written (nothing appears under the final names)."""
@@ -144,3 +170,35 @@ class IndexedDataset:
             raise IndexError(f"tpcore: {self.prefix}: tokens [{offset}, {offset + length}) outside sequence {i} of {size}")
         start = int(self.pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in `.bin` (its whole length, as the trainer reads it)."""
+        return len(self._bin) // self.dtype.itemsize
+
+    def recorded_token_range(self) -> tuple[int, int] | None:
+        """(smallest, largest) token id recorded at preprocessing in `PREFIX.stats.json`;
+        None when there is no sidecar, it is unreadable, or the files changed since
+        (sizes differ); `(0, -1)` for a dataset without tokens."""
+        try:
+            with open(stats_path(self.prefix)) as f:
+                stats = json.load(f)
+            sizes = (os.path.getsize(self.prefix + ".bin"), os.path.getsize(self.prefix + ".idx"))
+            if stats.get("format") != _STATS_FORMAT or (stats["bin_bytes"], stats["idx_bytes"]) != sizes:
+                return None
+            if stats["max_token_id"] is None:
+                return (0, -1)
+            return int(stats["min_token_id"]), int(stats["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def token_range(self, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> tuple[int, int]:
+        """(smallest, largest) token id among tokens `[start, stop)` of `.bin`, read in chunks;
+        `(0, -1)` when the range is empty."""
+        stop = self.num_tokens if stop is None else stop
+        low, high = None, None
+        for begin in range(start, stop, chunk):
+            tokens = np.frombuffer(self._bin, dtype=self.dtype, count=min(chunk, stop - begin), offset=begin * self.dtype.itemsize)
+            low = tokens.min().item() if low is None else min(low, tokens.min().item())
+            high = tokens.max().item() if high is None else max(high, tokens.max().item())
+        return (0, -1) if high is None else (int(low), int(high))

@@ -22,6 +22,7 @@ from torch import nn
 from .. import _C, comm
 from .._module_utils import to_empty_keeping_attributes
 from ..tensor_parallel.embedding import VocabParallelEmbedding
+from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.mappings import gather_from_sequence_parallel
@@ -30,6 +31,7 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from .common import apply_rotary, attention_core, make_norm, rotary_tables
 from .config import GPTConfig
+from .initialization import initialize_gpt_parameters
 from .reference_gpt import ReferenceGPT
 from .sharding import rule_for, shard, unshard
 
@@ -55,12 +57,12 @@ def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
         c, tp = config, dist.get_world_size(group)
         self.config = c
         self.heads, self.kv_heads = c.num_attention_heads // tp, c.num_kv_heads // tp
-        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
+        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
         self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, **common)
         self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, **common)
 
@@ -86,11 +88,11 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
         c = config
         self.swiglu = c.activation == "swiglu"
-        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, device="meta")
+        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
         self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if self.swiglu else 1), **common)
         self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
 
@@ -103,12 +105,12 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.input_norm = make_norm(config, device="meta")
-        self.attention = ParallelAttention(config, group)
-        self.post_attention_norm = make_norm(config, device="meta")
-        self.mlp = ParallelMLP(config, group)
+        self.input_norm = make_norm(config, dtype, "meta")
+        self.attention = ParallelAttention(config, group, dtype)
+        self.post_attention_norm = make_norm(config, dtype, "meta")
+        self.mlp = ParallelMLP(config, group, dtype)
         self.dropout = nn.Dropout(config.dropout)
         self.sequence_parallel = config.sequence_parallel
         if config.sequence_parallel:
@@ -123,7 +125,7 @@ class ParallelBlock(nn.Module):
 class ParallelEmbedding(nn.Module):
     """Word (vocab-parallel) plus learned positions; `[b, s]` ids -> `[s(/tp), b, h]`."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup) -> None:
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.config, self.group = config, group
         self.word = VocabParallelEmbedding(
@@ -132,10 +134,11 @@ class ParallelEmbedding(nn.Module):
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
             sequence_parallel=config.sequence_parallel,
             group=group,
+            dtype=dtype,
             device="meta",
         )
         if config.position_embedding == "learned":
-            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, device="meta")
+            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta")
             if config.sequence_parallel:
                 _mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(config.dropout)
@@ -154,9 +157,10 @@ class ParallelEmbedding(nn.Module):
 class GPTModel(nn.Module):
     """Tensor-parallel GPT; the same function as `ReferenceGPT` for every TP size.
 
-    `GPTModel(config)` draws the full model on CPU from the default generator (seed
-    every rank alike) exactly as `ReferenceGPT(config)` would, then keeps this rank's
-    shards. `forward(ids [b, s])` returns this rank's logits shard `[b, s, vocab_padded/tp]`;
+    `GPTModel(config)` takes one seed from the default generator (seed every rank alike)
+    and draws only this rank's shards, on `device`, with the numbers `ReferenceGPT(config)`
+    draws for the same indices (`models/initialization.py`): no rank builds the full
+    model. `forward(ids [b, s])` returns this rank's logits shard `[b, s, vocab_padded/tp]`;
     with `target [b, s]` the loss (mean over non-ignored tokens, or `[b, s]` with
     `reduction="none"`).
     """
@@ -166,20 +170,23 @@ class GPTModel(nn.Module):
         self.config, self.group = config, resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         config.check_tp(self.tp_size)
-        self.embedding = ParallelEmbedding(config, self.group)
-        self.layers = nn.ModuleList(ParallelBlock(config, self.group) for _ in range(config.num_layers))
-        self.final_norm = make_norm(config, device="meta")
+        self.embedding = ParallelEmbedding(config, self.group, dtype)
+        self.layers = nn.ModuleList(ParallelBlock(config, self.group, dtype) for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, dtype, "meta")
         if config.sequence_parallel:
             _mark_sequence_parallel(*self.final_norm.parameters())
         if not config.tie_embeddings:
             rows = self.embedding.word.weight.shape[0]
             self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, device="meta"))
+            self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, dtype=dtype, device="meta"))
         to_empty_keeping_attributes(self, device or "cpu")
-        if dtype is not None:
-            self.to(dtype)
-        if _init:
-            self.load_dense_state_dict(ReferenceGPT(config, dtype=dtype).state_dict())
+        if _init and next(self.parameters()).device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Draw this rank's shards from `seed` (default: one draw of the default generator)."""
+        seed = draw_seed() if seed is None else seed
+        initialize_gpt_parameters(self, self.config, seed=seed, tensor_parallel=(self.tp_rank, self.tp_size))
 
     @classmethod
     def from_dense(cls, dense: ReferenceGPT, *, group: dist.ProcessGroup | None = None) -> "GPTModel":

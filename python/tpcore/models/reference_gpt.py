@@ -7,14 +7,14 @@ Same parameter names and math as `tpcore.models.GPTModel` at TP=1, so that
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .common import apply_rotary, attention_core, make_norm, rotary_tables
 from .config import GPTConfig
+from .initialization import initialize_gpt_parameters
+from ..tensor_parallel.initialization import draw_seed
 
 __all__ = ["ReferenceGPT"]
 
@@ -84,32 +84,31 @@ class DenseEmbedding(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    """Dense GPT. ids `[batch, seq]` -> logits `[batch, seq, vocab]`, or the mean loss with targets."""
+    """Dense GPT. ids `[batch, seq]` -> logits `[batch, seq, vocab]`, or the mean loss with targets.
+
+    Initialised like `GPTModel` (`models/initialization.py`): one seed from the default
+    generator, then each parameter drawn from (seed, name), so after the same
+    `torch.manual_seed` it equals the merge of any TP size's `GPTModel` shards.
+    """
 
     def __init__(self, config: GPTConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         self.config = config
-        self.embedding = DenseEmbedding(config, dtype, device)
-        self.layers = nn.ModuleList(DenseBlock(config, dtype, device) for _ in range(config.num_layers))
-        self.final_norm = make_norm(config, dtype, device)
+        # Built on meta (nn.Linear would draw its own init), then allocated and drawn once.
+        self.embedding = DenseEmbedding(config, dtype, "meta")
+        self.layers = nn.ModuleList(DenseBlock(config, dtype, "meta") for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, dtype, "meta")
         if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
-        self.reset_parameters()
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
+        device = torch.empty(0, device=device).device  # None: the default device
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """GPT-2 / Megatron init: normal(0, std) weights, output projections scaled by 1/sqrt(2 layers)."""
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.num_layers)
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
-                continue
-            with torch.no_grad():
-                if "norm" in name:
-                    p.fill_(1.0 if name.endswith("weight") else 0.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, out_std if name.endswith(("proj.weight", "fc2.weight")) else std)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2 / Megatron init (`gpt_parameter_init`) from `seed`, by default one draw of
+        the default generator."""
+        initialize_gpt_parameters(self, self.config, seed=draw_seed() if seed is None else seed)
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight

@@ -5,6 +5,10 @@ parts of `sizes` and every rank holds its chunk of each part, concatenated in th
 order. This keeps whole heads of Q, K and V (and matching rows of SwiGLU's gate and up)
 together on a rank; chunking a fused QKV weight as one block would mix them. `("vocab",)`
 is the vocabulary split with padding rows, `("replicated",)` the full tensor everywhere.
+
+`piece_ranges` says where a rank's piece lies in the full tensor without building either,
+and `copy_overlap` copies between pieces of two TP sizes through it: what sharded
+initialisation and checkpoint resharding use so that no rank holds a full tensor.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..tensor_parallel.embedding import vocab_shard
+from ..tensor_parallel.embedding import pad_vocab_size, vocab_shard
 from .config import GPTConfig
 
 Rule = tuple
@@ -62,3 +66,79 @@ def unshard(local: torch.Tensor, rule: Rule, group: dist.ProcessGroup, vocab_siz
     dim = 0 if rule[0] == "vocab" else rule[1]
     gathered = comm.all_gather(local, dim, group)
     return merge(list(gathered.chunk(dist.get_world_size(group), dim)), rule, vocab_size)
+
+
+def piece_ranges(rule: Rule, rank: int, tp: int, full_shape: torch.Size | tuple[int, ...], rows: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Where rank's piece lies in the full tensor, without building either:
+    `(dim, [(local start, global start, length)])` along the split dim. Local rows no
+    range covers are vocabulary padding (zero). `rows` is the local vocabulary size."""
+    if rule[0] == "replicated":
+        return 0, [(0, 0, full_shape[0])] if len(full_shape) else []
+    if rule[0] == "vocab":
+        start = rank * rows
+        real = max(0, min(rows, full_shape[0] - start))
+        return 0, [(0, start, real)] if real else []
+    _, dim, sizes = rule
+    ranges, local, offset = [], 0, 0
+    for size in sizes:
+        n = size // tp
+        ranges.append((local, offset + rank * n, n))
+        local, offset = local + n, offset + size
+    return dim, ranges
+
+
+def full_shape(rule: Rule, local_shape: torch.Size | tuple[int, ...], tp: int, vocab_size: int) -> tuple[int, ...]:
+    """The full tensor's shape, from a piece's shape at TP size `tp`."""
+    if rule[0] == "replicated":
+        return tuple(local_shape)
+    if rule[0] == "vocab":
+        return (vocab_size, *local_shape[1:])
+    shape = list(local_shape)
+    shape[rule[1]] *= tp
+    return tuple(shape)
+
+
+def copy_overlap(
+    out: torch.Tensor,
+    rule: Rule,
+    rank: int,
+    tp: int,
+    piece: torch.Tensor,
+    piece_rank: int,
+    piece_tp: int,
+    *,
+    vocab_size: int,
+    make_vocab_size_divisible_by: int,
+) -> bool:
+    """Copy into `out` (rank `rank`'s piece at TP size `tp`; a full tensor when tp is 1 and
+    it has no padding rows) the indices it shares with `piece` (rank `piece_rank`'s piece
+    at `piece_tp`, e.g. from a checkpoint of another TP size). Only the overlap is read,
+    so `piece` can be memory-mapped. Padding rows of `out` are zeroed. Call once per
+    saved piece; a replicated tensor is taken from piece rank 0. Returns whether any
+    index was shared."""
+    full = full_shape(rule, out.shape, tp, vocab_size)
+
+    def rows(size: int) -> int:
+        return pad_vocab_size(vocab_size, size, make_vocab_size_divisible_by) // size
+
+    dim, mine = piece_ranges(rule, rank, tp, full, rows(tp))
+    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp))
+    expected = list(full)
+    if expected:
+        expected[dim] = rows(piece_tp) if rule[0] == "vocab" else sum(n for _, _, n in theirs)
+    if list(piece.shape) != expected:
+        raise ValueError(f"tpcore: piece of rank {piece_rank} of {piece_tp} has shape {list(piece.shape)}, expected {expected}")
+    if rule[0] == "replicated" and piece_rank != 0:
+        return False
+    copied = False
+    with torch.no_grad():
+        if rule[0] == "vocab":  # rows past the vocabulary
+            covered = sum(n for _, _, n in mine)
+            out.narrow(0, covered, out.shape[0] - covered).zero_()
+        for local, start, length in mine:
+            for their_local, their_start, their_length in theirs:
+                a, b = max(start, their_start), min(start + length, their_start + their_length)
+                if a < b:
+                    out.narrow(dim, local + a - start, b - a).copy_(piece.narrow(dim, their_local + a - their_start, b - a))
+                    copied = True
+    return copied

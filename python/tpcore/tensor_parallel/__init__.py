@@ -6,6 +6,7 @@ parallelism, beside `tpcore.pipeline_parallel` and `tpcore.hf`.
 """
 
 from .embedding import VocabParallelEmbedding, pad_vocab_size, vocab_shard
+from .initialization import ShardedInit, init_shard_
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .mappings import (
@@ -24,6 +25,8 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "InitMethod",
+    "ShardedInit",
+    "init_shard_",
     "VocabParallelEmbedding",
     "pad_vocab_size",
     "vocab_shard",

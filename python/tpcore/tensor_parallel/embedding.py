@@ -9,7 +9,7 @@ into the local rows only, deterministically.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from .. import _C, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
+from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
 
@@ -50,9 +51,12 @@ class VocabParallelEmbedding(nn.Module):
     ids `[...]` (global ids in `[0, num_embeddings)`, the same on every TP rank);
     output `[..., dim]`, or this rank's sequence shard `[s/tp, ..., dim]` with
     `sequence_parallel=True`. Out-of-range ids raise an IndexError naming the id.
-    Initialisation is TP-size invariant: the full `[num_embeddings, dim]` table is drawn on
-    CPU from the default generator (`nn.Embedding`'s normal(0, 1) unless `init_method` is
-    given), the `padding_idx` row zeroed, and each rank keeps its rows.
+    Initialisation is TP-size invariant and sharded: one seed from the default generator,
+    each rank draws only its rows of the `[num_embeddings, dim]` table (`nn.Embedding`'s
+    normal(0, 1), or a `ShardedInit` as `init_method`), the `padding_idx` row zeroed.
+    `init_method="dense"` draws the full table from the default generator exactly as
+    `nn.Embedding` does (equal to it at TP=1, for tests); a callable `init_method(table)`
+    initialises the full table on CPU in place. Both build the full table on every rank.
     """
 
     def __init__(
@@ -64,12 +68,13 @@ class VocabParallelEmbedding(nn.Module):
         make_vocab_size_divisible_by: int = 128,
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
-        init_method: Callable[[torch.Tensor], object] | None = None,
+        init_method: Union[ShardedInit, Callable[[torch.Tensor], object], Literal["dense"], None] = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         check_positive_ints("VocabParallelEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        check_init_method("VocabParallelEmbedding", init_method)
         self.group = resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -85,11 +90,28 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype, device=device))
         self.weight.tensor_parallel_dim = 0
         if self.weight.device.type != "meta":
-            master = torch.empty(num_embeddings, embedding_dim, dtype=self.weight.dtype)
-            (init_method or nn.init.normal_)(master)
-            if padding_idx is not None:
-                master[padding_idx] = 0  # as nn.Embedding does
+            self._initialize(init_method)
+
+    def _initialize(self, init_method) -> None:
+        if init_method is not None and not isinstance(init_method, ShardedInit):  # "dense" or a callable
+            master = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+            if init_method == "dense":
+                nn.init.normal_(master)
+            else:
+                init_method(master)
+            if self.padding_idx is not None:
+                master[self.padding_idx] = 0  # as nn.Embedding does
             self._load_rows(master)
+            return
+        rows = self.weight.shape[0]
+        real = max(0, min(rows, self.num_embeddings - self.vocab_start))
+        init_shard_(
+            self.weight, init_method or ShardedInit.normal(1.0), seed=draw_seed(), key="weight",
+            full_shape=(self.num_embeddings, self.embedding_dim), ranges=[(0, self.vocab_start, real)],
+        )  # rows past the real vocabulary (padding) are zeroed
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            with torch.no_grad():
+                self.weight[self.padding_idx - self.vocab_start] = 0
 
     def _load_rows(self, table: torch.Tensor) -> None:
         """Keep this rank's rows of the full `[num_embeddings, dim]` table; padding rows are zero."""

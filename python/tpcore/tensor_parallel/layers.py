@@ -1,16 +1,18 @@
 """Tensor-parallel linear layers (Megatron-LM's column- and row-parallel linear).
 
 Forward and backward run in C++ autograd functions (`tpcore._C`). Weights are
-initialised TP-size invariant: every rank builds the full (master) weight on CPU
-from the default generator and keeps its slice, so a layer made after
-`torch.manual_seed(s)` at TP=N holds exactly the slices of the TP=1 weight, and at
-TP=1 equals `nn.Linear` made after the same seed. Seed every rank alike.
+initialised TP-size invariant and sharded: a layer takes one seed from the default
+generator and each rank draws only the tiles of its own slice (`initialization.py`),
+so a layer made after `torch.manual_seed(s)` at TP=N holds exactly the slices of the
+TP=1 layer made after the same seed, and no rank builds the full weight. Seed every
+rank alike. `init_method="dense"` draws the full weight exactly as `nn.Linear` does
+instead (equal to `nn.Linear` at TP=1; costs a full weight per rank).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -20,11 +22,23 @@ from .. import _C, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
+from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
 
-InitMethod = Callable[[torch.Tensor], object]
-"""Initialises a full (unsharded) weight `[out, in]` in place."""
+InitMethod = Union[ShardedInit, Callable[[torch.Tensor], object], Literal["dense"], None]
+"""How a layer's weight starts (the `init_method` argument of the layers):
+
+- None (default): sharded draw of `nn.Linear`'s distributions, weight and bias
+  uniform(-1/sqrt(in), 1/sqrt(in)); each rank draws only its slice.
+- a `ShardedInit` (e.g. `ShardedInit.normal(0.02)`): sharded draw of the weight, zero bias.
+- "dense": the full weight and bias drawn from the default generator exactly as
+  `nn.Linear.reset_parameters` does, this rank's slice kept: equal to `nn.Linear` made
+  after the same seed at TP=1 (for tests). Builds the full `[out, in]` on every rank.
+- a callable `init_method(full_weight)`: initialises the full `[out, in]` weight on CPU
+  in place (Megatron's convention); the bias starts at zero. Builds the full weight on
+  every rank: prefer a `ShardedInit` for large layers.
+"""
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -36,16 +50,16 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def _master_parameters(
-    out_features: int, in_features: int, has_bias: bool, init_method: InitMethod | None, dtype: torch.dtype
+    out_features: int, in_features: int, has_bias: bool, init_method: InitMethod, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full weight `[out, in]` and bias `[out]` on CPU, drawn from the default generator.
 
-    `init_method=None` draws exactly as `nn.Linear.reset_parameters` does; a custom
-    `init_method` initialises the weight and the bias starts at zero (Megatron's convention).
+    `init_method="dense"` draws exactly as `nn.Linear.reset_parameters` does; a callable
+    initialises the weight and the bias starts at zero (Megatron's convention).
     """
     weight = torch.empty(out_features, in_features, dtype=dtype)
     bias = torch.empty(out_features, dtype=dtype) if has_bias else None
-    if init_method is None:
+    if init_method == "dense":
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         if bias is not None:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
@@ -71,12 +85,13 @@ class _ParallelLinear(nn.Module):
         skip_bias_add: bool,
         sequence_parallel: bool,
         group: dist.ProcessGroup | None,
-        init_method: InitMethod | None,
+        init_method: InitMethod,
         dtype: torch.dtype | None,
         device: torch.device | str | None,
     ) -> None:
         super().__init__()
         check_positive_ints(type(self).__name__, in_features=in_features, out_features=out_features)
+        check_init_method(type(self).__name__, init_method)
         self.group = resolve_tensor_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.tp_rank = dist.get_rank(self.group)
@@ -94,7 +109,23 @@ class _ParallelLinear(nn.Module):
             # A column bias is sharded with the weight; a row bias is replicated.
             self.bias.tensor_parallel_dim = 0 if self.shard_dim == 0 else None
         if self.weight.device.type != "meta":
-            self._load_master(*_master_parameters(out_features, in_features, bias, init_method, dtype))
+            self._initialize(init_method)
+
+    def _initialize(self, init_method: InitMethod) -> None:
+        if init_method is not None and not isinstance(init_method, ShardedInit):
+            has_bias = self.bias is not None
+            self._load_master(*_master_parameters(self.out_features, self.in_features, has_bias, init_method, self.weight.dtype))
+            return
+        seed = draw_seed()
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)) and nn.Linear's bias
+        weight_init = init_method or ShardedInit.uniform(-bound, bound)
+        full = (self.out_features, self.in_features)
+        n = self.weight.shape[self.shard_dim]
+        mine = [(0, self.tp_rank * n, n)]
+        init_shard_(self.weight, weight_init, seed=seed, key="weight", full_shape=full, dim=self.shard_dim, ranges=mine)
+        if self.bias is not None:
+            bias_init = ShardedInit.uniform(-bound, bound) if init_method is None else ShardedInit.constant(0.0)
+            init_shard_(self.bias, bias_init, seed=seed, key="bias", full_shape=full[:1], ranges=mine if self.shard_dim == 0 else None)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         return full.chunk(self.tp_size, dim)[self.tp_rank]
@@ -173,7 +204,7 @@ class ColumnParallelLinear(_ParallelLinear):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = None,
+        init_method: InitMethod = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -223,7 +254,7 @@ class RowParallelLinear(_ParallelLinear):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = None,
+        init_method: InitMethod = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

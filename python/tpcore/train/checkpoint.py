@@ -10,8 +10,10 @@ Layout of a save directory (a shared file system when ranks span machines):
 
 A checkpoint is written into `iter_N.tmp/` and renamed into place only once every file is
 there; `latest` is replaced atomically afterwards. A kill at any point leaves the previous
-checkpoint and `latest` intact. Loading at another TP size merges the shards into the
-dense tensors and cuts them again (optimizer state too), so TP sizes are interchangeable.
+checkpoint and `latest` intact. Loading at any TP size memory-maps the saved shards one
+file at a time and copies into this rank's parameters and AdamW state only the index
+ranges they share with it (`sharding.copy_overlap`), so TP sizes are interchangeable and
+no rank builds a full tensor or reads more of a file than it needs.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .._atomic import atomic_output
-from ..tensor_parallel.embedding import pad_vocab_size
-from ..models import GPTConfig
-from ..models.sharding import merge, rule_for, shard
+from ..models import GPTConfig, ReferenceGPT
+from ..models.sharding import copy_overlap, rule_for
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker, set_device_rng_states
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
@@ -126,11 +127,12 @@ def read_metadata(directory: str) -> dict:
     return meta
 
 
-def _load(path: str) -> dict:
+def _load(path: str, mmap: bool = False) -> dict:
+    """A saved file; with `mmap` its tensors are read from disk only where they are used."""
     if not os.path.isfile(path):
         raise CheckpointError(f"tpcore: checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         raise CheckpointError(f"tpcore: checkpoint file {path} is corrupt: {e}") from e
 
@@ -142,26 +144,70 @@ def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
         raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")
 
 
-def _reshard(tensors: list[dict], config: GPTConfig, tp: int, rank: int) -> dict:
-    """Merge per-rank {param name: tensor} dicts and cut this rank's piece for `tp` ranks."""
-    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
-    out = {}
-    for name in tensors[0]:
-        rule = rule_for(name, config)
-        out[name] = shard(merge([t[name] for t in tensors], rule, config.vocab_size), rule, rank, tp, rows).contiguous()
-    return out
+class _MappedFile:
+    """A saved shard file, memory-mapped and read piece by piece. The pages a mapping has
+    touched stay in the process's resident set until it is unmapped, so the file is mapped
+    afresh after every `REMAP_BYTES` read through it: whatever the file's size, at most
+    about that much of it is resident at once."""
+
+    REMAP_BYTES = 64 << 20
+
+    def __init__(self, path: str) -> None:
+        self.path, self._state, self._read = path, None, 0
+
+    @property
+    def state(self) -> dict:
+        if self._state is None:
+            self._state, self._read = _load(self.path, mmap=True), 0
+        return self._state
+
+    def count(self, nbytes: int) -> None:
+        self._read += nbytes
+        if self._read >= self.REMAP_BYTES:
+            self._state = None  # unmapped once the last piece taken from it is dropped
 
 
-def _reshard_optimizer(states: list[dict], config: GPTConfig, tp: int, rank: int) -> dict:
-    params = {}
-    for name, entry in states[0]["params"].items():
-        params[name] = {}
+def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
+    return state["model"]
+
+
+def _optimizer_pieces(state: dict) -> dict[str, torch.Tensor]:
+    return {f"{n}/{k}": v for n, entry in state["optimizer"]["params"].items() for k, v in entry.items() if k != "step"}
+
+
+def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, saved_rank: int, saved_tp: int, what: str) -> None:
+    """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
+    state) what they share with the pieces `section(state)` of one saved file."""
+    mapping, pieces = file.state, section(file.state)
+    missing, extra = sorted(set(targets) - set(pieces)), sorted(set(pieces) - set(targets))
+    if missing or extra:
+        raise CheckpointError(f"tpcore: {file.path}: {what} does not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
+    common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
+    for name, target in targets.items():
+        if file.state is not mapping:  # re-mapped
+            mapping, pieces = file.state, section(file.state)
+        piece = pieces[name]
+        try:
+            if copy_overlap(target, rule_for(name.split("/")[0], config), rank, tp, piece, saved_rank, saved_tp, **common):
+                file.count(piece.numel() * piece.element_size())
+        except ValueError as e:
+            raise CheckpointError(f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
+
+
+def _optimizer_targets(saved: dict, params: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The optimizer state to fill (saved rank 0's layout, this rank's shapes) and its
+    tensors by "name/key" (the AdamW step and the loss scale are taken as they are)."""
+    state, flat = {"params": {}, "loss_scaler": saved["loss_scaler"]}, {}
+    for name, entry in saved["params"].items():
+        if name not in params:
+            raise CheckpointError(f"tpcore: the checkpoint's optimizer state names {name!r}, which the model lacks")
+        state["params"][name] = {}
         for key, value in entry.items():
             if key == "step":
-                params[name][key] = value
+                state["params"][name][key] = value.clone()
             else:
-                params[name][key] = _reshard([{name: s["params"][name][key]} for s in states], config, tp, rank)[name]
-    return {"params": params, "loss_scaler": states[0]["loss_scaler"]}
+                flat[f"{name}/{key}"] = state["params"][name][key] = torch.empty(params[name].shape, dtype=value.dtype, device=params[name].device)
+    return state, flat
 
 
 def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: bool = True) -> dict:
@@ -173,17 +219,19 @@ def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: boo
     meta = read_metadata(directory)
     _check_config(meta, model.config, directory)
     tp, rank, saved_tp = dist.get_world_size(tp_group), dist.get_rank(tp_group), meta["tensor_parallel_size"]
-    if saved_tp == tp:
-        state = _load(_model_file(directory, rank))
-    else:  # reshard through the dense tensors
-        states = [_load(_model_file(directory, r)) for r in range(saved_tp)]
-        state = {"model": _reshard([s["model"] for s in states], model.config, tp, rank), "optimizer": None}
-        if optimizer is not None and states[0]["optimizer"] is not None:
-            state["optimizer"] = _reshard_optimizer([s["optimizer"] for s in states], model.config, tp, rank)
-    dtype = next(model.parameters()).dtype
-    model.load_state_dict({k: v.to(dtype) for k, v in state["model"].items()})
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    config = model.config
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    optimizer_state, optimizer_targets = None, {}
+    for saved_rank in range(saved_tp):  # one file mapped at a time: only shared ranges are read
+        file = _MappedFile(_model_file(directory, saved_rank))
+        if saved_rank == 0 and optimizer is not None and file.state["optimizer"] is not None:
+            optimizer_state, optimizer_targets = _optimizer_targets(file.state["optimizer"], params)
+        _copy_from(file, _model_pieces, params, config, rank, tp, saved_rank, saved_tp, "model parameter")
+        if optimizer_targets:
+            _copy_from(file, _optimizer_pieces, optimizer_targets, config, rank, tp, saved_rank, saved_tp, "optimizer state")
+        del file
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
     # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
     if load_rng and meta["world_size"] == dist.get_world_size() and saved_tp == tp:
         rng = _load(_rng_file(directory, dist.get_rank()))
@@ -194,11 +242,20 @@ def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: boo
 
 def load_dense_state_dict(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The full (dense) GPTConfig and ReferenceGPT state dict of a checkpoint, on CPU,
-    merged from its shards in this process (no process group needed)."""
+    assembled from its memory-mapped shards in this process (no process group needed);
+    the optimizer state is not read."""
     directory = find_checkpoint(path)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {path}")
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
-    states = [_load(_model_file(directory, r))["model"] for r in range(meta["tensor_parallel_size"])]
-    return config, {name: merge([s[name] for s in states], rule_for(name, config), config.vocab_size) for name in states[0]}
+    shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
+    dense: dict[str, torch.Tensor] = {}
+    for saved_rank in range(meta["tensor_parallel_size"]):
+        file = _MappedFile(_model_file(directory, saved_rank))
+        if not dense:
+            dtype = next(iter(file.state["model"].values())).dtype
+            dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+        _copy_from(file, _model_pieces, dense, config, 0, 1, saved_rank, meta["tensor_parallel_size"], "model parameter")
+        del file
+    return config, dense

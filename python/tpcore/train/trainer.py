@@ -7,12 +7,12 @@ import datetime
 import os
 import socket
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import parallel_state
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
+from ..data.indexed_dataset import stats_path
 from ..models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
 from ..models.generate import generate
 from ..models.sharding import rule_for
@@ -41,16 +41,31 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _check_tokens(indexed: IndexedDataset, vocab_size: int) -> None:
-    """Every rank reads the whole token file once, so a tokenizer/data mismatch raises
-    everywhere before training instead of on one rank mid-step."""
-    usable = len(indexed._bin) // indexed.dtype.itemsize
-    tokens = np.frombuffer(indexed._bin, dtype=indexed.dtype, count=usable) if usable else np.zeros(0, np.uint8)
-    for start in range(0, len(tokens), 1 << 26):
-        top = int(tokens[start : start + (1 << 26)].max())
-        if top >= vocab_size:
+def _check_tokens(indexed: IndexedDataset, vocab_size: int, device: str) -> None:
+    """Raise on every rank, before training, when the data holds ids outside the vocabulary.
+
+    The range recorded at preprocessing (`PREFIX.stats.json`) is used when present and
+    current; otherwise each rank reads 1/world of `.bin`. One all-reduce(MAX) of
+    (largest, -smallest) runs either way, so every rank sees the same range and raises alike.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    recorded = indexed.recorded_token_range()
+    if recorded is None:
+        n = indexed.num_tokens
+        low, high = indexed.token_range(n * rank // world, n * (rank + 1) // world)
+    else:
+        low, high = recorded
+    none = -(2**62)  # what a rank without tokens contributes to the MAX
+    extremes = torch.tensor([high, -low] if high >= low else [none, none], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if int(extremes[0]) == none:
+        return
+    high, low = int(extremes[0]), -int(extremes[1])
+    source = f"(recorded in {stats_path(indexed.prefix)})" if recorded is not None else "(read from the file)"
+    for bad in (high, low):
+        if not 0 <= bad < vocab_size:
             raise ValueError(
-                f"tpcore: {indexed.prefix}.bin holds token id {top}, outside the tokenizer's vocabulary of {vocab_size}; "
+                f"tpcore: {indexed.prefix}.bin holds token id {bad} {source}, outside the tokenizer's vocabulary of {vocab_size}; "
                 "was it preprocessed with another tokenizer?"
             )
 
@@ -109,7 +124,7 @@ def pretrain(args: TrainArgs) -> dict:
     config = args.model_config(tokenizer.vocab_size)
     config.check_tp(dist.get_world_size(tp_group))
     indexed = IndexedDataset(args.data_path)
-    _check_tokens(indexed, tokenizer.vocab_size)
+    _check_tokens(indexed, tokenizer.vocab_size, device)
     common = dict(valid_fraction=args.valid_fraction, seed=args.seed)
     train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
     valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
@@ -118,7 +133,7 @@ def pretrain(args: TrainArgs) -> dict:
 
     dtype, autocast_dtype = precision(args)
     resume_from = find_checkpoint(args.load) if args.load else None
-    torch.manual_seed(args.seed)  # the same full model is drawn on every rank: TP-size invariant
+    torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP-size invariant
     model = GPTModel(config, group=tp_group, dtype=dtype, device=device, _init=resume_from is None)
     model_parallel_manual_seed(args.seed, tp_group)
     optimizer = ParallelAdamW(

@@ -1,0 +1,71 @@
+"""How both GPTs start: GPT-2 / Megatron distributions, each parameter drawn by its name.
+
+`initialize_gpt_parameters` draws a parameter from (model seed, full parameter name with
+the global layer index) tile by tile (`tensor_parallel.initialization`), over this rank's
+ranges of the sharding rule. `ReferenceGPT` draws the full ranges with the same keys, so
+`torch.manual_seed(s); ReferenceGPT(config)` is exactly the merge of every rank's
+`torch.manual_seed(s); GPTModel(config)`, for every TP size, and a pipeline stage holding
+layers `[first, last)` draws the same numbers for them as the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from ..tensor_parallel.embedding import pad_vocab_size
+from ..tensor_parallel.initialization import ShardedInit, init_shard_
+from .config import GPTConfig
+from .sharding import full_shape, piece_ranges, rule_for
+
+__all__ = ["gpt_parameter_init", "initialize_gpt_parameters", "global_parameter_name"]
+
+
+def gpt_parameter_init(name: str, config: GPTConfig) -> ShardedInit:
+    """The distribution of the parameter called `name`: normal(0, init_std) weights,
+    output projections (attention proj, fc2) scaled by 1/sqrt(2 layers), norm weights
+    one, norm and linear biases zero."""
+    if "norm" in name:
+        return ShardedInit.constant(1.0 if name.endswith("weight") else 0.0)
+    if name.endswith("bias"):
+        return ShardedInit.constant(0.0)
+    if name.endswith(("proj.weight", "fc2.weight")):
+        return ShardedInit.normal(config.init_std / math.sqrt(2 * config.num_layers))
+    return ShardedInit.normal(config.init_std)
+
+
+def global_parameter_name(name: str, layer_offset: int) -> str:
+    """`name` with its layer index shifted by `layer_offset` (`layers.0.x` -> `layers.4.x`)."""
+    if layer_offset and name.startswith("layers."):
+        index, rest = name[len("layers.") :].split(".", 1)
+        return f"layers.{int(index) + layer_offset}.{rest}"
+    return name
+
+
+def initialize_gpt_parameters(
+    model: nn.Module,
+    config: GPTConfig,
+    *,
+    seed: int,
+    tensor_parallel: tuple[int, int] | None = None,
+    layer_offset: int = 0,
+) -> None:
+    """Draw every parameter of `model` (a ReferenceGPT, a GPTModel, or part of one whose
+    `layers.i` is global layer `i + layer_offset`) from `seed` and its global name.
+
+    `tensor_parallel=(rank, size)`: the parameters are this rank's shards (`rule_for`);
+    None: they are the full tensors. Temporaries are tile-sized.
+    """
+    rank, tp = tensor_parallel or (0, 1)
+    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+    for name, param in model.named_parameters():
+        init = gpt_parameter_init(name, config)
+        key = global_parameter_name(name, layer_offset)
+        if tensor_parallel is None:
+            init_shard_(param, init, seed=seed, key=key, full_shape=param.shape)
+            continue
+        rule = rule_for(name, config)
+        full = full_shape(rule, param.shape, tp, config.vocab_size)
+        dim, ranges = piece_ranges(rule, rank, tp, full, rows)
+        init_shard_(param, init, seed=seed, key=key, full_shape=full, dim=dim, ranges=ranges)

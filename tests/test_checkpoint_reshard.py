@@ -1,0 +1,154 @@
+"""Loading a checkpoint at another TP size copies only the shared index ranges: the result
+equals merging every saved shard into the dense tensors and cutting this rank's piece
+(computed here with plain torch.cat / chunk), for the weights and the AdamW state, and
+no rank allocates a full tensor on the way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpcore import parallel_state
+from tpcore.models import GPTModel
+from tpcore.tensor_parallel.embedding import pad_vocab_size
+from tpcore.models.sharding import rule_for
+from tpcore.train import CheckpointError, ParallelAdamW, checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
+from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, expect_error, setup_tp
+
+# llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters).
+CASES = {"llama": torch.float32, "gpt2": torch.bfloat16}
+REMAP_BYTES = checkpoint._MappedFile.REMAP_BYTES
+
+
+def _make(variant: str, seed: int):
+    torch.manual_seed(seed)
+    config = VARIANTS[variant]
+    model = GPTModel(config, dtype=CASES[variant])
+    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    opt = ParallelAdamW(model, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=tp_group, dp_group=dp_group, lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def _save(rank, world, root, variant, tp):
+    setup_tp(tp)
+    model, opt = _make(variant, 0)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=g)
+        model(ids, ids.roll(1, 1)).backward()
+        opt.step(1e-2, 1.0)
+    save_checkpoint(os.path.join(root, f"{variant}-tp{tp}"), 2, model, opt, consumed_samples=4,
+                    tp_group=parallel_state.get_tensor_model_parallel_group(), dp_group=parallel_state.get_data_parallel_group())
+
+
+@pytest.fixture(scope="module")
+def saved(cpu_ranks, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    for variant in CASES:
+        for tp in (1, 2, 4):
+            cpu_ranks.run(_save, root, variant, tp)
+    return root
+
+
+def _piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config) -> torch.Tensor:
+    """Rank's piece of a full tensor, by plain slicing (the reference for copy_overlap)."""
+    if rule[0] == "replicated":
+        return full
+    if rule[0] == "vocab":
+        rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+        padded = torch.cat([full, full.new_zeros(rows * tp - full.shape[0], *full.shape[1:])])
+        return padded.chunk(tp, 0)[rank]
+    _, dim, sizes = rule
+    return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
+
+
+def _merge(pieces: list[torch.Tensor], rule: tuple, config) -> torch.Tensor:
+    """The full tensor from every saved rank's piece, by plain concatenation."""
+    if rule[0] == "replicated":
+        return pieces[0]
+    if rule[0] == "vocab":
+        return torch.cat(pieces, 0)[: config.vocab_size]
+    _, dim, sizes = rule
+    tp = len(pieces)
+    parts = [p.split([s // tp for s in sizes], dim) for p in pieces]
+    return torch.cat([torch.cat([parts[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
+
+
+def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
+    tp_rank, tp = setup_tp(tp)
+    directory = os.path.join(root, f"{variant}-tp{saved_tp}", "iter_0000002")
+    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}.pt"), weights_only=True) for r in range(saved_tp)]
+    model, opt = _make(variant, 9)
+    config = model.config
+    opened, load = [], checkpoint._load
+    checkpoint._load = lambda path, mmap=False: opened.append(path) or load(path, mmap)
+    if remap_bytes is not None:  # map the files afresh after every piece
+        checkpoint._MappedFile.REMAP_BYTES = remap_bytes
+    try:
+        with LargestAllocation() as seen:
+            meta = load_checkpoint(directory, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group())
+    finally:
+        checkpoint._load, checkpoint._MappedFile.REMAP_BYTES = load, REMAP_BYTES
+    assert meta["tensor_parallel_size"] == saved_tp
+    assert len(opened) >= saved_tp and (remap_bytes is None or len(opened) > 4 * saved_tp), len(opened)
+    what = f"{variant} TP {saved_tp} -> {tp}"
+    for name, p in model.named_parameters():
+        rule = rule_for(name, config)
+        want = _piece(_merge([f["model"][name] for f in files], rule, config), rule, tp_rank, tp, config)
+        assert torch.equal(p.detach(), want.to(p.dtype)), f"{what}: {name}"
+    state = opt.state_dict()["params"]
+    keys = set()
+    for name, entry in files[0]["optimizer"]["params"].items():
+        rule = rule_for(name, config)
+        assert set(state[name]) == set(entry), name
+        for key, value in entry.items():
+            keys.add(key)
+            want = value if key == "step" else _piece(_merge([f["optimizer"]["params"][name][key] for f in files], rule, config), rule, tp_rank, tp, config)
+            assert torch.equal(state[name][key], want), f"{what}: optimizer {name}/{key}"
+    assert keys == ({"exp_avg", "exp_avg_sq", "step", "master"} if CASES[variant] == torch.bfloat16 else {"exp_avg", "exp_avg_sq", "step"})
+    local = max(t.untyped_storage().nbytes() for entry in state.values() for t in entry.values())
+    assert seen.largest <= local, f"{what}: a {seen.largest}-byte tensor was allocated; the largest piece has {local}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("saved_tp", [1, 2, 4])
+@pytest.mark.parametrize("variant", list(CASES))
+def test_sliced_reshard_equals_merge_then_shard(cpu_ranks, saved, variant, saved_tp, tp):
+    cpu_ranks.run(_reshard, saved, variant, saved_tp, tp)
+
+
+@pytest.mark.parametrize("saved_tp,tp", [(1, 4), (4, 2)])
+def test_reshard_with_the_files_mapped_afresh_after_every_piece(cpu_ranks, saved, saved_tp, tp):
+    cpu_ranks.run(_reshard, saved, "llama", saved_tp, tp, 1)
+
+
+@pytest.mark.parametrize("saved_tp", [1, 4])
+def test_load_dense_state_dict_equals_the_merge(saved, saved_tp):
+    directory = os.path.join(saved, f"llama-tp{saved_tp}", "iter_0000002")
+    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}.pt"), weights_only=True)["model"] for r in range(saved_tp)]
+    config, state = load_dense_state_dict(directory)
+    assert set(state) == set(files[0])
+    for name, got in state.items():
+        assert torch.equal(got, _merge([f[name] for f in files], rule_for(name, config), config)), name
+
+
+def _bad_piece(rank, world, path):
+    setup_tp(2)
+    model, opt = _make("llama", 0)
+    expect_error(CheckpointError, "model_tp00.pt: model parameter layers.0.mlp.fc1.weight: piece of rank 0 of 1 has shape [96, 64]",
+                 load_checkpoint, path, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group())
+    dist.barrier()  # nothing above ran a collective: every rank raised alike
+
+
+def test_a_piece_of_the_wrong_shape_names_file_and_parameter(cpu_ranks, saved, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(saved, "llama-tp1", "iter_0000002"), bad)
+    state = torch.load(os.path.join(bad, "model_tp00.pt"), weights_only=True)
+    state["model"]["layers.0.mlp.fc1.weight"] = state["model"]["layers.0.mlp.fc1.weight"][:96].clone()
+    torch.save(state, os.path.join(bad, "model_tp00.pt"))
+    cpu_ranks.run(_bad_piece, bad)
