@@ -156,3 +156,10 @@ def test_bad_arguments_fail_fast_on_every_rank(workdir):
     proc = subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0
     assert proc.stderr.count("hidden_size 32 is not divisible by num_attention_heads 3") >= 2, proc.stderr[-2000:]
+
+
+def test_pp2_gives_the_same_curve_as_pp1(workdir, tp1_run):
+    # Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global batch.
+    rows, stdout = _train(workdir, "pp2", 2, "--pipeline-model-parallel-size", "2", "--exit-interval", "20")
+    assert "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout, stdout[:2000]
+    _assert_same_curves(rows, tp1_run[0], exact=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .._validation import check_positive_ints
 
-__all__ = ["SCHEDULES", "Action", "Message", "ScheduleTable", "check_schedule", "rank_units", "rank_actions", "boundary_messages", "schedule_table"]
+__all__ = ["SCHEDULES", "Action", "Message", "ScheduleTable", "check_schedule", "rank_units", "rank_actions", "boundary_messages", "simulate", "schedule_table"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FORWARD, BACKWARD = "F", "B"
@@ -225,14 +225,11 @@ def _order(entry: tuple) -> tuple[int, int]:
     return entry[0], entry[1]  # (batch, tag)
 
 
-def schedule_table(
-    p: int, m: int, v: int = 1, schedule: str | None = None, *, forward_only: bool = False, forward_time: float = 1.0, backward_time: float = 2.0
-) -> ScheduleTable:
-    """The schedule of p ranks, m micro-batches and v chunks per rank ("interleaved" when
-    v > 1, else "1f1b", unless `schedule` says otherwise), timed. Raises a RuntimeError
-    if the order could deadlock (it cannot for these schedules: the tests run them all)."""
-    schedule = schedule or ("interleaved" if v > 1 else "1f1b")
-    units = [rank_units(schedule, p, m, v, r, forward_only) for r in range(p)]
+def simulate(units: list[list[list[Action]]], p: int, v: int, forward_time: float = 1.0, backward_time: float = 2.0) -> tuple[list[list[float]], float, bool]:
+    """Run every rank's `units` on the executor's model: batch k of a rank completes when
+    every message in it has been posted by both ends, then the rank runs unit k.
+    Returns (start time of each pass per rank, step time, whether the link orders agree
+    without tags); raises a RuntimeError naming the stuck batches if the order deadlocks."""
     batches = [boundary_messages(u, r, p, v) for r, u in enumerate(units)]
     partner, tagless = _match(p, batches)
     duration = {FORWARD: forward_time, BACKWARD: backward_time}
@@ -261,7 +258,20 @@ def schedule_table(
                 pos[r] += 1
             progress = True
     if None in finish:
-        stuck = {r: str(batches[r][pos[r]]) for r in range(p) if finish[r] is None}
-        raise RuntimeError(f"tpcore: {schedule} schedule (p={p}, m={m}, v={v}) deadlocks: ranks stuck at {stuck}")
+        stuck = {r: batches[r][pos[r]] for r in range(p) if finish[r] is None}
+        raise RuntimeError(f"tpcore: pipeline order deadlocks: ranks stuck at their (sends, receives) {stuck}")
+    return starts, max(finish), tagless
+
+
+def schedule_table(
+    p: int, m: int, v: int = 1, schedule: str | None = None, *, forward_only: bool = False, forward_time: float = 1.0, backward_time: float = 2.0
+) -> ScheduleTable:
+    """The schedule of p ranks, m micro-batches and v chunks per rank ("interleaved" when
+    v > 1, else "1f1b", unless `schedule` says otherwise), timed by `simulate` (which
+    would raise if the order could deadlock; the tests run every schedule through it)."""
+    schedule = schedule or ("interleaved" if v > 1 else "1f1b")
+    check_schedule(schedule, p, m, v)
+    units = [rank_units(schedule, p, m, v, r, forward_only) for r in range(p)]
+    starts, step_time, tagless = simulate(units, p, v, forward_time, backward_time)
     actions = [[a for unit in u for a in unit] for u in units]
-    return ScheduleTable(schedule, p, m, v, actions, starts, max(finish), forward_time, backward_time, tagless)
+    return ScheduleTable(schedule, p, m, v, actions, starts, step_time, forward_time, backward_time, tagless)
