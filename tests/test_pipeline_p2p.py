@@ -204,3 +204,45 @@ def test_a_rank_dying_mid_schedule_fails_every_other_rank_within_the_timeout():
         assert kind == "RuntimeError", (rank, kind, message)
         assert f"tpcore: pipeline rank {rank}:" in message, message
         assert elapsed < GROUP_TIMEOUT_S + 10, (rank, elapsed)
+
+
+# ---------------------------------------------------------------------------------------
+# The embedding group and pipeline stages of GPTModel
+# ---------------------------------------------------------------------------------------
+
+
+def test_embedding_groups_join_the_first_and_last_stage():
+    from tpcore.parallel_state import rank_layout
+
+    layout = rank_layout(16, 2, 4)  # TP adjacent, then DP (2), then PP (4 stages of 4 ranks)
+    assert layout.pipeline[0] == [0, 4, 8, 12] and layout.embedding[0] == [0, 12]
+    assert layout.embedding == [[g[0], g[-1]] for g in layout.pipeline]
+    assert rank_layout(4, 2, 1).embedding == [[0], [1], [2], [3]]  # no pipeline: every rank alone
+
+
+def _live_embedding_group(rank, world):
+    state = tpcore.initialize_model_parallel(pipeline_parallel_size=4)
+    assert parallel_state.is_pipeline_first_stage() == (rank == 0) and parallel_state.is_pipeline_last_stage() == (rank == 3)
+    if rank in (0, 3):
+        assert dist.get_process_group_ranks(parallel_state.get_embedding_group()) == [0, 3]
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=state.embedding_group)
+        assert t.item() == 5.0
+    else:
+        expect_error(RuntimeError, f"pipeline stage {rank} is neither the first nor the last", parallel_state.get_embedding_group)
+    config = type(VARIANTS["gpt2"])(**{**VARIANTS["gpt2"].__dict__, "num_layers": 8})
+    torch.manual_seed(0)
+    (chunk,) = build_gpt_stages(config, _init=False)
+    names = [n for n, _ in chunk.named_parameters()]
+    assert all(n.startswith(f"layers.{2 * rank}.") or n.startswith(f"layers.{2 * rank + 1}.") for n in names if n.startswith("layers."))
+    assert ("embedding.word.weight" in names) == (rank in (0, 3))  # tied: the last stage holds a copy
+    assert ("embedding.position.weight" in names) == (rank == 0) and ("final_norm.weight" in names) == (rank == 3)
+    assert set(names) <= {n for n, _ in ReferenceGPT(config, device="meta").named_parameters()}
+    expect_error(ValueError, "this is one pipeline stage", chunk.to_dense)
+    if rank == 1:
+        expect_error(ValueError, "this pipeline stage takes hidden states", chunk, torch.zeros(2, 8, dtype=torch.long))
+        expect_error(ValueError, "has no LM head", chunk, torch.zeros(8, 2, 32), torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_live_embedding_group_and_gpt_stages(cpu_ranks):
+    cpu_ranks.run(_live_embedding_group)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import comm
 from . import p2p
-from .schedule_table import FORWARD, TAGS, Action, Message, boundary_messages, check_schedule, rank_units
+from .schedule_table import BACKWARD, FORWARD, TAGS, Action, Message, boundary_messages, check_schedule, rank_units
 
 __all__ = ["forward_backward", "PipelineStats"]
 
@@ -132,7 +132,7 @@ def forward_backward(
         if stage > 0:
             if x.grad is None:
                 raise RuntimeError(f"tpcore: forward_backward: the input of stage {stage} got no gradient; does its output depend on it?")
-            outgoing[Message("B", stage, stage - 1, action.micro)] = x.grad
+            outgoing[Message(BACKWARD, stage, stage - 1, action.micro)] = x.grad
 
     for b, (sends, recvs) in enumerate(batches):
         send_specs = [(outgoing[msg], msg.dst % p, TAGS[msg.kind], _describe(msg, p, v)) for msg in sends]
