@@ -4,10 +4,12 @@
 
 1. Bubble: stages whose forward and backward sleep a fixed time (20 ms and 40 ms per rank's
    slice of the model, divided among its v chunks), so the measurement is the schedule's
-   and not CPU contention between ranks. All ranks start together (barrier); the step
-   time T is when the last rank returns; a rank is idle for T minus its time outside
-   message waits. Idle / T per rank (mean and worst over ranks) next to
-   (p - 1) / (v m + p - 1), which is the formula (p - 1) / (v m) of idle over compute.
+   and not CPU contention between ranks. Per rank, the time blocked in message batches
+   over its step time: the first stage waits through the whole bubble, so its fraction
+   is the one to hold against (p - 1) / (v m + p - 1) (= (p - 1) / (v m) of idle over
+   compute); the mean over ranks is lower because later stages finish early. The step
+   time beyond the ideal (m + (p - 1) / v) x 60 ms, per message batch of the first
+   stage, is what each batch costs (transfer, shape header, Python, sleep overshoot).
 2. Peak memory allocated during one training step per stage (GPT stages, fp32, gradients
    preallocated so only activations and messages count), from the profiler's allocation
    events: GPipe, 1F1B, and 1F1B without releasing sent activations, also with full
@@ -33,6 +35,7 @@ import tpcore
 from ranks import run_on_ranks
 from tpcore.models import GPTConfig, ReferenceGPT
 from tpcore.pipeline_parallel import PipelineStats, activation_shape, build_gpt_stages, forward_backward, gpt_forward_step
+from tpcore.pipeline_parallel.schedule_table import rank_units
 
 FORWARD_S, BACKWARD_S = 0.020, 0.040
 BUBBLE_CASES = {  # p -> (schedule, m, v)
@@ -81,15 +84,10 @@ def _bubble_worker(rank, world, store, args, results):
             dist.barrier()
             forward_backward(step, num_micro_batches=m, tensor_shape=shape, dtype=torch.float32, schedule=schedule, num_model_chunks=v, stats=stats)
             if i:  # the first call warms up
-                samples.append((stats.step_s, stats.step_s - stats.wait_s))  # (this rank's step, its busy time)
+                samples.append((stats.step_s, stats.wait_s))
         out[(schedule, m, v)] = samples
+    dist.destroy_process_group()
     results.put((rank, out))
-
-
-def _idle_fractions(samples_per_rank: list[list[tuple[float, float]]]) -> list[float]:
-    """Per rank, the median over iterations of its idle time over T, T the slowest rank's step."""
-    iterations = list(zip(*samples_per_rank))  # each: one (step, busy) per rank
-    return [statistics.median(1 - it[r][1] / max(step for step, _ in it) for it in iterations) for r in range(len(samples_per_rank))]
 
 
 def _gpt_config(args) -> GPTConfig:
@@ -137,6 +135,7 @@ def _memory_worker(rank, world, store, args, results):
         chunks, batches = _gpt_setup(dataclasses.replace(config, recompute=recompute), args, args.m)
         _gpt_step(chunks, batches, config, args, schedule, release)  # warm-up (and gradients allocated)
         out[name] = _peak_allocated(lambda: _gpt_step(chunks, batches, config, args, schedule, release))
+    dist.destroy_process_group()
     results.put((rank, out))
 
 
@@ -151,7 +150,50 @@ def _time_worker(rank, world, store, args, threads, check_shapes, results):
         _gpt_step(chunks, batches, config, args, "1f1b", check_shapes=check_shapes)
         if i:
             times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
     results.put((rank, statistics.median(times)))
+
+
+def _bubble(args) -> None:
+    print(f"\n## 1. Bubble: idle / step time per rank (stages sleep {FORWARD_S * 1e3:.0f} ms forward, {BACKWARD_S * 1e3:.0f} ms backward per rank slice)")
+    print("| p | schedule | m | v | first stage: wait / step | mean over ranks | formula (p-1)/(vm+p-1) | ms per message batch beyond ideal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in (2, 4):
+        rows = run_on_ranks(_bubble_worker, p, args)
+        for schedule, m, v in BUBBLE_CASES[p]:
+            samples = [r[(schedule, m, v)] for r in rows]  # [rank][iteration] = (step, wait)
+            fraction = [statistics.median(wait / step for step, wait in per_rank) for per_rank in samples]
+            step = statistics.median(max(it[0] for it in iteration) for iteration in zip(*samples))
+            ideal = (m + (p - 1) / v) * (FORWARD_S + BACKWARD_S)
+            batches = len(rank_units(schedule, p, m, v, 0)) + 1
+            print(f"| {p} | {schedule} | {m} | {v} | {fraction[0]:.3f} | {statistics.mean(fraction):.3f} | {(p - 1) / (v * m + p - 1):.3f} | "
+                  f"{(step - ideal) / batches * 1e3:.1f} |")
+
+
+def _memory(args) -> None:
+    one_activation = args.seq * args.micro * args.hidden * 4
+    print(f"\n## 2. Peak MiB allocated during a training step, per stage (one stage-to-stage activation is {one_activation / 2**20:.2f} MiB)")
+    for p in (2, 4):
+        rows = run_on_ranks(_memory_worker, p, args)
+        print(f"\np = {p}:\n| stage | " + " | ".join(rows[0]) + " | GPipe / 1F1B |")
+        print("|---" * (len(rows[0]) + 2) + "|")
+        for stage, row in enumerate(rows):
+            print(f"| {stage} | " + " | ".join(f"{b / 2**20:.1f}" for b in row.values()) + f" | {row['gpipe'] / row['1f1b']:.2f} |")
+
+
+def _step_time(args) -> None:
+    print(f"\n## 3. Step time, 1F1B, m = {args.m} (slowest rank, median over {args.rounds} rounds of {args.iters} steps)")
+    cores = os.cpu_count() or 1
+    layouts = [(1, cores, True), (1, 1, True), (2, max(1, cores // 2), True), (2, max(1, cores // 2), False)]  # (ranks, threads, headers)
+    times = {layout: [] for layout in layouts}
+    for _ in range(args.rounds):
+        for layout in layouts:
+            times[layout].append(max(run_on_ranks(_time_worker, layout[0], args, layout[1], layout[2])))
+    base = statistics.median(times[layouts[0]])
+    print("| PP | ranks x threads | shape headers | step ms | / PP=1 with all cores |\n|---|---|---|---|---|")
+    for world, threads, headers in layouts:
+        t = statistics.median(times[(world, threads, headers)])
+        print(f"| {world} | {world} x {threads} | {'on' if headers else 'off'} | {t * 1e3:.1f} | {t / base:.2f} |")
 
 
 def main() -> None:
@@ -165,43 +207,21 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step in parts 2 and 3")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of part 3")
+    parser.add_argument("--parts", default="1,2,3", help="which parts to run")
     args = parser.parse_args()
+    parts = {int(x) for x in args.parts.split(",")}
     print(f"torch {torch.__version__}, CPU, {os.cpu_count()} cores, gloo, fp32")
 
-    print(f"\n## 1. Bubble: idle / step time per rank (stages sleep {FORWARD_S * 1e3:.0f} ms forward, {BACKWARD_S * 1e3:.0f} ms backward per rank slice)")
-    print("| p | schedule | m | v | measured, mean over ranks | worst rank | formula (p-1)/(vm+p-1) |")
-    print("|---|---|---|---|---|---|---|")
-    for p in (2, 4):
-        rows = run_on_ranks(_bubble_worker, p, args)
-        for schedule, m, v in BUBBLE_CASES[p]:
-            per_rank = _idle_fractions([r[(schedule, m, v)] for r in rows])
-            print(f"| {p} | {schedule} | {m} | {v} | {statistics.mean(per_rank):.3f} | {max(per_rank):.3f} | {(p - 1) / (v * m + p - 1):.3f} |")
-
+    if 1 in parts:
+        _bubble(args)
     config = _gpt_config(args)
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
     print(f"\nGPT: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, {params / 1e6:.2f}M parameters; "
           f"micro-batch {args.micro} x seq {args.seq}, m = {args.m} micro-batches per step")
-    one_activation = args.seq * args.micro * args.hidden * 4
-    print(f"\n## 2. Peak MiB allocated during a training step, per stage (one stage-to-stage activation is {one_activation / 2**20:.2f} MiB)")
-    for p in (2, 4):
-        rows = run_on_ranks(_memory_worker, p, args)
-        print(f"\np = {p}:\n| stage | " + " | ".join(rows[0]) + " | GPipe / 1F1B |")
-        print("|---" * (len(rows[0]) + 2) + "|")
-        for stage, row in enumerate(rows):
-            print(f"| {stage} | " + " | ".join(f"{b / 2**20:.1f}" for b in row.values()) + f" | {row['gpipe'] / row['1f1b']:.2f} |")
-
-    print(f"\n## 3. Step time, 1F1B, m = {args.m} (slowest rank, median over {args.rounds} rounds of {args.iters} steps)")
-    cores = os.cpu_count() or 1
-    layouts = [(1, cores, True), (1, 1, True), (2, max(1, cores // 2), True), (2, max(1, cores // 2), False)]  # (ranks, threads, headers)
-    times = {layout: [] for layout in layouts}
-    for _ in range(args.rounds):
-        for layout in layouts:
-            times[layout].append(max(run_on_ranks(_time_worker, layout[0], args, layout[1], layout[2])))
-    base = statistics.median(times[layouts[0]])
-    print("| PP | ranks x threads | shape headers | step ms | / PP=1 with all cores |\n|---|---|---|---|---|")
-    for world, threads, headers in layouts:
-        t = statistics.median(times[(world, threads, headers)])
-        print(f"| {world} | {world} x {threads} | {'on' if headers else 'off'} | {t * 1e3:.1f} | {t / base:.2f} |")
+    if 2 in parts:
+        _memory(args)
+    if 3 in parts:
+        _step_time(args)
 
 
 if __name__ == "__main__":
