@@ -110,9 +110,14 @@ def activation_shape(config: GPTConfig, micro_batch_size: int, seq_length: int, 
     return [seq_length // tp_size if config.sequence_parallel else seq_length, micro_batch_size, config.hidden_size]
 
 
-def gpt_forward_step(chunks: Sequence[GPTModel], batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, tensor_shape: Sequence[int] | None = None):
+def gpt_forward_step(
+    chunks: Sequence[GPTModel], batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, tensor_shape: Sequence[int] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+):
     """The `forward_step` of `forward_backward` for GPT chunks and micro-batches
-    `(ids [b, s], target [b, s])`: the first stage reads ids, the last the targets.
+    `(ids [b, s], target [b, s])`: the first stage reads ids, the last the targets; the
+    forward runs under torch.autocast to `autocast_dtype` when given (the backward,
+    started by the schedule, outside it, as torch.autocast recommends).
     With `tensor_shape`, checks now, before any message and alike on every rank (all
     ranks pass the same batches), that every micro-batch makes activations of that shape."""
     if tensor_shape is not None:
@@ -129,7 +134,8 @@ def gpt_forward_step(chunks: Sequence[GPTModel], batches: Sequence[tuple[torch.T
 
     def step(chunk: int, micro: int, x: torch.Tensor | None) -> torch.Tensor:
         model, (ids, target) = chunks[chunk], batches[micro]
-        return model(ids if model.pre_process else x, target if model.post_process else None)
+        with torch.autocast(ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            return model(ids if model.pre_process else x, target if model.post_process else None)
 
     return step
 
