@@ -78,14 +78,16 @@ def _bubble_worker(rank, world, store, args, results):
             y = _Sleep.apply(x, w, FORWARD_S / v, BACKWARD_S / v)
             return y.sum() if chunk == last_chunk else y
 
-        samples = []
-        for i in range(args.iters + 1):
-            stats = PipelineStats()
-            dist.barrier()
-            forward_backward(step, num_micro_batches=m, tensor_shape=shape, dtype=torch.float32, schedule=schedule, num_model_chunks=v, stats=stats)
-            if i:  # the first call warms up
-                samples.append((stats.step_s, stats.wait_s))
-        out[(schedule, m, v)] = samples
+        for headers in (True, False):
+            samples = []
+            for i in range(args.iters + 1):
+                stats = PipelineStats()
+                dist.barrier()
+                forward_backward(step, num_micro_batches=m, tensor_shape=shape, dtype=torch.float32, schedule=schedule, num_model_chunks=v,
+                                 check_shapes=headers, stats=stats)
+                if i:  # the first call warms up
+                    samples.append((stats.step_s, stats.wait_s))
+            out[(schedule, m, v, headers)] = samples
     dist.destroy_process_group()
     results.put((rank, out))
 
@@ -156,18 +158,22 @@ def _time_worker(rank, world, store, args, threads, check_shapes, results):
 
 def _bubble(args) -> None:
     print(f"\n## 1. Bubble: idle / step time per rank (stages sleep {FORWARD_S * 1e3:.0f} ms forward, {BACKWARD_S * 1e3:.0f} ms backward per rank slice)")
-    print("| p | schedule | m | v | first stage: wait / step | mean over ranks | formula (p-1)/(vm+p-1) | ms per message batch beyond ideal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| p | schedule | m | v | first stage: wait / step | mean over ranks | formula (p-1)/(vm+p-1) | ms per message batch beyond ideal "
+          "| same without shape headers: first stage | ms per batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for p in (2, 4):
         rows = run_on_ranks(_bubble_worker, p, args)
         for schedule, m, v in BUBBLE_CASES[p]:
-            samples = [r[(schedule, m, v)] for r in rows]  # [rank][iteration] = (step, wait)
-            fraction = [statistics.median(wait / step for step, wait in per_rank) for per_rank in samples]
-            step = statistics.median(max(it[0] for it in iteration) for iteration in zip(*samples))
-            ideal = (m + (p - 1) / v) * (FORWARD_S + BACKWARD_S)
-            batches = len(rank_units(schedule, p, m, v, 0)) + 1
-            print(f"| {p} | {schedule} | {m} | {v} | {fraction[0]:.3f} | {statistics.mean(fraction):.3f} | {(p - 1) / (v * m + p - 1):.3f} | "
-                  f"{(step - ideal) / batches * 1e3:.1f} |")
+            cells = []
+            for headers in (True, False):
+                samples = [r[(schedule, m, v, headers)] for r in rows]  # [rank][iteration] = (step, wait)
+                fraction = [statistics.median(wait / step for step, wait in per_rank) for per_rank in samples]
+                step = statistics.median(max(it[0] for it in iteration) for iteration in zip(*samples))
+                ideal = (m + (p - 1) / v) * (FORWARD_S + BACKWARD_S)
+                per_batch = (step - ideal) / (len(rank_units(schedule, p, m, v, 0)) + 1) * 1e3
+                cells += [f"{fraction[0]:.3f}", f"{statistics.mean(fraction):.3f}"] if headers else [f"{fraction[0]:.3f}"]
+                cells += [f"{(p - 1) / (v * m + p - 1):.3f}", f"{per_batch:.1f}"] if headers else [f"{per_batch:.1f}"]
+            print(f"| {p} | {schedule} | {m} | {v} | " + " | ".join(cells) + " |")
 
 
 def _memory(args) -> None:
