@@ -7,6 +7,7 @@
 #include "cpu_buffer_pool.h"
 #include "kernels.h"
 #include "ops.h"
+#include "p2p.h"
 
 namespace py = pybind11;
 using tpcore::Group;
@@ -88,6 +89,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_mark_collective_missing", &tpcore::mark_collective_missing, py::arg("group"),
         py::arg("op"), py::arg("like"), py::arg("missing") = true);
   m.def("_set_max_grid_blocks", &tpcore::set_max_grid_blocks, py::arg("cap"));
+  // Pipeline point-to-point: sends are (tensor, peer, tag, what), receives (shape, peer, tag,
+  // what).
+  m.def(
+      "batch_isend_irecv",
+      [](const Group& group,
+         const std::vector<std::tuple<at::Tensor, int64_t, int64_t, std::string>>& sends,
+         const std::vector<std::tuple<std::vector<int64_t>, int64_t, int64_t, std::string>>& recvs,
+         at::ScalarType dtype, at::Device device, bool check_shapes) {
+        std::vector<tpcore::P2PSend> s;
+        std::vector<tpcore::P2PRecv> r;
+        for (const auto& [t, peer, tag, what] : sends) s.push_back({t, peer, tag, what});
+        for (const auto& [shape, peer, tag, what] : recvs) r.push_back({shape, peer, tag, what});
+        return tpcore::batch_isend_irecv(group, s, r, dtype, device, check_shapes);
+      },
+      py::arg("group"), py::arg("sends"), py::arg("recvs"), py::arg("dtype"), py::arg("device"),
+      py::arg("check_shapes"), release_gil());
+  m.def("release_storage", &tpcore::release_storage, py::arg("tensor"));
+  m.def("backward_from", &tpcore::backward_from, py::arg("output"), py::arg("grad"), release_gil());
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

@@ -167,3 +167,10 @@ def test_autocast_bf16_run_trains_alongside_fp32(workdir, tp2_run):
     assert loss.isfinite().all() and loss[-5:].mean() < loss[0] - 1.0, loss
     # Step 1 sees identical weights: only bf16 compute separates the two losses.
     torch.testing.assert_close(loss[0], fp32[0], rtol=2 * 2**-7, atol=0)
+
+
+def test_pp2_gives_the_same_curve_as_pp1(workdir, tp1_run):
+    # Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global batch.
+    rows, stdout = _train(workdir, "pp2", 2, "--pipeline-model-parallel-size", "2", "--exit-interval", "20")
+    assert "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout, stdout[:2000]
+    _assert_same_curves(rows, tp1_run[0], exact=False)

@@ -9,7 +9,8 @@ import torch
 from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.models.sharding import rule_for, shard
 from tpcore.train.arguments import parse_args
-from tpcore.train.trainer import micro_batch_loss, precision
+from tpcore.pipeline_parallel import gpt_forward_step
+from tpcore.train.trainer import precision
 from checks import GPT_VARIANTS, RTOL, setup_tp
 
 
@@ -38,9 +39,11 @@ def _autocast_gpt(rank, world, tp, variant):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (2, 8), generator=g)
     target = torch.randint(0, config.vocab_size, (2, 8), generator=g)
-    ref = micro_batch_loss(dense, ids, target, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = dense(ids, target)
     ref.backward()
-    loss = micro_batch_loss(model, ids, target, torch.bfloat16)
+    # The trainer's forward step (one pipeline stage holding the whole model).
+    loss = gpt_forward_step([model], [(ids, target)], autocast_dtype=torch.bfloat16)(0, 0, None)
     loss.backward()
     _close(loss, ref.detach(), "loss")
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}

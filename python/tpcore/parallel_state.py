@@ -7,7 +7,9 @@ data-parallel, then pipeline-parallel, so that
 
 `rank_layout` computes the groups as plain lists (no processes needed);
 `initialize_model_parallel` creates them on a live `torch.distributed` job and
-keeps them in one `ParallelState` object. Layers take a group explicitly and
+keeps them in one `ParallelState` object. With pipeline parallelism the embedding
+group joins each pipeline's first and last stage, which both hold the word embedding
+when the LM head is tied to it. Layers take a group explicitly and
 fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 """
 
@@ -37,6 +39,9 @@ __all__ = [
     "get_pipeline_model_parallel_group",
     "get_pipeline_model_parallel_world_size",
     "get_pipeline_model_parallel_rank",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "get_embedding_group",
     "resolve_tensor_group",
 ]
 
@@ -51,6 +56,8 @@ class RankLayout:
     """Data-parallel groups: same tp rank and pp stage, stride `tp`."""
     pipeline: list[list[int]]
     """Pipeline groups: one rank per stage, stride `tp * dp`."""
+    embedding: list[list[int]]
+    """Embedding groups: the first and last rank of each pipeline group (one rank when pp = 1)."""
 
     def groups_of(self, rank: int) -> tuple[list[int], list[int], list[int]]:
         """The (tensor, data, pipeline) groups that contain `rank`."""
@@ -81,7 +88,8 @@ def rank_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_paralle
     tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
     data = [[s * stage + d * tp + t for d in range(dp)] for s in range(pp) for t in range(tp)]
     pipeline = [[r + s * stage for s in range(pp)] for r in range(stage)]
-    return RankLayout(tensor=tensor, data=data, pipeline=pipeline)
+    embedding = [sorted({g[0], g[-1]}) for g in pipeline]
+    return RankLayout(tensor=tensor, data=data, pipeline=pipeline, embedding=embedding)
 
 
 @dataclass
@@ -92,6 +100,8 @@ class ParallelState:
     data_group: dist.ProcessGroup
     pipeline_group: dist.ProcessGroup
     layout: RankLayout
+    embedding_group: dist.ProcessGroup | None = None
+    """First and last pipeline stage of this rank's pipeline; None on the stages between."""
 
 
 _STATE: ParallelState | None = None
@@ -144,12 +154,13 @@ def initialize_model_parallel(
     layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
     mine = {}
     # Every rank must create every group, in the same order, even those it is not in.
-    for kind in ("tensor", "data", "pipeline"):
+    # (With pp <= 2 the embedding groups are the pipeline groups and are reused as such.)
+    for kind in ("tensor", "data", "pipeline", "embedding"):
         for ranks in getattr(layout, kind):
             group = _new_group(ranks, timeout, backend)
             if rank in ranks:
                 mine[kind] = group
-    _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout)
+    _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding"))
     return _STATE
 
 
@@ -215,6 +226,26 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 def get_pipeline_model_parallel_rank() -> int:
     return dist.get_rank(get_pipeline_model_parallel_group())
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_embedding_group() -> dist.ProcessGroup:
+    """The group of this pipeline's first and last stage (tied embedding gradients are
+    summed over it); raises on a stage between them, which holds no embedding."""
+    group = get_parallel_state().embedding_group
+    if group is None:
+        raise RuntimeError(
+            f"tpcore: pipeline stage {get_pipeline_model_parallel_rank()} is neither the first nor the last "
+            "stage, so it is in no embedding group"
+        )
+    return group
 
 
 def resolve_tensor_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

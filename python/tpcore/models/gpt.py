@@ -13,6 +13,7 @@ Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
 from __future__ import annotations
 
 from functools import partial
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch import nn
 
 from .. import _C, comm
 from .._module_utils import to_empty_keeping_attributes
-from ..tensor_parallel.embedding import VocabParallelEmbedding
+from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
@@ -154,6 +155,40 @@ class ParallelEmbedding(nn.Module):
         return _dropout(self.dropout, x, self.config.sequence_parallel)
 
 
+class _TiedHeadWeight(nn.Module):
+    """The last pipeline stage's copy of the word embedding, for the tied LM head: named
+    `embedding.word.weight` as on the first stage (the embedding group keeps them equal)."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.word = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            group=group, dtype=dtype, device="meta",
+        )
+
+
+class LayerStack(nn.ModuleList):
+    """Transformer blocks under their global layer index (`layers.7.…` on a pipeline stage
+    holding layers 6 and 7), so a stage's state dict is a subset of the full model's."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+
+def _check_layer_indices(layers: Sequence[int], num_layers: int) -> list[int]:
+    layers = list(layers)
+    if not layers or any(not isinstance(i, int) or isinstance(i, bool) for i in layers):
+        raise ValueError(f"tpcore: GPTModel: layers must be a non-empty list of layer indices, got {layers!r}")
+    if layers != list(range(layers[0], layers[0] + len(layers))) or not 0 <= layers[0] <= layers[-1] < num_layers:
+        raise ValueError(f"tpcore: GPTModel: layers {layers} are not consecutive indices in [0, {num_layers})")
+    return layers
+
+
 class GPTModel(nn.Module):
     """Tensor-parallel GPT; the same function as `ReferenceGPT` for every TP size.
 
@@ -163,20 +198,34 @@ class GPTModel(nn.Module):
     model. `forward(ids [b, s])` returns this rank's logits shard `[b, s, vocab_padded/tp]`;
     with `target [b, s]` the loss (mean over non-ignored tokens, or `[b, s]` with
     `reduction="none"`).
+
+    A pipeline stage holds only some of it: `layers` (consecutive global indices, default
+    all), the embedding when `pre_process` (else `forward` takes the previous stage's
+    hidden states `[s(/tp), b, h]`), the final norm, LM head and loss when `post_process`
+    (else `forward` returns hidden states). Parameter names are the full model's.
     """
 
-    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, device=None, _init: bool = True) -> None:
+    def __init__(
+        self, config: GPTConfig, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, device=None, _init: bool = True,
+        layers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
+    ) -> None:
         super().__init__()
         self.config, self.group = config, resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         config.check_tp(self.tp_size)
-        self.embedding = ParallelEmbedding(config, self.group, dtype)
-        self.layers = nn.ModuleList(ParallelBlock(config, self.group, dtype) for _ in range(config.num_layers))
-        self.final_norm = make_norm(config, dtype, "meta")
-        if config.sequence_parallel:
-            _mark_sequence_parallel(*self.final_norm.parameters())
-        if not config.tie_embeddings:
-            rows = self.embedding.word.weight.shape[0]
+        layers = range(config.num_layers) if layers is None else _check_layer_indices(layers, config.num_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        if pre_process:
+            self.embedding = ParallelEmbedding(config, self.group, dtype)
+        elif post_process and config.tie_embeddings:
+            self.embedding = _TiedHeadWeight(config, self.group, dtype)
+        self.layers = LayerStack({i: ParallelBlock(config, self.group, dtype) for i in layers})
+        if post_process:
+            self.final_norm = make_norm(config, dtype, "meta")
+            if config.sequence_parallel:
+                _mark_sequence_parallel(*self.final_norm.parameters())
+        if post_process and not config.tie_embeddings:
+            rows = pad_vocab_size(config.vocab_size, self.tp_size, config.make_vocab_size_divisible_by) // self.tp_size
             self.lm_head = nn.Module()
             self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, dtype=dtype, device="meta"))
         to_empty_keeping_attributes(self, device or "cpu")
@@ -198,7 +247,8 @@ class GPTModel(nn.Module):
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load the shards of a `ReferenceGPT` state dict (full tensors, same names)."""
-        rows = self.embedding.word.weight.shape[0]
+        c = self.config
+        rows = pad_vocab_size(c.vocab_size, self.tp_size, c.make_vocab_size_divisible_by) // self.tp_size
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name not in state:
@@ -210,6 +260,8 @@ class GPTModel(nn.Module):
 
     def to_dense(self) -> ReferenceGPT:
         """The full `ReferenceGPT` (a collective: call on every TP rank)."""
+        if not (self.pre_process and self.post_process and len(self.layers) == self.config.num_layers):
+            raise ValueError("tpcore: GPTModel.to_dense: this is one pipeline stage, not the whole model")
         p = next(self.parameters())
         dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
         state = {
@@ -223,20 +275,28 @@ class GPTModel(nn.Module):
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+        """`ids` `[b, s]`, or on a stage without the embedding the hidden states `[s(/tp), b, h]`."""
         c = self.config
-        if ids.dim() != 2:
+        if self.pre_process and ids.dim() != 2:
             raise ValueError(f"tpcore: GPTModel: ids must be [batch, seq], got shape {list(ids.shape)}")
-        if ids.shape[1] > c.max_position_embeddings:
-            raise ValueError(f"tpcore: GPTModel: sequence length {ids.shape[1]} exceeds max_position_embeddings {c.max_position_embeddings}")
-        if target is not None and target.shape != ids.shape:
-            raise ValueError(f"tpcore: GPTModel: target shape {list(target.shape)} does not match ids {list(ids.shape)}")
-        x = self.embedding(ids)
+        if not self.pre_process and ids.dim() != 3:
+            raise ValueError(f"tpcore: GPTModel: this pipeline stage takes hidden states [seq, batch, hidden], got shape {list(ids.shape)}")
+        batch, seq = (ids.shape[0], ids.shape[1]) if self.pre_process else (ids.shape[1], ids.shape[0] * (self.tp_size if c.sequence_parallel else 1))
+        if seq > c.max_position_embeddings:
+            raise ValueError(f"tpcore: GPTModel: sequence length {seq} exceeds max_position_embeddings {c.max_position_embeddings}")
+        if target is not None and tuple(target.shape) != (batch, seq):
+            raise ValueError(f"tpcore: GPTModel: target shape {list(target.shape)} does not match the input's [batch, seq] = {[batch, seq]}")
+        if target is not None and not self.post_process:
+            raise ValueError("tpcore: GPTModel: this pipeline stage has no LM head; pass the target to the last stage")
+        x = self.embedding(ids) if self.pre_process else ids
         rope = None
         if c.position_embedding == "rotary":
-            rope = rotary_tables(ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype)
+            rope = rotary_tables(seq, c.head_dim, c.rotary_base, x.device, x.dtype)
         for layer in self.layers:
             # Full recompute keeps only each block's input.
             x = checkpoint(partial(layer, rope=rope), x) if c.recompute == "full" else layer(x, rope)
+        if not self.post_process:
+            return x
         x = self.final_norm(x)
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 
 from ..models import GPTConfig
+from ..pipeline_parallel.gpt_stages import split_layers
+from ..pipeline_parallel.schedule_table import SCHEDULES
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
 
@@ -44,6 +46,10 @@ class TrainArgs:
     fused_lm_head_loss: bool = _arg(False, "LM head + loss chunk by chunk (logits never materialised)")
     # Parallelism and memory
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
+    pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
+    virtual_pipeline_model_parallel_size: int | None = _arg(None, "model chunks per pipeline rank (needs --pipeline-schedule interleaved)")
+    pipeline_schedule: str = _arg("1f1b", "pipeline schedule", SCHEDULES)
+    pipeline_stage_layers: str | None = _arg(None, 'layers per (virtual) pipeline stage, e.g. "3,5" (default: an even split)')
     sequence_parallel: bool = _arg(False, "sequence parallelism in norm/dropout regions")
     recompute: str = _arg("none", "activation recomputation", ("none", "selective", "full"))
     # Data
@@ -89,7 +95,7 @@ class TrainArgs:
             if not cond:
                 raise ValueError(f"tpcore: training arguments: {what}")
 
-        for name in ("tensor_parallel_size", "micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length", "loss_scale_window"):
+        for name in ("tensor_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length", "loss_scale_window"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
@@ -106,6 +112,35 @@ class TrainArgs:
             choices = f.metadata["choices"]
             need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
         self.model_config()  # validates the model shape now, with the GPTConfig message
+        self._check_pipeline(need)
+
+    def _check_pipeline(self, need) -> None:
+        pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        need(v is None or (isinstance(v, int) and v >= 1), f"--virtual-pipeline-model-parallel-size must be an int >= 1, got {v!r}")
+        v = v or 1
+        if self.pipeline_schedule == "interleaved":
+            need(v >= 2, "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
+            need(pp >= 2, "--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
+        else:
+            need(v == 1, f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved")
+        try:
+            self.stage_layers()
+        except ValueError as e:
+            need(False, str(e).removeprefix("tpcore: "))
+        if pp > 1:  # raised here, before any process group exists, on every rank alike
+            need(not (self.save or self.load), "checkpoints (--save / --load) of pipeline-parallel runs are not supported yet")
+            need(self.sample_tokens == 0, "--sample-tokens (generation) from a pipeline-parallel model is not supported yet")
+
+    def stage_layers(self) -> list[list[int]]:
+        """The layers of each (virtual) pipeline stage, from --pipeline-stage-layers or an even split."""
+        counts = None
+        if self.pipeline_stage_layers:
+            try:
+                counts = [int(x) for x in str(self.pipeline_stage_layers).split(",")]
+            except ValueError:
+                raise ValueError(f"tpcore: --pipeline-stage-layers must be comma-separated ints, got {self.pipeline_stage_layers!r}") from None
+        stages = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+        return split_layers(self.num_layers, stages, counts)
 
     def model_config(self, vocab_size: int = 1) -> GPTConfig:
         """The GPTConfig these arguments describe, for a tokenizer of `vocab_size` ids."""

@@ -1,10 +1,11 @@
-"""AdamW over data- and tensor-parallel ranks: DP gradient averaging, TP-aware gradient
-norm and clipping, fp32 master weights for bf16/fp16 models, dynamic loss scaling."""
+"""AdamW over data-, tensor- and pipeline-parallel ranks: DP gradient averaging, a global
+gradient norm over TP and PP with clipping, fp32 master weights for bf16/fp16 models,
+dynamic loss scaling."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,20 +27,30 @@ def average_data_parallel_grads(grads: list[torch.Tensor], dp_group: dist.Proces
         g.copy_(piece.view_as(g))
 
 
-def grad_norm(grads: list[torch.Tensor], replicated: list[bool], tp_group: dist.ProcessGroup) -> float:
+def grad_norm(
+    grads: list[torch.Tensor],
+    replicated: list[bool],
+    tp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None = None,
+    duplicate: list[bool] | None = None,
+) -> float:
     """L2 norm of the full model's gradient: sharded gradients summed over TP, replicated
-    ones (identical on every TP rank) counted once, from TP rank 0. Infinite (NaN) when
-    any gradient on any TP rank holds inf or NaN, replicated ones included."""
+    ones (identical on every TP rank) counted once, from TP rank 0; with `pp_group`, summed
+    over the pipeline stages too, where `duplicate` marks gradients that are copies of one
+    counted on another stage (the tied embedding's last-stage copy). Infinite when any
+    gradient on any rank holds inf or NaN, replicated and duplicate ones included."""
     first = dist.get_rank(tp_group) == 0
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device)
     bad = torch.zeros((), device=device)
-    for g, rep in zip(grads, replicated):
+    for g, rep, dup in zip(grads, replicated, duplicate or [False] * len(grads)):
         square = g.float().pow(2).sum()
         bad += (~torch.isfinite(square)).float()  # checked on every rank, counted or not
-        if first or not rep:
+        if (first or not rep) and not dup:
             squares += square
     total = comm.all_reduce(torch.stack([squares, bad]), tp_group)  # one collective for both
+    if pp_group is not None:
+        total = comm.all_reduce(total, pp_group)
     return math.inf if total[1].item() > 0 else math.sqrt(float(total[0].item()))
 
 
@@ -66,32 +77,42 @@ class LossScaler:
 
 
 class ParallelAdamW:
-    """AdamW for a tensor/data-parallel model.
+    """AdamW for a tensor/data/pipeline-parallel model (one module, or this rank's
+    pipeline chunks, whose parameter names must differ).
 
     `step()` averages gradients over DP, unscales them (fp16), skips the step when any
     gradient is not finite (on every rank alike), clips the TP-aware global norm, and
     updates fp32 master weights that are copied back into bf16/fp16 parameters.
     Biases and norm weights (1-D parameters) get no weight decay. The state dict is keyed
-    by parameter name, so a checkpoint can be resharded to another TP size.
+    by parameter name, so a checkpoint can be resharded to another TP size. With
+    pipeline parallelism pass `pp_group` and the names of `duplicates` (parameters whose
+    gradient is a copy of one on another stage) so the norm counts each parameter once.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         *,
         is_replicated: Callable[[str], bool],
         tp_group: dist.ProcessGroup,
         dp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup | None = None,
+        duplicates: Collection[str] = (),
         lr: float,
         weight_decay: float,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         loss_scaler: LossScaler | None = None,
     ) -> None:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        modules = [model] if isinstance(model, nn.Module) else list(model)
+        named = [(n, p) for module in modules for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("tpcore: ParallelAdamW: parameter names repeat across the model chunks")
         self.params = [p for _, p in named]
         self.replicated = [is_replicated(n) for n in self.names]
+        self.duplicate = [n in duplicates for n in self.names]
+        self.pp_group = pp_group
         # fp32 parameters are their own master; low-precision ones get an fp32 copy.
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
         self.tp_group, self.dp_group, self.scaler = tp_group, dp_group, loss_scaler
@@ -121,7 +142,7 @@ class ParallelAdamW:
             m.grad = p.grad.float() if m is not p else p.grad
             if inv_scale != 1.0:
                 m.grad.mul_(inv_scale)
-        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group)
+        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group, self.pp_group, self.duplicate)
         skipped = not math.isfinite(norm)  # the norm is the same on every rank: all skip alike
         if self.scaler:
             self.scaler.update(skipped)

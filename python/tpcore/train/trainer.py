@@ -1,4 +1,4 @@
-"""GPT pretraining loop: tensor + data parallel, gradient accumulation, eval, checkpoints."""
+"""GPT pretraining loop: tensor + pipeline + data parallel, micro-batches, eval, checkpoints."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import torch.distributed as dist
 from .. import parallel_state
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
-from ..models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
+from ..models import ReferenceGPT
 from ..models.generate import generate
 from ..models.sharding import rule_for
+from ..pipeline_parallel import (
+    activation_shape, build_gpt_stages, check_schedule, duplicate_parameter_names, finalize_model_grads, forward_backward,
+    gpt_forward_step, sync_tied_embeddings,
+)
 from ..tensor_parallel.random import model_parallel_manual_seed
 from .arguments import TrainArgs
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -23,7 +27,7 @@ from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler, ParallelAdamW
 from .schedule import learning_rate
 
-__all__ = ["pretrain", "init_distributed", "precision", "micro_batch_loss"]
+__all__ = ["pretrain", "init_distributed", "precision"]
 
 
 def init_distributed(device: str, timeout_s: float = 600.0) -> None:
@@ -91,13 +95,6 @@ def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
     return params, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
 
 
-def micro_batch_loss(model, ids: torch.Tensor, target: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """The model's mean loss on one micro batch, under autocast when asked (backward then
-    runs outside it, as torch.autocast recommends)."""
-    with torch.autocast(ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        return model(ids, target)
-
-
 def _dp_mean(value: torch.Tensor, dp_group) -> float:
     dist.all_reduce(value, group=dp_group)
     return float(value.item()) / dist.get_world_size(dp_group)
@@ -110,13 +107,16 @@ def pretrain(args: TrainArgs) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("tpcore: --device cuda but CUDA is not available")
     init_distributed(device)
+    pp, chunks_per_rank, schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.pipeline_schedule
     if not parallel_state.is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
+        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp)
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
     dp, dp_rank, rank0 = dist.get_world_size(dp_group), dist.get_rank(dp_group), dist.get_rank() == 0
     global_batch = args.global_batch_size or args.micro_batch_size * dp
     if global_batch % (args.micro_batch_size * dp):
         raise ValueError(f"tpcore: --global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    check_schedule(schedule, pp, global_batch // (args.micro_batch_size * dp), chunks_per_rank)  # the micro-batch count fits
     if args.data_path is None:
         raise ValueError("tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by tpcore-preprocess)")
 
@@ -133,14 +133,21 @@ def pretrain(args: TrainArgs) -> dict:
 
     dtype, autocast_dtype = precision(args)
     resume_from = find_checkpoint(args.load) if args.load else None
-    torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP-size invariant
-    model = GPTModel(config, group=tp_group, dtype=dtype, device=device, _init=resume_from is None)
+    torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
+    chunks = build_gpt_stages(
+        config, num_model_chunks=chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=tp_group, pp_group=pp_group,
+        dtype=dtype, device=device, _init=resume_from is None,
+    )
+    model = chunks[0]  # the whole model when there is no pipeline (checkpoints, generation)
+    sync_tied_embeddings(chunks)
     model_parallel_manual_seed(args.seed, tp_group)
     optimizer = ParallelAdamW(
-        model,
+        chunks,
         is_replicated=lambda name: rule_for(name, config)[0] == "replicated",
         tp_group=tp_group,
         dp_group=dp_group,
+        pp_group=pp_group,
+        duplicates=duplicate_parameter_names(chunks),
         lr=args.lr,
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
@@ -155,20 +162,34 @@ def pretrain(args: TrainArgs) -> dict:
     logger = MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress)
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
     logger.print(
-        f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp} | "
-        f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
+        f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp}"
+        + (f" x PP {pp} ({schedule}, {chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
+        + f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
         + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
     )
 
+    shape = activation_shape(config, args.micro_batch_size, args.seq_length, dist.get_world_size(tp_group))
+
+    def run_pipeline(batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
+        """The mean loss of one global batch (this DP rank's part), on every rank; with
+        the backward unless `forward_only` (gradients accumulate into .grad)."""
+        micro_batches = [batches(step, micro) for micro in range(batches.accumulation)]
+        return forward_backward(
+            gpt_forward_step(chunks, micro_batches, tensor_shape=shape, autocast_dtype=autocast_dtype), num_micro_batches=batches.accumulation, tensor_shape=shape,
+            dtype=dtype, device=device, schedule=schedule, num_model_chunks=chunks_per_rank, group=pp_group,
+            forward_only=forward_only, loss_scale=optimizer.loss_scale,
+        ).cpu()
+
     def evaluate() -> float:
-        model.eval()
+        for chunk in chunks:
+            chunk.eval()
         total = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             for step in range(args.eval_iters):
-                for micro in range(valid_batches.accumulation):
-                    total += micro_batch_loss(model, *valid_batches(step, micro), autocast_dtype).double().cpu()
-        model.train()
-        return _dp_mean(total / (args.eval_iters * valid_batches.accumulation), dp_group)
+                total += run_pipeline(valid_batches, step, forward_only=True)
+        for chunk in chunks:
+            chunk.train()
+        return _dp_mean(total / args.eval_iters, dp_group)
 
     def save(iteration: int) -> None:
         path = save_checkpoint(
@@ -177,18 +198,14 @@ def pretrain(args: TrainArgs) -> dict:
         )
         logger.print(f"tpcore: saved checkpoint {path}")
 
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     loss = valid_loss = float("nan")
     iteration = start
     while iteration < args.train_iters:
-        step_loss = torch.zeros((), dtype=torch.float64)
         with StepTimer(device == "cuda") as timer:
-            for micro in range(train_batches.accumulation):
-                micro_loss = micro_batch_loss(model, *train_batches(iteration, micro), autocast_dtype) / train_batches.accumulation
-                (micro_loss * optimizer.loss_scale).backward()
-                step_loss += micro_loss.detach().double().cpu()
-            if config.sequence_parallel:
-                finalize_sequence_parallel_grads(model, tp_group)
+            step_loss = run_pipeline(train_batches, iteration, forward_only=False)
+            finalize_model_grads(chunks, tp_group=tp_group)  # sequence-parallel and tied-embedding gradients
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
             grad_norm, skipped = optimizer.step(lr, args.clip_grad)
         iteration += 1
