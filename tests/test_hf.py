@@ -67,8 +67,12 @@ def padded_mask(ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+# transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
+DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+
+
 def load_dense(path: str, cls: str, dtype: torch.dtype):
-    return getattr(transformers, cls).from_pretrained(path, dtype=dtype).eval()
+    return getattr(transformers, cls).from_pretrained(path, **{DTYPE_KWARG: dtype}).eval()
 
 
 def _outputs(model, ids, mask) -> dict[str, torch.Tensor]:

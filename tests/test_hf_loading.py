@@ -33,8 +33,9 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
     """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
     in the family's table with the same role (a renamed module in a new release shows up here)."""
     config = FAMILIES[name][1]()
-    plan = config.base_model_tp_plan
-    assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if int(transformers.__version__.split(".")[0]) >= 5:  # older releases may ship none (4.46 has none)
+        assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
     policy = tpcore.hf.get_policy(config)
     for pattern, style in plan.items():
         if style in ("colwise", "rowwise"):

@@ -12,6 +12,11 @@
 (`pip install tpcore[hf]`).
 """
 
+import importlib.util
+
+if importlib.util.find_spec("transformers") is None:
+    raise ImportError("tpcore.hf needs the transformers package: pip install 'tpcore[hf]'")
+
 from .convert import from_pretrained, parallelize
 from .generate import generate
 from .grads import sum_replicated_kv_grads

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import transformers
 
 __all__ = ["Comparison", "VerifyReport", "verify", "collect", "main"]
+
+# transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
+_DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
 
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Default tolerances, relative to the largest magnitude of the dense tensor."""
@@ -135,8 +139,6 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
     """Compare `path_or_model` (a save_pretrained folder or a dense transformers model) with
     its tensor-parallel version at `tensor_parallel_size`, on random prompts (or `input_ids`).
     Returns a `VerifyReport` (printed by rank 0 unless `print_report=False`)."""
-    import transformers
-
     from .convert import from_pretrained, parallelize
     from .launcher import launch
 
@@ -146,7 +148,7 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
         config = transformers.AutoConfig.from_pretrained(path)
         cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
         cls = cls or getattr(transformers, config.architectures[0])
-        dense = cls.from_pretrained(path, dtype=dtype).eval()
+        dense = cls.from_pretrained(path, **{_DTYPE_KWARG: dtype}).eval()
     else:
         path, dense = None, copy.deepcopy(path_or_model).to(dtype).eval()
     encoder = not getattr(dense, "can_generate", lambda: False)()
