@@ -280,3 +280,33 @@ def test_sampling_matches_transformers_warpers(cpu_ranks, tmp_path):
     for out, _ in results[1:]:
         assert torch.equal(out, first), "ranks drew different tokens"
     assert first.shape == (2, 19) and not torch.equal(first, other), "another seed should draw other tokens"
+
+
+def _padding_eos_job(rank, world, name, path):
+    """Left-padded prompts and an eos id: tpcore.hf.generate stops and pads as transformers' generate."""
+    import tpcore
+    import tpcore.hf
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    cls = FAMILIES[name][0]
+    dense = load_dense(path, cls, torch.float32)
+    model = tpcore.hf.from_pretrained(path, model_class=cls)
+    ids = prompt(batch=3, seq=8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    mask[2, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    want = dense.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = tpcore.hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(got, want), f"{name} left padding:\n{got}\n!= dense\n{want}"
+    eos = int(want[0, ids.shape[1] + 3])  # row 0 emits it at its 4th new token
+    want = dense.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    got = tpcore.hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want), f"{name} eos {eos}:\n{got}\n!= dense\n{want}"
+    return True
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generate_left_padding_and_eos(cpu_ranks, tmp_path, name):
+    path = save_family(name, tmp_path)
+    assert all(cpu_ranks.run(_padding_eos_job, name, path))
