@@ -92,7 +92,7 @@ def test_register_policy():
     try:
         assert tpcore.hf.get_policy(transformers.OPTConfig()) is custom and "opt" in tpcore.hf.supported_model_types()
     finally:
-        tpcore.hf.policy._REGISTRY.pop("opt")
+        tpcore.hf.unregister_policy("opt")
 
 
 def _expected_shards(name: str, dense: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -199,3 +199,46 @@ def test_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         SafetensorsSource(str(tmp_path))
+
+
+OPT_POLICY = dict(
+    name="opt", model_types=("opt",),
+    column={"layers.*.self_attn.q_proj": "heads", "layers.*.self_attn.k_proj": "heads",
+            "layers.*.self_attn.v_proj": "heads", "layers.*.fc1": "plain"},
+    row=("layers.*.self_attn.out_proj", "layers.*.fc2"),
+    embedding=("embed_tokens",), head=("lm_head",),
+    attention=("layers.*.self_attn",), attention_attributes={"num_heads": "heads", "embed_dim": "width"},
+)
+
+
+def _user_policy_job(rank, world, path):
+    import tpcore
+
+    tpcore.hf.register_policy(tpcore.hf.Policy(**OPT_POLICY))
+    try:
+        dense = load_dense(path, "OPTForCausalLM", torch.float32)
+        ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = dense(ids).logits
+        for tp in (2, 4):
+            tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+            model = tpcore.hf.from_pretrained(path)
+            assert isinstance(model.model.decoder.layers[0].fc1, tpcore.ColumnParallelLinear)
+            with torch.no_grad():
+                got = model(ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            assert torch.equal(tpcore.hf.generate(model, ids, max_new_tokens=8), dense.generate(ids, max_new_tokens=8, do_sample=False))
+            tpcore.destroy_model_parallel()
+    finally:
+        tpcore.hf.unregister_policy("opt")
+    return True
+
+
+def test_user_registered_policy_splits_a_new_family(cpu_ranks, tmp_path):
+    """OPT has no built-in policy; a user's table of eight lines makes it work."""
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                                    max_position_embeddings=64, word_embed_proj_dim=64, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=1, init_std=0.2, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
+    assert all(cpu_ranks.run(_user_policy_job, str(tmp_path)))

@@ -23,7 +23,7 @@ from .grads import sum_replicated_kv_grads
 from .launcher import ParallelModel, WorkerError, launch
 from .lm_head import VocabParallelLMHead, find_lm_head, local_logits
 from .plan import make_plan
-from .policy import Policy, get_policy, register_policy, supported_model_types
+from .policy import Policy, get_policy, register_policy, supported_model_types, unregister_policy
 from .verify import VerifyReport, verify
 from .verify import main as verify_main
 
@@ -41,6 +41,7 @@ __all__ = [
     "make_plan",
     "Policy",
     "register_policy",
+    "unregister_policy",
     "get_policy",
     "supported_model_types",
     "verify",

@@ -21,6 +21,7 @@ __all__ = [
     "ATTRIBUTE_KINDS",
     "Policy",
     "register_policy",
+    "unregister_policy",
     "get_policy",
     "supported_model_types",
     "match",
@@ -187,6 +188,11 @@ def register_policy(policy: Policy, *, replace: bool = False) -> None:
         raise ValueError(f"tpcore.hf: model_type(s) {taken} already have a policy; pass replace=True to override")
     for model_type in policy.model_types:
         _REGISTRY[model_type] = policy
+
+
+def unregister_policy(model_type: str) -> Policy:
+    """Remove and return the policy of `model_type` (a KeyError when it has none)."""
+    return _REGISTRY.pop(model_type)
 
 
 def supported_model_types() -> list[str]:
