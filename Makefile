@@ -12,10 +12,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: setup build test train bench clean corpus
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
-# then tpcore itself, editable, built against that torch (--no-build-isolation).
+# the extras (training; transformers for tpcore.hf), then tpcore itself, editable,
+# built against that torch (--no-build-isolation).
 setup:
 	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
-		pyyaml matplotlib safetensors tokenizers
+		pyyaml matplotlib safetensors tokenizers "transformers>=4.46"
 	$(MAKE) build
 
 build:

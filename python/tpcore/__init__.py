@@ -80,3 +80,12 @@ def empty_cpu_cache() -> int:
 def built_with_cuda() -> bool:
     """Whether tpcore's CUDA kernels were compiled into `tpcore._C`."""
     return _C.built_with_cuda()
+
+
+def __getattr__(name: str):
+    # tpcore.hf imports transformers, so it loads on first use, not with `import tpcore`.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'tpcore' has no attribute {name!r}")

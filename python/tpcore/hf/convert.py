@@ -1,0 +1,252 @@
+"""`parallelize` (a dense model in memory) and `from_pretrained` (each rank reads only its
+slices of a saved model): both replace the modules a policy names by tpcore layers built
+on the meta device, then fill every new parameter with its slice of the dense weight.
+The layers' own initialisation never runs, so it does not matter how it draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel_state import resolve_tensor_group
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .lm_head import VocabParallelLMHead
+from .plan import Load, Plan, Replacement, make_plan
+from .policy import get_policy
+from .weights import DenseSource, SafetensorsSource
+
+__all__ = ["parallelize", "from_pretrained"]
+
+_TPCORE_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype) -> nn.Module:
+    """The tpcore layer for `rep`, its parameters on the meta device."""
+    common = dict(group=group, dtype=dtype, device="meta")
+    if rep.role == "column":
+        return ColumnParallelLinear(rep.in_features, rep.out_features, rep.bias, **common)
+    if rep.role == "row":
+        return RowParallelLinear(rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common)
+    if rep.role == "embedding":
+        return VocabParallelEmbedding(
+            rep.in_features, rep.out_features, padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1, **common
+        )
+    return VocabParallelLMHead(rep.in_features, rep.out_features, rep.bias, vocab_size=rep.vocab_size, **common)
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
+
+
+def _set_parameter(module: nn.Module, attr: str, value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    """Put `value` in `module.attr` as a Parameter carrying `like`'s tpcore attributes."""
+    if tuple(value.shape) != tuple(like.shape):
+        raise RuntimeError(f"tpcore.hf: slice for {type(module).__name__}.{attr} has shape {list(value.shape)}, the layer expects {list(like.shape)}")
+    param = nn.Parameter(value, requires_grad=like.requires_grad)
+    param.__dict__.update(like.__dict__)
+    module._parameters[attr] = param
+    return param
+
+
+def _swap_parameters(model: nn.Module, new_of: dict[int, nn.Parameter]) -> None:
+    """Point every module attribute that held an old parameter at its replacement (keeps ties)."""
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is not None and id(p) in new_of:
+                module._parameters[attr] = new_of[id(p)]
+
+
+def _names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has (tied parameters have several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _in_source(load: Load, aliases: list[str], source) -> Load:
+    """`load` under the first of its names the source holds (a checkpoint keeps one name of a tied tensor)."""
+    key = next((name for name in [load.key, *aliases] if name in source), load.key)
+    return dataclasses.replace(load, key=key)
+
+
+def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype: torch.dtype | None, device) -> None:
+    """Replace the planned modules and fill their parameters from `source`."""
+    aliases = _names_by_parameter(model)
+    new_of: dict[int, nn.Parameter] = {}  # id(old parameter) -> new parameter
+    keep_alive = []  # old parameters, so their ids stay unique until the swap
+    for rep in plan.replacements:
+        parent, child = _parent(model, rep.name)
+        old = getattr(parent, child)
+        layer = _build_layer(rep, group, dtype or old.weight.dtype)
+        for attr, load in rep.loads.items():
+            old_param, meta = getattr(old, attr), getattr(layer, attr)
+            if id(old_param) in new_of:  # tied to a parameter replaced before (the head to the embedding)
+                shared = new_of[id(old_param)]
+                if shared.shape != meta.shape:
+                    raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is tied to a parameter of shape {list(shared.shape)}, the layer expects {list(meta.shape)}")
+                layer._parameters[attr] = shared
+                continue
+            target_device = device if device is not None else old_param.device
+            if target_device.type == "meta":
+                raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is on the meta device and no device was given")
+            load = _in_source(load, aliases[id(old_param)], source)
+            new_of[id(old_param)] = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta)
+            keep_alive.append(old_param)
+        setattr(parent, child, layer)
+    _swap_parameters(model, new_of)
+    for name, attribute, value in plan.attributes:
+        setattr(model.get_submodule(name), attribute, value)
+    model.tpcore_plan = plan
+
+
+def _check_not_parallel(model: nn.Module) -> None:
+    if any(isinstance(m, _TPCORE_LAYERS) for m in model.modules()):
+        raise ValueError(f"tpcore.hf: {type(model).__name__} already holds tpcore layers (parallelized twice?)")
+
+
+def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Split a dense transformers model over the tensor-parallel group, in place.
+
+    Call on every rank of the group with the same model (same weights). The policy of
+    `model.config.model_type` names the modules that become column / row-parallel
+    linears, the vocab-parallel embedding and the vocab-parallel LM head; the attention
+    modules get this rank's head counts. Returns `model`, whose `forward` and `generate`
+    give the dense results on every rank (logits gathered over the vocabulary).
+    Sizes that cannot be split raise a ValueError before any weight moves.
+    """
+    get_policy(model.config)  # an unsupported architecture fails first, even without groups
+    group = resolve_tensor_group(group)
+    _check_not_parallel(model)
+    plan = make_plan(model, dist.get_world_size(group), dist.get_rank(group))
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    _apply(model, plan, group, DenseSource(tensors), None, None)
+    return model
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built in this block put their parameters on the meta device; buffers (rotary
+    frequencies, position ids) stay real, as they are computed, not loaded."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _config_dtype(config, dtype) -> torch.dtype:
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"tpcore.hf: dtype must be float32, bfloat16, float16 or float64, got {dtype!r}")
+    return dtype
+
+
+def _model_class(config, model_class):
+    import transformers
+
+    if model_class is not None:
+        return getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+    names = getattr(config, "architectures", None) or []
+    if not names or not hasattr(transformers, names[0]):
+        raise ValueError(f"tpcore.hf: the config names no known architecture ({names}); pass model_class=")
+    return getattr(transformers, names[0])
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill the parameters left on meta (norms, position embeddings...) and the persistent buffers."""
+    aliases = _names_by_parameter(model)
+    new_of: dict[int, nn.Parameter] = {}
+    missing = []
+    for name, p in list(model.named_parameters()):
+        if p.device.type != "meta":
+            continue
+        owner, attr = _parent(model, name)
+        load = _in_source(Load(name), aliases[id(p)], source)
+        if load.key not in source:
+            missing.append(name)
+            continue
+        new_of[id(p)] = _set_parameter(owner, attr, source.read(load, dtype, device), p)
+    if missing:
+        raise KeyError(f"tpcore.hf: the checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
+    _swap_parameters(model, new_of)
+    for name, buffer in model.named_buffers():
+        owner, attr = _parent(model, name)
+        if attr not in owner._non_persistent_buffers_set and name in source:
+            owner._buffers[attr] = source.read(Load(name), buffer.dtype, device)
+    model.to(device)  # the computed buffers
+
+
+def from_pretrained(
+    path: str,
+    *,
+    tensor_parallel_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    model_class=None,
+) -> nn.Module:
+    """Load a `save_pretrained` folder split over the tensor-parallel group.
+
+    Each rank reads only its own slices from the safetensors file(s), so its peak host
+    memory is about model size / TP plus one block (`weights.BLOCK_BYTES`), never the
+    whole model. `dtype` defaults to the config's dtype (else float32); `device` to the
+    current CUDA device with NCCL, else CPU; `model_class` (a transformers class or its
+    name) to `config.architectures[0]`. `tensor_parallel_size`, when given, must equal
+    the group's size. Call on every rank of the group.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    group = resolve_tensor_group(group)
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor_parallel_size is not None and tensor_parallel_size != tp:
+        raise ValueError(f"tpcore.hf: tensor_parallel_size={tensor_parallel_size} but the tensor-parallel group has {tp} ranks")
+    config = AutoConfig.from_pretrained(path)
+    get_policy(config)
+    cls, dtype = _model_class(config, model_class), _config_dtype(config, dtype)
+    device = torch.device(device) if device is not None else _default_device(group)
+    with _parameters_on_meta(), _default_dtype(dtype):
+        model = cls(config)
+    plan = make_plan(model, tp, rank)  # every size checked before any weight is read
+    source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames)
+    _apply(model, plan, group, source, dtype, device)
+    _load_rest(model, source, dtype, device)
+    if getattr(model, "can_generate", lambda: False)():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: keep the one made from the config
+            pass
+    return model.eval()

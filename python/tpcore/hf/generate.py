@@ -1,0 +1,149 @@
+"""Generation with the LM head kept vocab-parallel: no rank ever holds `[batch, vocab]` logits.
+
+Greedy decoding takes each rank's best (logit, id) and all-gathers those `[tp, batch]`
+pairs; sampling all-gathers each rank's top-k candidates `[tp, batch, k]`, then every rank
+applies temperature, top-k and top-p (as transformers' logits warpers do) to the same
+candidates and draws with the same seeded generator, so all ranks pick the same token.
+The model runs with its KV cache (`past_key_values`), one token per step after the prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .. import comm
+from .lm_head import VocabParallelLMHead, local_logits
+
+__all__ = ["generate", "select_greedy", "candidates", "filtered_probs"]
+
+
+def select_greedy(local: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    """Global argmax ids `[b]` from this rank's logits `[b, rows]` whose first column is id
+    `vocab_start` (ties: the smallest id, as torch.argmax)."""
+    value, index = local.max(-1)
+    pairs = torch.stack([value.double(), (index + vocab_start).double()], -1)  # ids < 2**53 are exact
+    gathered = comm.all_gather(pairs.unsqueeze(0), 0, group)  # [tp, b, 2]
+    best = gathered[..., 0].argmax(0)  # the first rank holding the maximum
+    return gathered[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def candidates(local: torch.Tensor, vocab_start: int, group, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, ids), both `[b, c]` and the same on every rank: the union of each rank's
+    `top_k` best, or with `top_k=None` the whole vocabulary (a full gather). Ids of `-inf`
+    logits (vocabulary padding) are -1."""
+    k = local.shape[-1] if top_k is None else min(top_k, local.shape[-1])
+    values, index = local.topk(k, -1)
+    pairs = torch.stack([values.double(), (index + vocab_start).double()], -1)
+    gathered = comm.all_gather(pairs, 1, group)  # [b, tp*k, 2]
+    logits, ids = gathered[..., 0].to(local.dtype), gathered[..., 1].long()
+    return logits, ids.masked_fill(logits == float("-inf"), -1)
+
+
+def filtered_probs(logits: torch.Tensor, ids: torch.Tensor, *, temperature: float, top_k: int | None,
+                   top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probabilities), `[b, c]`, ids in ascending order: the candidates' distribution
+    after temperature, top-k (ties at the k-th logit kept) and top-p (the smallest set whose
+    probability exceeds `top_p`, at least one token), as transformers' Temperature-, TopK-
+    and TopPLogitsWarper do on the full logits. Sorting by id makes the draw independent
+    of the order the candidates were gathered in."""
+    ids, order = ids.sort(-1)
+    logits = logits.gather(-1, order).float() / temperature
+    logits = logits.masked_fill(ids < 0, float("-inf"))
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_index = logits.sort(-1)  # ascending
+        remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[..., -1] = False  # keep at least the most likely
+        logits = logits.masked_fill(remove.scatter(-1, sorted_index, remove), float("-inf"))
+    return ids, logits.softmax(-1)
+
+
+def _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, head) -> None:
+    """Checks that raise alike on every rank, before any collective."""
+    what = "tpcore.hf.generate:"
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"{what} input_ids must be a non-empty [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype != torch.int64:
+        raise ValueError(f"{what} input_ids must be int64, got {input_ids.dtype}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= head.vocab_size:
+        raise ValueError(f"{what} token id {lo if lo < 0 else hi} is outside [0, {head.vocab_size})")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"{what} attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature > 0:
+        raise ValueError(f"{what} temperature must be > 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{what} top_k must be an int >= 1 or None, got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{what} top_p must be in (0, 1], got {top_p!r}")
+
+
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int = 20,
+    attention_mask: torch.Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> torch.Tensor:
+    """`input_ids [b, t]` -> `[b, t + n]`, n <= max_new_tokens, from a model made by
+    `tpcore.hf.parallelize` / `from_pretrained`. Call on every TP rank with the same
+    arguments; every rank returns the same ids. Greedy by default; `do_sample=True` draws
+    from temperature / top-k / top-p (`top_k=None`: the whole vocabulary, gathered). With
+    `eos_token_id` (one id or several), finished rows are padded with `pad_token_id`
+    (default: the first eos id) and
+    generation stops once every row has finished. `attention_mask` marks left padding.
+    """
+    head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead)), None)
+    if head is None:
+        raise ValueError(f"tpcore.hf.generate: {type(model).__name__} has no vocab-parallel LM head; parallelize it first")
+    _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, head)
+    device = head.weight.device
+    tokens = input_ids.to(device)
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    generator = torch.Generator(device=device).manual_seed(seed)
+    done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+    eos = None if eos_token_id is None else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    pad = (None if eos is None else int(eos[0])) if pad_token_id is None else pad_token_id
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), local_logits(model):
+            out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **keep_last)
+            for step in range(max_new_tokens):
+                local = out.logits[:, -1, :].float()
+                local[:, max(0, head.vocab_size - head.vocab_start) :] = float("-inf")  # padding rows
+                if do_sample:
+                    logits, ids = candidates(local, head.vocab_start, head.group, top_k)
+                    ids, probs = filtered_probs(logits, ids, temperature=temperature, top_k=top_k, top_p=top_p)
+                    nxt = ids.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
+                else:
+                    nxt = select_greedy(local, head.vocab_start, head.group)
+                if eos is not None:
+                    nxt = nxt.masked_fill(done, pad)
+                    done |= torch.isin(nxt, eos)
+                tokens = torch.cat([tokens, nxt.unsqueeze(1)], 1)
+                if step + 1 == max_new_tokens or (eos is not None and bool(done.all())):
+                    break
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                positions = positions[:, -1:] + 1
+                out = model(input_ids=nxt.unsqueeze(1), attention_mask=mask, position_ids=positions,
+                            past_key_values=out.past_key_values, use_cache=True, **keep_last)
+    finally:
+        model.train(was_training)
+    return tokens

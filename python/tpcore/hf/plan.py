@@ -1,0 +1,232 @@
+"""From a policy and a model to a plan: which module becomes which tpcore layer, and
+which slice of which dense tensor each of its parameters holds on this rank.
+
+Making the plan reads only module types and shapes (parameters may be on the meta
+device) and checks every size before any weight moves, so an unsplittable model fails
+on every rank alike with the module named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .policy import Policy, get_policy, match
+
+__all__ = ["Load", "Replacement", "Plan", "HeadLayout", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Load:
+    """Where one parameter of the parallel model comes from in the dense state dict."""
+
+    key: str
+    """The parameter's name in the dense model / checkpoint."""
+    dim: int | None = None
+    """The dim of the stored tensor that is cut; None: the whole tensor."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """`[start, stop)` ranges along `dim`, concatenated in order."""
+    rows: int | None = None
+    """Zero-pad dim 0 of the result to this many rows (vocab padding)."""
+    transpose: bool = False
+    """Transpose the 2-D result (GPT-2's Conv1D stores weights `[in, out]`)."""
+
+
+@dataclass
+class Replacement:
+    """One module to replace: `role` is column / row / embedding / head."""
+
+    name: str
+    role: str
+    in_features: int
+    out_features: int
+    """For column layers the size the tpcore layer is built with (tp x this rank's rows)."""
+    bias: bool
+    loads: dict[str, Load]
+    """Parameter attribute ("weight", "bias") -> its slice."""
+    padding_idx: int | None = None
+    vocab_size: int | None = None
+    kv_replicated: bool = False
+    """Column layer of KV heads copied on several ranks (TP > KV heads)."""
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Head counts of the dense model and of this rank."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tp_size: int
+    tp_rank: int
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.tp_size
+
+    @property
+    def kv_replicated(self) -> bool:
+        """TP is larger than the KV head count: each rank keeps a copy of the one KV head its queries use."""
+        return self.kv_heads % self.tp_size != 0
+
+    @property
+    def local_kv_heads(self) -> int:
+        return 1 if self.kv_replicated else self.kv_heads // self.tp_size
+
+    def kv_head_ranges(self) -> tuple[tuple[int, int], ...]:
+        """This rank's KV heads as a `[start, stop)` range of output features."""
+        if self.kv_replicated:
+            first = self.tp_rank * self.local_heads * self.kv_heads // self.heads
+        else:
+            first = self.tp_rank * self.local_kv_heads
+        return ((first * self.head_dim, (first + self.local_kv_heads) * self.head_dim),)
+
+    def attribute(self, kind: str) -> int:
+        return {
+            "heads": self.local_heads,
+            "kv_heads": self.local_kv_heads,
+            "width": self.local_heads * self.head_dim,
+            "kv_groups": self.local_heads // self.local_kv_heads,
+        }[kind]
+
+
+@dataclass
+class Plan:
+    """Everything `parallelize` / `from_pretrained` change in a model, for one rank."""
+
+    policy: Policy
+    layout: HeadLayout
+    replacements: list[Replacement] = field(default_factory=list)
+    attributes: list[tuple[str, str, int]] = field(default_factory=list)
+    """(attention module name, attribute, per-rank value)."""
+
+
+def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayout:
+    what = f"tpcore.hf: {getattr(config, 'model_type', '?')} model:"
+    heads = getattr(config, policy.num_heads, None)
+    if not isinstance(heads, int):
+        raise ValueError(f"{what} config has no integer {policy.num_heads!r} (the policy's head count field)")
+    kv_heads = getattr(config, policy.num_kv_heads, None) if policy.num_kv_heads else None
+    kv_heads = heads if kv_heads is None else kv_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if heads % tp_size:
+        raise ValueError(f"{what} {heads} attention heads cannot be split over tensor_parallel_size {tp_size} (not divisible)")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"{what} {kv_heads} key/value heads and tensor_parallel_size {tp_size}: one must divide the other "
+            "(KV heads are split when TP divides them, replicated when they divide TP)"
+        )
+    return HeadLayout(heads, kv_heads, head_dim, tp_size, tp_rank)
+
+
+def _chunk(size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
+    if size % tp_size:
+        raise ValueError(f"tpcore.hf: {what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
+    step = size // tp_size
+    return tp_rank * step, (tp_rank + 1) * step
+
+
+def _linear_shape(name: str, module: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, stored transposed) of an nn.Linear or HF's Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nx"):
+        return module.nx, module.nf, True
+    raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Linear or Conv1D")
+
+
+def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
+    fan_in, fan_out, transposed = _linear_shape(name, module)
+    tp, rank = layout.tp_size, layout.tp_rank
+    what = f"{name} output features"
+    if kind == "kv_heads":
+        if fan_out != layout.kv_heads * layout.head_dim:
+            raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, expected {layout.kv_heads} KV heads x {layout.head_dim}")
+        ranges = layout.kv_head_ranges()
+    elif kind == "qkv_blocks":
+        block = fan_out // 3
+        if fan_out % 3:
+            raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 3 equal q/k/v blocks")
+        ranges = tuple((b * block + lo, b * block + hi) for b in range(3) for lo, hi in [_chunk(block, tp, rank, what)])
+    else:  # plain, heads, qkv_per_head: whole heads are contiguous rows
+        ranges = (_chunk(fan_out, tp, rank, what),)
+    local = sum(hi - lo for lo, hi in ranges)
+    dim = 1 if transposed else 0
+    loads = {"weight": Load(f"{name}.weight", dim, ranges, transpose=transposed)}
+    if module.bias is not None:
+        loads["bias"] = Load(f"{name}.bias", 0, ranges)
+    replicated = kind == "kv_heads" and layout.kv_replicated
+    return Replacement(name, "column", fan_in, local * tp, module.bias is not None, loads, kv_replicated=replicated)
+
+
+def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
+    fan_in, fan_out, transposed = _linear_shape(name, module)
+    ranges = (_chunk(fan_in, layout.tp_size, layout.tp_rank, f"{name} input features"),)
+    loads = {"weight": Load(f"{name}.weight", 0 if transposed else 1, ranges, transpose=transposed)}
+    if module.bias is not None:
+        loads["bias"] = Load(f"{name}.bias")
+    return Replacement(name, "row", fan_in, fan_out, module.bias is not None, loads)
+
+
+def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, int], ...]]:
+    rows = -(-vocab // layout.tp_size)
+    start = layout.tp_rank * rows
+    return rows, ((min(start, vocab), min(start + rows, vocab)),)
+
+
+def _embedding(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Embedding")
+    rows, ranges = _vocab_rows(module.num_embeddings, layout)
+    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows)}
+    return Replacement(name, "embedding", module.num_embeddings, module.embedding_dim, False, loads,
+                       padding_idx=module.padding_idx, vocab_size=module.num_embeddings)
+
+
+def _head(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
+    fan_in, vocab, transposed = _linear_shape(name, module)
+    if transposed:
+        raise ValueError(f"tpcore.hf: LM head {name!r} is a Conv1D; only nn.Linear heads are supported")
+    rows, ranges = _vocab_rows(vocab, layout)
+    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows)}
+    if module.bias is not None:
+        loads["bias"] = Load(f"{name}.bias", 0, ranges, rows=rows)
+    return Replacement(name, "head", fan_in, rows * layout.tp_size, module.bias is not None, loads, vocab_size=vocab)
+
+
+def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
+    """The plan for `model` (a transformers PreTrainedModel) on rank `tp_rank` of `tp_size`."""
+    config = model.config
+    policy = get_policy(config)
+    layout = _head_layout(config, policy, tp_size, tp_rank)
+    column, row = policy.linear_roles(config)
+    roles = [("column", p) for p in column] + [("row", p) for p in row]
+    roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
+    plan = Plan(policy, layout)
+    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "head": []}
+    for name, module in model.named_modules():
+        found = [(role, p) for role, p in roles if match(p, name)]
+        if len(found) > 1:
+            raise ValueError(f"tpcore.hf: policy {policy.name!r}: module {name!r} matches several patterns: {found}")
+        if found:
+            role, pattern = found[0]
+            if role == "column":
+                by_role[role].append(_column(name, module, column[pattern], layout))
+            elif role == "row":
+                by_role[role].append(_row(name, module, layout))
+            else:
+                by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
+        if any(match(p, name) for p in policy.attention):
+            for attribute, kind in policy.attention_attributes.items():
+                if isinstance(getattr(module, attribute, None), int):
+                    plan.attributes.append((name, attribute, layout.attribute(kind)))
+    for role in ("column", "row", "embedding"):
+        if not by_role[role]:
+            raise ValueError(
+                f"tpcore.hf: policy {policy.name!r} found no {role} module in {type(model).__name__}; "
+                "the model's module names differ from the policy's patterns"
+            )
+    # Embeddings first: a tied LM head reuses the embedding's new weight.
+    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["head"]
+    return plan

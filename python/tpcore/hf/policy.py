@@ -1,0 +1,216 @@
+"""Declarative tensor-parallel policies for Hugging Face model families.
+
+A `Policy` says, for one family, which modules become column- / row-parallel linears,
+which become the vocab-parallel embedding and LM head, how each column-parallel weight is
+cut (by whole heads, as fused q|k|v blocks, ...), which config fields hold the head
+counts, and which attributes of the attention modules hold per-rank sizes. Module
+patterns are dotted names where `*` stands for one component (a layer index); a pattern
+matches a module whose full name ends with it at a component boundary, so
+`layers.*.self_attn.q_proj` matches `model.layers.3.self_attn.q_proj`.
+
+Register your own with `register_policy(Policy(...))`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "COLUMN_KINDS",
+    "ATTRIBUTE_KINDS",
+    "Policy",
+    "register_policy",
+    "unregister_policy",
+    "get_policy",
+    "supported_model_types",
+    "match",
+]
+
+COLUMN_KINDS = {
+    "plain": "any output size divisible by the TP size (MLP up / gate projections)",
+    "heads": "query (or multi-head k / v) heads, cut by whole heads",
+    "kv_heads": "grouped key / value heads, cut by whole heads; replicated when TP > KV heads",
+    "qkv_blocks": "fused [q | k | v] blocks (GPT-2 c_attn): each block cut by whole heads",
+    "qkv_per_head": "fused per head [h0: q k v | h1: q k v | ...] (GPT-NeoX): cut by whole heads",
+}
+"""How a column-parallel weight's output features are split over the TP ranks."""
+
+ATTRIBUTE_KINDS = {
+    "heads": "query heads on this rank",
+    "kv_heads": "key / value heads on this rank",
+    "width": "query heads on this rank x head_dim",
+    "kv_groups": "query heads per key / value head on this rank",
+}
+"""What a per-rank attention attribute counts (see `Policy.attention_attributes`)."""
+
+# Styles of HF's `base_model_tp_plan` that map onto tpcore's layers; other styles
+# (sequence_parallel norms, MoE experts, ...) leave the module replicated, which is correct.
+_TP_PLAN_COLUMN = {"colwise": "plain", "local_colwise": "plain", "colwise_gather_output": "plain"}
+_TP_PLAN_ROW = {"rowwise", "local_rowwise", "rowwise_split_input"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to split one family of HF models (matched by `config.model_type`)."""
+
+    name: str
+    """A short name for messages."""
+    model_types: tuple[str, ...]
+    """`config.model_type` values this policy handles."""
+    column: dict[str, str]
+    """Module pattern -> how its output features are cut (a key of `COLUMN_KINDS`)."""
+    row: tuple[str, ...]
+    """Module patterns of row-parallel linears (input features cut, output summed)."""
+    embedding: tuple[str, ...]
+    """Patterns of the token embedding (becomes vocab-parallel)."""
+    head: tuple[str, ...] = ()
+    """Patterns of the LM / MLM output projection (becomes the vocab-parallel LM head)."""
+    attention: tuple[str, ...] = ()
+    """Patterns of the attention modules whose `attention_attributes` are set per rank."""
+    attention_attributes: dict[str, str] = field(default_factory=dict)
+    """Attribute -> what it counts (a key of `ATTRIBUTE_KINDS`); set where present, so one
+    table covers transformers versions that keep different attributes."""
+    num_heads: str = "num_attention_heads"
+    """Config field with the number of query heads."""
+    num_kv_heads: str | None = None
+    """Config field with the number of key / value heads (GQA); None: same as `num_heads`."""
+    use_tp_plan: bool = False
+    """Also take column / row modules from `config.base_model_tp_plan` where it has one."""
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    """(regex on a parameter's name, replacement): other names the tensor may have in a
+    checkpoint (transformers renames some keys on save, e.g. GPT-NeoX's `lm_head` to `embed_out`)."""
+
+    def __post_init__(self) -> None:
+        for pattern, kind in self.column.items():
+            if kind not in COLUMN_KINDS:
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: column {pattern!r} has unknown kind {kind!r}; one of {sorted(COLUMN_KINDS)}")
+        for attribute, kind in self.attention_attributes.items():
+            if kind not in ATTRIBUTE_KINDS:
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
+        if not self.model_types:
+            raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
+
+    def linear_roles(self, config) -> tuple[dict[str, str], tuple[str, ...]]:
+        """(column pattern -> kind, row patterns) for `config`: the table, plus the
+        modules of HF's `base_model_tp_plan` when `use_tp_plan` (the table's kinds win)."""
+        column, row = dict(self.column), list(self.row)
+        plan = (getattr(config, "base_model_tp_plan", None) or {}) if self.use_tp_plan else {}
+        for pattern, style in plan.items():
+            if style in _TP_PLAN_COLUMN and pattern not in column and pattern not in row:
+                column[pattern] = _TP_PLAN_COLUMN[style]
+            elif style in _TP_PLAN_ROW and pattern not in column and pattern not in row:
+                row.append(pattern)
+        return column, tuple(row)
+
+
+def _compile(pattern: str) -> re.Pattern:
+    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
+    return re.compile(r"(?:^|.*\.)" + r"\.".join(parts) + "$")
+
+
+def match(pattern: str, module_name: str) -> bool:
+    """Whether `module_name` ends with `pattern` (`*` = one component) at a component boundary."""
+    return _compile(pattern).match(module_name) is not None
+
+
+# The table. Module names checked against transformers 5.23 (and older releases' names
+# where they differ: GPT-NeoX's `embed_out`, Llama's per-module head counts before 4.48).
+_DECODER_ATTRIBUTES = {"num_key_value_groups": "kv_groups", "num_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width"}
+
+LLAMA = Policy(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    column={
+        "layers.*.self_attn.q_proj": "heads",
+        "layers.*.self_attn.k_proj": "kv_heads",
+        "layers.*.self_attn.v_proj": "kv_heads",
+        "layers.*.mlp.gate_proj": "plain",
+        "layers.*.mlp.up_proj": "plain",
+    },
+    row=("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj"),
+    embedding=("embed_tokens",),
+    head=("lm_head",),
+    attention=("layers.*.self_attn",),
+    attention_attributes=_DECODER_ATTRIBUTES,
+    num_kv_heads="num_key_value_heads",
+    use_tp_plan=True,
+)
+
+GPT2 = Policy(
+    name="gpt2",
+    model_types=("gpt2",),
+    # Conv1D stores weights [in, out]; the loader transposes them (found by type, not listed).
+    column={"h.*.attn.c_attn": "qkv_blocks", "h.*.mlp.c_fc": "plain"},
+    row=("h.*.attn.c_proj", "h.*.mlp.c_proj"),
+    embedding=("wte",),
+    head=("lm_head",),
+    attention=("h.*.attn",),
+    attention_attributes={"num_heads": "heads", "embed_dim": "width", "split_size": "width"},
+)
+
+GPT_NEOX = Policy(
+    name="gpt_neox",
+    model_types=("gpt_neox",),
+    column={"layers.*.attention.query_key_value": "qkv_per_head", "layers.*.mlp.dense_h_to_4h": "plain"},
+    row=("layers.*.attention.dense", "layers.*.mlp.dense_4h_to_h"),
+    embedding=("embed_in",),
+    head=("lm_head", "embed_out"),
+    attention=("layers.*.attention",),
+    attention_attributes={"num_attention_heads": "heads", "hidden_size": "width"},
+    use_tp_plan=True,
+    checkpoint_renames=((r"^lm_head\.", "embed_out."), (r"^embed_out\.", "lm_head.")),
+)
+
+BERT = Policy(
+    name="bert",
+    model_types=("bert", "roberta"),
+    column={
+        "layer.*.attention.self.query": "heads",
+        "layer.*.attention.self.key": "heads",
+        "layer.*.attention.self.value": "heads",
+        "layer.*.intermediate.dense": "plain",
+    },
+    row=("layer.*.attention.output.dense", "layer.*.output.dense"),
+    embedding=("embeddings.word_embeddings",),
+    head=("cls.predictions.decoder", "lm_head.decoder"),
+    attention=("layer.*.attention.self",),
+    attention_attributes={"num_attention_heads": "heads", "all_head_size": "width"},
+)
+
+_REGISTRY: dict[str, Policy] = {}
+
+
+def register_policy(policy: Policy, *, replace: bool = False) -> None:
+    """Make `policy` handle its `model_types` (an error if one is taken, unless `replace`)."""
+    taken = [t for t in policy.model_types if t in _REGISTRY and not replace]
+    if taken:
+        raise ValueError(f"tpcore.hf: model_type(s) {taken} already have a policy; pass replace=True to override")
+    for model_type in policy.model_types:
+        _REGISTRY[model_type] = policy
+
+
+def unregister_policy(model_type: str) -> Policy:
+    """Remove and return the policy of `model_type` (a KeyError when it has none)."""
+    return _REGISTRY.pop(model_type)
+
+
+def supported_model_types() -> list[str]:
+    """Every `config.model_type` with a policy."""
+    return sorted(_REGISTRY)
+
+
+def get_policy(config) -> Policy:
+    """The policy for `config.model_type`; a ValueError naming it and the supported ones."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _REGISTRY:
+        architectures = getattr(config, "architectures", None) or [type(config).__name__]
+        raise ValueError(
+            f"tpcore.hf: no tensor-parallel policy for model_type {model_type!r} ({', '.join(architectures)}); "
+            f"supported: {', '.join(supported_model_types())}. Register one with tpcore.hf.register_policy(Policy(...))."
+        )
+    return _REGISTRY[model_type]
+
+
+for _policy in (LLAMA, GPT2, GPT_NEOX, BERT):
+    register_policy(_policy)

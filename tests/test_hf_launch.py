@@ -1,0 +1,130 @@
+"""tpcore.hf.launch and tpcore.hf.verify from the test process itself, without torchrun:
+results equal the dense model's, per-rank memory while loading stays near model / TP,
+a worker's exception reaches the caller, a dead worker ends the call within seconds."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import transformers
+
+import tpcore.hf
+from checks import assert_close
+from test_hf import save_family
+
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, int]:
+    """A Llama of ~74 MB (fp32, vocab 32000, untied head) saved with save_pretrained; (path, bytes)."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    path = str(tmp_path_factory.mktemp("llama74"))
+    model.save_pretrained(path)
+    return path, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def handle(saved):
+    with tpcore.hf.launch(saved[0], TP, timeout=120) as h:
+        yield h
+
+
+def test_launch_matches_dense(saved, handle):
+    path, _ = saved
+    dense = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 32000, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = dense(ids).logits
+    got = handle(ids)
+    assert_close(got.logits, want, "logits from the launched workers")
+    assert got.past_key_values is None, "the KV cache should not travel back"
+    assert torch.equal(handle.generate(ids, max_new_tokens=10), dense.generate(ids, max_new_tokens=10, do_sample=False))
+
+
+def test_load_memory_per_rank_near_model_over_tp(saved, handle):
+    """Each fresh worker's resident-memory peak while loading (VmHWM minus VmRSS before):
+    its shard (model / TP) plus a little, far from the whole model."""
+    _, model_bytes = saved
+    mib = 2**20
+    for rank, stats in enumerate(handle.load_stats):
+        grown = (stats["peak_rss_kib"] - stats["rss_before_kib"]) * 1024
+        assert grown > 0.4 * model_bytes / TP, f"rank {rank}: {grown / mib:.1f} MiB is less than its shard: not measured?"
+        assert grown < model_bytes / TP + 12 * mib, f"rank {rank}: peak {grown / mib:.1f} MiB > shard {model_bytes / TP / mib:.1f} MiB + 12"
+        assert grown < 0.75 * model_bytes, f"rank {rank}: peak {grown / mib:.1f} MiB is near the whole model"
+
+
+def _fail_on_rank(model, rank_to_fail):
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_fail:
+        raise ValueError(f"boom on rank {rank_to_fail}")
+    return "fine"
+
+
+def _tp_size(model):
+    return model.tpcore_plan.layout.tp_size
+
+
+def test_worker_exception_reaches_caller(handle):
+    with pytest.raises(tpcore.hf.WorkerError) as info:
+        handle.run(_fail_on_rank, 1)
+    message = str(info.value)
+    assert "boom on rank 1" in message and "Traceback" in message and "rank 1" in message
+    assert handle.run(_tp_size) == TP, "the workers should still serve calls after a clean failure"
+
+
+def _exit_on_rank(model, rank_to_die):
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_die:
+        os._exit(3)
+    dist.barrier()  # the other rank waits in a collective, as a real call would
+    return "unreachable"
+
+
+def test_dead_worker_ends_call_in_seconds(handle):
+    start = time.monotonic()
+    with pytest.raises(tpcore.hf.WorkerError, match="rank 1 exit code 3"):
+        handle.run(_exit_on_rank, 1)
+    assert time.monotonic() - start < 10
+    assert handle.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        handle.run(_tp_size)
+
+
+def test_launch_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        tpcore.hf.launch(str(tmp_path), 0)
+    with pytest.raises(FileNotFoundError, match="save_pretrained folder"):
+        tpcore.hf.launch(str(tmp_path / "missing"), 2)
+
+
+def test_verify_console_script(tmp_path, capsys):
+    """tpcore-hf-verify on a GPT-2: every hidden state, logits and greedy ids match; exit status 0."""
+    path = save_family("gpt2", tmp_path)
+    assert tpcore.hf.verify_main([path, "--tensor-parallel-size", "2", "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert "hidden_states[2]" in printed and "logits" in printed and "OK" in printed
+    assert "greedy ids (tpcore.hf.generate): identical" in printed
+
+
+def test_verify_names_first_divergence():
+    from tpcore.hf.verify import _compare
+
+    base = {f"hidden_states[{i}]": torch.ones(2, 3, 4) for i in range(3)} | {"logits": torch.ones(2, 3, 5)}
+    broken = {k: v.clone() for k, v in base.items()}
+    broken["hidden_states[1]"][0, 0, 0] += 0.5  # layer 0's output diverges, and so does everything after
+    broken["hidden_states[2]"] += 0.5
+    report = _compare(base, broken, 2, 1e-4, None)
+    assert not report.ok and report.first_divergence == "hidden_states[1]"
+    assert "FAILED: first divergence at hidden_states[1]" in str(report)
+    assert _compare(base, base, 2, 1e-4, None).ok

@@ -1,0 +1,244 @@
+"""tpcore.hf policies, plans and sliced loading: each rank's shards are exactly the slices
+of the dense weights (cut here by hand from the safetensors file read with the
+`safetensors` package), sharded checkpoints load alike, and every unsplittable or
+unsupported model fails with a clear error before any weight moves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import tpcore.hf
+from checks import expect_error
+from test_hf import FAMILIES, VOCAB, load_dense, save_family
+from tpcore.hf.plan import make_plan
+from tpcore.hf.policy import match
+
+
+def test_pattern_matching():
+    assert match("layers.*.self_attn.q_proj", "model.layers.3.self_attn.q_proj")
+    assert match("layers.*.self_attn.q_proj", "layers.0.self_attn.q_proj")
+    assert not match("layers.*.self_attn.q_proj", "model.layers.3.self_attn.q_proj_extra")
+    assert not match("layers.*.self_attn.q_proj", "model.xlayers.3.self_attn.q_proj")
+    assert not match("layer.*.output.dense", "bert.encoder.layer.0.attention.output.dense")
+    assert match("layer.*.attention.output.dense", "bert.encoder.layer.0.attention.output.dense")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt_neox"])
+def test_policy_tables_agree_with_transformers_tp_plan(name):
+    """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
+    in the family's table with the same role (a renamed module in a new release shows up here)."""
+    config = FAMILIES[name][1]()
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if int(transformers.__version__.split(".")[0]) >= 5:  # older releases may ship none (4.46 has none)
+        assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
+    policy = tpcore.hf.get_policy(config)
+    for pattern, style in plan.items():
+        if style in ("colwise", "rowwise"):
+            table = policy.column if style == "colwise" else policy.row
+            assert pattern in table, f"{name}: {pattern} ({style}) is not in the {policy.name} table"
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones():
+    config = transformers.OPTConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4)
+    model = transformers.OPTForCausalLM(config)
+    for call in (lambda: tpcore.hf.parallelize(model), lambda: make_plan(model, 2, 0)):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert "'opt'" in message
+        assert all(t in message for t in ("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert", "roberta"))
+    assert not any(isinstance(m, tpcore.VocabParallelEmbedding) for m in model.modules())
+
+
+def _tiny(name: str, **overrides):
+    cls, make_config = FAMILIES[name]
+    config = make_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return getattr(transformers, cls)(config)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, tp, message",
+    [
+        ("gpt2", dict(n_head=8, n_embd=48), 16, "8 attention heads cannot be split over tensor_parallel_size 16"),
+        ("llama", dict(num_attention_heads=6, num_key_value_heads=3), 2, "3 key/value heads and tensor_parallel_size 2"),
+        ("llama", dict(intermediate_size=98), 4, "mlp.gate_proj output features (98) is not divisible by tensor_parallel_size 4"),
+        ("bert", dict(intermediate_size=90), 4, "intermediate.dense output features (90) is not divisible"),
+    ],
+)
+def test_unsplittable_sizes_fail_in_the_plan(name, overrides, tp, message):
+    """make_plan reads only shapes (the model is on the meta device here) and is what
+    parallelize / from_pretrained run before any weight moves."""
+    model = _tiny(name, **overrides)
+    for rank in range(tp):
+        expect_error(ValueError, message, make_plan, model, tp, rank)
+
+
+def test_register_policy():
+    with pytest.raises(ValueError, match="already have a policy"):
+        tpcore.hf.register_policy(tpcore.hf.get_policy(transformers.LlamaConfig()))
+    with pytest.raises(ValueError, match="unknown kind"):
+        tpcore.hf.Policy(name="x", model_types=("x",), column={"a": "rows"}, row=(), embedding=())
+    custom = tpcore.hf.Policy(name="opt", model_types=("opt",), column={"layers.*.self_attn.q_proj": "heads"},
+                              row=("layers.*.self_attn.out_proj",), embedding=("embed_tokens",))
+    tpcore.hf.register_policy(custom)
+    try:
+        assert tpcore.hf.get_policy(transformers.OPTConfig()) is custom and "opt" in tpcore.hf.supported_model_types()
+    finally:
+        tpcore.hf.unregister_policy("opt")
+
+
+def _expected_shards(name: str, dense: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's slices of the dense tensors, cut by hand for the llama / gpt2 layouts."""
+    rows = -(-VOCAB // tp)
+
+    def vocab(t):
+        out = t.new_zeros(rows, *t.shape[1:])
+        part = t[rank * rows : (rank + 1) * rows]
+        out[: part.shape[0]] = part
+        return out
+
+    expected = {}
+    for key, t in dense.items():
+        if name == "gpt2":
+            if key.endswith("attn.c_attn.weight"):  # [in, 3 * out]: q | k | v, each cut, then transposed
+                expected[key] = torch.cat([b.chunk(tp, 1)[rank] for b in t.chunk(3, 1)], 1).t()
+            elif key.endswith("attn.c_attn.bias"):
+                expected[key] = torch.cat([b.chunk(tp, 0)[rank] for b in t.chunk(3, 0)])
+            elif key.endswith(("mlp.c_fc.weight", "attn.c_proj.weight", "mlp.c_proj.weight")):
+                expected[key] = t.chunk(tp, 1 if "c_fc" in key else 0)[rank].t()
+            elif key.endswith("mlp.c_fc.bias"):
+                expected[key] = t.chunk(tp, 0)[rank]
+            elif key.endswith("wte.weight"):
+                expected[key] = vocab(t)
+            else:
+                expected[key] = t
+        else:  # llama: 8 query heads, 2 KV heads of 8 features (hidden 64)
+            if key.endswith(("k_proj.weight", "v_proj.weight")):
+                heads = t.view(2, 8, -1)
+                expected[key] = heads.chunk(tp, 0)[rank].reshape(-1, t.shape[1]) if tp <= 2 else heads[rank * 2 // tp]
+            elif key.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+                expected[key] = t.chunk(tp, 0)[rank]
+            elif key.endswith(("o_proj.weight", "down_proj.weight")):
+                expected[key] = t.chunk(tp, 1)[rank]
+            elif key.endswith(("embed_tokens.weight", "lm_head.weight")):
+                expected[key] = vocab(t)
+            else:
+                expected[key] = t
+    return expected
+
+
+def _shards_job(rank, world, name, path, sharded_path):
+    import tpcore
+
+    dense = load_file(f"{path}/model.safetensors")
+    for tp in (2, 4):
+        tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+        tp_rank = torch.distributed.get_rank(tpcore.parallel_state.get_tensor_model_parallel_group())
+        expected = _expected_shards(name, dense, tp, tp_rank)
+        for source in (path, sharded_path):
+            model = tpcore.hf.from_pretrained(source)
+            state = model.state_dict()
+            assert expected.keys() <= state.keys()
+            for key, want in expected.items():
+                assert state[key].shape == want.shape and torch.equal(state[key], want), \
+                    f"{name} TP={tp} rank {tp_rank} {source}: {key} is not its slice"
+        tpcore.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_shards_are_the_dense_slices(cpu_ranks, tmp_path, name):
+    """TP 2 and 4 (llama: KV heads replicated at 4), single-file and sharded checkpoints."""
+    path = save_family(name, tmp_path / "single")
+    sharded = tmp_path / "sharded"
+    getattr(transformers, FAMILIES[name][0]).from_pretrained(path).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert all(cpu_ranks.run(_shards_job, name, path, str(sharded)))
+
+
+def _errors_job(rank, world, path):
+    import tpcore
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=4)
+    expect_error(ValueError, "tensor_parallel_size=2 but the tensor-parallel group has 4 ranks",
+                 tpcore.hf.from_pretrained, path, tensor_parallel_size=2)
+    dense = load_dense(path, "GPT2LMHeadModel", torch.float32)
+    model = tpcore.hf.parallelize(copy.deepcopy(dense))
+    expect_error(ValueError, "already holds tpcore layers", tpcore.hf.parallelize, model)
+    expect_error(ValueError, "has no vocab-parallel LM head", tpcore.hf.generate, dense, torch.zeros(1, 2, dtype=torch.long))
+    expect_error(ValueError, f"token id {VOCAB} is outside", tpcore.hf.generate, model, torch.full((1, 2), VOCAB))
+    expect_error(ValueError, "top_p must be in (0, 1]", tpcore.hf.generate, model, torch.zeros(1, 2, dtype=torch.long), top_p=0.0)
+    # GPT-2 with 4 heads at TP=4 works; a config with 6 heads fails before any weight moves.
+    six = transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=6, n_positions=16)
+    torch.manual_seed(0)
+    unsplittable = transformers.GPT2LMHeadModel(six)
+    before = {k: v.clone() for k, v in unsplittable.state_dict().items()}
+    expect_error(ValueError, "6 attention heads cannot be split over tensor_parallel_size 4", tpcore.hf.parallelize, unsplittable)
+    after = unsplittable.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(isinstance(m, tpcore.ColumnParallelLinear) for m in unsplittable.modules())
+    return True
+
+
+def test_errors_before_any_collective(cpu_ranks, tmp_path):
+    path = save_family("gpt2", tmp_path)
+    assert all(cpu_ranks.run(_errors_job, path))
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    from tpcore.hf.weights import SafetensorsSource
+
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        SafetensorsSource(str(tmp_path))
+
+
+OPT_POLICY = dict(
+    name="opt", model_types=("opt",),
+    column={"layers.*.self_attn.q_proj": "heads", "layers.*.self_attn.k_proj": "heads",
+            "layers.*.self_attn.v_proj": "heads", "layers.*.fc1": "plain"},
+    row=("layers.*.self_attn.out_proj", "layers.*.fc2"),
+    embedding=("embed_tokens",), head=("lm_head",),
+    attention=("layers.*.self_attn",), attention_attributes={"num_heads": "heads", "embed_dim": "width"},
+)
+
+
+def _user_policy_job(rank, world, path):
+    import tpcore
+
+    tpcore.hf.register_policy(tpcore.hf.Policy(**OPT_POLICY))
+    try:
+        dense = load_dense(path, "OPTForCausalLM", torch.float32)
+        ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = dense(ids).logits
+        for tp in (2, 4):
+            tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+            model = tpcore.hf.from_pretrained(path)
+            assert isinstance(model.model.decoder.layers[0].fc1, tpcore.ColumnParallelLinear)
+            with torch.no_grad():
+                got = model(ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            assert torch.equal(tpcore.hf.generate(model, ids, max_new_tokens=8), dense.generate(ids, max_new_tokens=8, do_sample=False))
+            tpcore.destroy_model_parallel()
+    finally:
+        tpcore.hf.unregister_policy("opt")
+    return True
+
+
+def test_user_registered_policy_splits_a_new_family(cpu_ranks, tmp_path):
+    """OPT has no built-in policy; a user's table of eight lines makes it work."""
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                                    max_position_embeddings=64, word_embed_proj_dim=64, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=1, init_std=0.2, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
+    assert all(cpu_ranks.run(_user_policy_job, str(tmp_path)))
