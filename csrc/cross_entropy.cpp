@@ -212,7 +212,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
       what, vocab_size, logits.size(-1), world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, logits.sizes().slice(0, logits.dim() - 1), logits.device(),
                            logits.size(-1), world, options);
-  TORCH_CHECK_VALUE(!(inplace_backward && logits.is_leaf() && logits.requires_grad()),
+  // Writing the gradient into a leaf (or into a view of one) would overwrite a parameter
+  // or an input the caller still owns.
+  const at::TensorBase& owner =
+      logits.is_view() ? logits._base() : static_cast<const at::TensorBase&>(logits);
+  TORCH_CHECK_VALUE(!(inplace_backward && owner.is_leaf() && owner.requires_grad()),
                     "tpcore: ", what,
                     ": inplace_backward=True would overwrite a leaf tensor's data with its ",
                     "gradient; pass logits computed by an operation (e.g. the LM head's output)");

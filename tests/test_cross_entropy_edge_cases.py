@@ -155,6 +155,11 @@ def _inplace_misuse(rank, world, device):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
+    # A leaf, or a view of one, would have its data overwritten: refused before any collective.
+    for leaf_logits in (base, base.view_as(base), base[:, :8]):
+        with pytest.raises(ValueError, match="would overwrite a leaf tensor's data"):
+            tpcore.vocab_parallel_cross_entropy(leaf_logits, target, inplace_backward=True)
+
     # Correct use still works and matches the out-of-place gradient.
     base.grad = None
     tpcore.vocab_parallel_cross_entropy(base * 1, target, inplace_backward=True).backward()

@@ -104,3 +104,37 @@ def test_pad_vocab_size():
     assert tpcore.pad_vocab_size(50257, 8) == 51200
     assert tpcore.pad_vocab_size(128, 1) == 128
     assert tpcore.pad_vocab_size(37, 4, 1) == 40
+
+
+def _threaded(rank, world):
+    """The CPU kernels split work over torch's intra-op threads: with several threads the
+    lookup and the (column-split) backward still equal F.embedding, and repeat bit-exactly."""
+    tp_rank, tp = setup_tp(2)
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(VOCAB, 600, generator=g)
+    ids = torch.randint(0, VOCAB, (300,), generator=g)
+    ids[:100] = 7  # one row hit many times
+    upstream = torch.randn(300, 600, generator=g)
+    ref = table.clone().requires_grad_(True)
+    torch.nn.functional.embedding(ids, ref).backward(upstream)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(2):
+            layer = tpcore.VocabParallelEmbedding.from_dense(torch.nn.Embedding.from_pretrained(table, freeze=False))
+            out = layer(ids)
+            out.backward(upstream)
+            grads.append(layer.weight.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, torch.nn.functional.embedding(ids, table), "threaded lookup")
+    rows = layer.weight.shape[0]
+    real = max(0, min(rows, VOCAB - tp_rank * rows))  # this rank's rows that are not padding
+    assert_close(grads[0][:real], ref.grad[tp_rank * rows : tp_rank * rows + real], "threaded backward")
+    assert not grads[0][real:].any(), "padding rows get no gradient"
+    assert torch.equal(grads[0], grads[1]), "the threaded backward must be deterministic"
+
+
+def test_threaded_cpu_kernels(cpu_ranks):
+    cpu_ranks.run(_threaded)

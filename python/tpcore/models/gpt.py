@@ -304,7 +304,10 @@ class GPTModel(nn.Module):
             logits = _C.column_parallel_linear(x, weight, None, self.group, False, c.sequence_parallel)
             if target is None:
                 return logits.transpose(0, 1)
-            loss = vocab_parallel_cross_entropy(logits, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction)
+            # The logits never leave forward: the loss may write its gradient into them.
+            loss = vocab_parallel_cross_entropy(
+                logits, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction, inplace_backward=True
+            )
         else:
             if c.sequence_parallel:
                 # The fused loss sums the hidden gradient over TP itself: the gather's
