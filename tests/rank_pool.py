@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+
+from tpcore._workers import collect_answers
 
 # How long the other ranks get to finish once one rank has failed; they are
 # usually blocked in a collective with the failed rank and never will.
@@ -114,26 +115,10 @@ class RankPool:
         job_id = self._job_id
         for q in self._tasks:
             q.put((job_id, fn, args))
-        values: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(values) + len(errors) < self.world:
-            now = time.monotonic()
-            if errors:
-                deadline = min(deadline, now + FAILURE_GRACE_S)
-            if now > deadline:
-                break
-            try:
-                got_id, rank, ok, payload = self._results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self._kill()
-                    raise RankFailure(f"{fn.__name__}: rank(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
-                continue
-            if got_id != job_id:
-                continue  # a late answer from a job that already failed
-            (values if ok else errors)[rank] = payload
+        values, errors, dead = collect_answers(self._results, self._procs, job_id, timeout, FAILURE_GRACE_S, poll_s=0.2)
+        if dead:
+            self._kill()
+            raise RankFailure(f"{fn.__name__}: rank(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
         if errors or len(values) < self.world:
             missing = sorted(set(range(self.world)) - set(values) - set(errors))
             self._kill()  # ranks may be stuck in a collective: start afresh next time

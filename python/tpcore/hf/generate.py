@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..models.generate import check_sampling_args
 from .lm_head import VocabParallelLMHead, local_logits
 
 __all__ = ["generate", "select_greedy", "candidates", "filtered_probs"]
@@ -75,12 +76,7 @@ def _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
         raise ValueError(f"{what} token id {lo if lo < 0 else hi} is outside [0, {head.vocab_size})")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"{what} attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"{what} temperature must be > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"{what} top_k must be an int >= 1 or None, got {top_k!r}")
+    check_sampling_args(what, max_new_tokens, temperature, top_k)
     if not 0 < top_p <= 1:
         raise ValueError(f"{what} top_p must be in (0, 1], got {top_p!r}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import tempfile
 import time
@@ -19,6 +18,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from .._workers import collect_answers
 
 __all__ = ["launch", "ParallelModel", "WorkerError"]
 
@@ -172,25 +173,10 @@ class ParallelModel:
 
     def _collect(self, job_id: int, what: str, timeout: float, keep_alive: bool = True) -> list[Any]:
         """Every worker's answer to `job_id`; raises when one fails, dies or is late."""
-        values: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(values) + len(errors) < self.world:
-            now = time.monotonic()
-            if errors:
-                deadline = min(deadline, now + _FAILURE_GRACE_S)
-            if now > deadline:
-                break
-            try:
-                got_id, rank, ok, payload = self._results.get(timeout=0.1)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self._kill()
-                    raise WorkerError(f"tpcore.hf: {what}: worker(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
-                continue
-            if got_id == job_id:
-                (values if ok else errors)[rank] = payload
+        values, errors, dead = collect_answers(self._results, self._procs, job_id, timeout, _FAILURE_GRACE_S)
+        if dead:
+            self._kill()
+            raise WorkerError(f"tpcore.hf: {what}: worker(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
         if errors or len(values) < self.world:
             missing = sorted(set(range(self.world)) - set(values) - set(errors))
             if missing or not keep_alive:

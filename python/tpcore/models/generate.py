@@ -18,6 +18,16 @@ from .gpt import GPTModel
 __all__ = ["generate"]
 
 
+def check_sampling_args(what: str, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """The sampling options every generator takes; raises a ValueError prefixed by `what`."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature > 0:
+        raise ValueError(f"{what} temperature must be > 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{what} top_k must be an int >= 1 or None, got {top_k!r}")
+
+
 def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
     """Every check runs before any collective, alike on all ranks: no rank hangs."""
     c, what = model.config, "tpcore: generate:"
@@ -27,12 +37,7 @@ def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
         raise ValueError(f"{what} prompt must be int64 token ids, got {prompt.dtype}")
     if prompt.numel() == 0:
         raise ValueError(f"{what} prompt is empty (shape {list(prompt.shape)})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"{what} temperature must be > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"{what} top_k must be an int >= 1 or None, got {top_k!r}")
+    check_sampling_args(what, max_new_tokens, temperature, top_k)
     lo, hi = prompt.min().item(), prompt.max().item()
     if lo < 0 or hi >= c.vocab_size:
         raise ValueError(f"{what} prompt token id {lo if lo < 0 else hi} is out of range [0, {c.vocab_size})")

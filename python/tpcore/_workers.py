@@ -1,0 +1,39 @@
+"""Collecting answers from spawned worker processes without hanging (the tests' rank pool
+and `tpcore.hf.launch` share it)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+
+def collect_answers(
+    results: Any, procs: list, job_id: int, timeout: float, grace_s: float, poll_s: float = 0.1
+) -> tuple[dict[int, Any], dict[int, str], list[tuple[int, int | None]]]:
+    """Every worker's answer `(job_id, rank, ok, payload)` from the `results` queue.
+
+    Returns (values by rank, error tracebacks by rank, dead workers as (rank, exit code)).
+    Stops as soon as a worker is found dead, `grace_s` after the first error (the others may
+    be stuck in a collective with the failed one and never answer), or at `timeout`;
+    answers to other jobs (late ones from a job that already failed) are dropped.
+    """
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(values) + len(errors) < len(procs):
+        now = time.monotonic()
+        if errors:
+            deadline = min(deadline, now + grace_s)
+        if now > deadline:
+            break
+        try:
+            got_id, rank, ok, payload = results.get(timeout=poll_s)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()]
+            if dead:
+                return values, errors, dead
+            continue
+        if got_id == job_id:
+            (values if ok else errors)[rank] = payload
+    return values, errors, []
