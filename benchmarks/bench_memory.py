@@ -75,7 +75,7 @@ def _build_baseline(config: GPTConfig, group) -> GPTModel:
 def _load_baseline(directory: str, model: GPTModel, rank: int, tp: int) -> None:
     """The old load_checkpoint (weights): every saved shard loaded whole, merged, cut again."""
     saved_tp, config = read_metadata(directory)["tensor_parallel_size"], model.config
-    files = [os.path.join(directory, f"model_tp{r:02d}.pt") for r in range(saved_tp)]
+    files = [os.path.join(directory, f"model_tp{r:02d}_pp00.pt") for r in range(saved_tp)]
     if saved_tp == tp:
         state = torch.load(files[rank], map_location="cpu", weights_only=True)["model"]
     else:
@@ -88,14 +88,14 @@ def _load_baseline(directory: str, model: GPTModel, rank: int, tp: int) -> None:
     model.load_state_dict(state)
 
 
-def _case(config: GPTConfig, kind: str, path: str, directory: str | None, rank: int, tp: int, group) -> None:
+def _case(config: GPTConfig, kind: str, path: str, directory: str | None, rank: int, tp: int, group, alone=None) -> None:
     torch.manual_seed(0)
     if kind == "build":
         model = GPTModel(config, group=group, dtype=DTYPE) if path == "tpcore" else _build_baseline(config, group)
     else:
         model = GPTModel(config, group=group, dtype=DTYPE, _init=False)
         if path == "tpcore":
-            load_checkpoint(directory, model, tp_group=group, load_rng=False)
+            load_checkpoint(directory, model, tp_group=group, load_rng=False, load_group=alone)  # ranks load in turns
         else:
             _load_baseline(directory, model, rank, tp)
     assert all(p.dtype == DTYPE for p in model.parameters())
@@ -107,9 +107,10 @@ def _measure(rank, world, store, config, kind, path, directory, warmup, remap_mi
         checkpoint._MappedFile.REMAP_BYTES = remap_mib << 20
     init_ranks(rank, world, store, "cpu")
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # each rank loads on its own
     # The same code path on a tiny model first: pages of torch's libraries that the path
     # touches the first time would otherwise count in the measured peak.
-    _case(TINY, kind, path, warmup, rank, world, group)
+    _case(TINY, kind, path, warmup, rank, world, group, alone)
     out = None
     for turn in range(world):
         if turn == rank:
@@ -117,7 +118,7 @@ def _measure(rank, world, store, config, kind, path, directory, warmup, remap_mi
             before = _status_mib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current resident set
-            _case(config, kind, path, directory, rank, world, group)
+            _case(config, kind, path, directory, rank, world, group, alone)
             peak = _status_mib("VmHWM")
             out = (before, peak)
         dist.barrier()

@@ -1,10 +1,12 @@
-"""Sample text from a tpcore checkpoint (any TP size) or a dense safetensors export.
+"""Sample text from a tpcore checkpoint (any TP x PP layout) or a dense safetensors export.
 
     torchrun --nproc_per_node 2 examples/generate.py --load checkpoints/gpt --tensor-parallel-size 2
     python examples/generate.py --load checkpoints/gpt --prompt "Once" --greedy     # 1 rank, resharded
     python examples/generate.py --dense gpt.safetensors --max-new-tokens 200       # tpcore-convert output
 
-The checkpoint is resharded on load when its TP size differs from --tensor-parallel-size.
+Generation runs without pipeline parallelism: every rank holds all layers of its TP shard.
+A checkpoint saved at another layout (another TP size, pipeline stages, virtual chunks) is
+resharded on load; each rank reads only the saved slices it needs.
 The tokenizer defaults to the one the checkpoint (or export) recorded, else "byte".
 The text (prompt included) is printed by rank 0 only.
 """
@@ -27,7 +29,7 @@ from tpcore.train.checkpoint import read_metadata
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Sample text from a tpcore GPT checkpoint or dense safetensors file")
+    p = argparse.ArgumentParser(description="Sample text from a tpcore GPT checkpoint (any TP x PP layout) or dense safetensors file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="checkpoint: a save directory (its 'latest') or an iter_N directory")
     src.add_argument("--dense", help="a dense .safetensors file written by tpcore-convert (single process)")

@@ -97,3 +97,41 @@ class LargestAllocation(TorchDispatchMode):
             if t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
         return out
+
+
+def slice_piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPTConfig) -> torch.Tensor:
+    """Rank's piece of a full tensor at TP size `tp`, by plain slicing (the reference for
+    checkpoint resharding); vocabulary padding rows are zero."""
+    from tpcore.tensor_parallel.embedding import pad_vocab_size
+
+    if rule[0] == "replicated":
+        return full
+    if rule[0] == "vocab":
+        rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+        padded = torch.cat([full, full.new_zeros(rows * tp - full.shape[0], *full.shape[1:])])
+        return padded.chunk(tp, 0)[rank]
+    _, dim, sizes = rule
+    return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
+
+
+def merge_pieces(pieces: list[torch.Tensor], rule: tuple, config: GPTConfig) -> torch.Tensor:
+    """The full tensor from every TP rank's piece, in rank order, by plain concatenation."""
+    if rule[0] == "replicated":
+        return pieces[0]
+    if rule[0] == "vocab":
+        return torch.cat(pieces, 0)[: config.vocab_size]
+    _, dim, sizes = rule
+    tp = len(pieces)
+    parts = [p.split([s // tp for s in sizes], dim) for p in pieces]
+    return torch.cat([torch.cat([parts[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
+
+
+def ranks_sharing(full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, config: GPTConfig) -> list[int]:
+    """The TP ranks at `saved_tp` whose piece shares an index with rank's piece at `tp`,
+    found by slicing a tensor of index + 1 (0 marks padding); a replicated tensor (and a
+    piece of padding only) is read from rank 0."""
+    if rule[0] == "replicated":
+        return [0]
+    index = torch.arange(1, 1 + torch.Size(full_shape).numel()).view(full_shape)
+    mine = set(slice_piece(index, rule, rank, tp, config).flatten().tolist()) - {0}
+    return [r for r in range(saved_tp) if mine & set(slice_piece(index, rule, r, saved_tp, config).flatten().tolist())] or [0]

@@ -13,10 +13,9 @@ import torch.distributed as dist
 
 from tpcore import parallel_state
 from tpcore.models import GPTModel
-from tpcore.tensor_parallel.embedding import pad_vocab_size
 from tpcore.models.sharding import rule_for
 from tpcore.train import CheckpointError, ParallelAdamW, checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
-from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, expect_error, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, setup_tp, slice_piece
 
 # llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters).
 CASES = {"llama": torch.float32, "gpt2": torch.bfloat16}
@@ -53,34 +52,10 @@ def saved(cpu_ranks, tmp_path_factory):
     return root
 
 
-def _piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config) -> torch.Tensor:
-    """Rank's piece of a full tensor, by plain slicing (the reference for copy_overlap)."""
-    if rule[0] == "replicated":
-        return full
-    if rule[0] == "vocab":
-        rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
-        padded = torch.cat([full, full.new_zeros(rows * tp - full.shape[0], *full.shape[1:])])
-        return padded.chunk(tp, 0)[rank]
-    _, dim, sizes = rule
-    return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
-
-
-def _merge(pieces: list[torch.Tensor], rule: tuple, config) -> torch.Tensor:
-    """The full tensor from every saved rank's piece, by plain concatenation."""
-    if rule[0] == "replicated":
-        return pieces[0]
-    if rule[0] == "vocab":
-        return torch.cat(pieces, 0)[: config.vocab_size]
-    _, dim, sizes = rule
-    tp = len(pieces)
-    parts = [p.split([s // tp for s in sizes], dim) for p in pieces]
-    return torch.cat([torch.cat([parts[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
-
-
 def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
     tp_rank, tp = setup_tp(tp)
     directory = os.path.join(root, f"{variant}-tp{saved_tp}", "iter_0000002")
-    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}.pt"), weights_only=True) for r in range(saved_tp)]
+    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}_pp00.pt"), weights_only=True) for r in range(saved_tp)]
     model, opt = _make(variant, 9)
     config = model.config
     opened, load = [], checkpoint._load
@@ -93,11 +68,16 @@ def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
     finally:
         checkpoint._load, checkpoint._MappedFile.REMAP_BYTES = load, REMAP_BYTES
     assert meta["tensor_parallel_size"] == saved_tp
-    assert len(opened) >= saved_tp and (remap_bytes is None or len(opened) > 4 * saved_tp), len(opened)
     what = f"{variant} TP {saved_tp} -> {tp}"
+    # Only the files holding a piece this rank shares are opened (again after each remap).
+    full = {name: merge_pieces([f["model"][name] for f in files], rule_for(name, config), config) for name in files[0]["model"]}
+    needed = {r for name in full for r in ranks_sharing(full[name].shape, rule_for(name, config), tp_rank, tp, saved_tp, config)}
+    opened = [path for path in opened if os.path.basename(path).startswith("model_")]  # not the RNG files
+    assert set(opened) == {os.path.join(directory, f"model_tp{r:02d}_pp00.pt") for r in needed}, f"{what}: opened {sorted(opened)}"
+    assert remap_bytes is None or len(opened) > 4 * len(needed), len(opened)
     for name, p in model.named_parameters():
         rule = rule_for(name, config)
-        want = _piece(_merge([f["model"][name] for f in files], rule, config), rule, tp_rank, tp, config)
+        want = slice_piece(full[name], rule, tp_rank, tp, config)
         assert torch.equal(p.detach(), want.to(p.dtype)), f"{what}: {name}"
     state = opt.state_dict()["params"]
     keys = set()
@@ -106,7 +86,7 @@ def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
         assert set(state[name]) == set(entry), name
         for key, value in entry.items():
             keys.add(key)
-            want = value if key == "step" else _piece(_merge([f["optimizer"]["params"][name][key] for f in files], rule, config), rule, tp_rank, tp, config)
+            want = value if key == "step" else slice_piece(merge_pieces([f["optimizer"]["params"][name][key] for f in files], rule, config), rule, tp_rank, tp, config)
             assert torch.equal(state[name][key], want), f"{what}: optimizer {name}/{key}"
     assert keys == ({"exp_avg", "exp_avg_sq", "step", "master"} if CASES[variant] == torch.bfloat16 else {"exp_avg", "exp_avg_sq", "step"})
     local = max(t.untyped_storage().nbytes() for entry in state.values() for t in entry.values())
@@ -128,17 +108,17 @@ def test_reshard_with_the_files_mapped_afresh_after_every_piece(cpu_ranks, saved
 @pytest.mark.parametrize("saved_tp", [1, 4])
 def test_load_dense_state_dict_equals_the_merge(saved, saved_tp):
     directory = os.path.join(saved, f"llama-tp{saved_tp}", "iter_0000002")
-    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}.pt"), weights_only=True)["model"] for r in range(saved_tp)]
+    files = [torch.load(os.path.join(directory, f"model_tp{r:02d}_pp00.pt"), weights_only=True)["model"] for r in range(saved_tp)]
     config, state = load_dense_state_dict(directory)
     assert set(state) == set(files[0])
     for name, got in state.items():
-        assert torch.equal(got, _merge([f[name] for f in files], rule_for(name, config), config)), name
+        assert torch.equal(got, merge_pieces([f[name] for f in files], rule_for(name, config), config)), name
 
 
 def _bad_piece(rank, world, path):
     setup_tp(2)
     model, opt = _make("llama", 0)
-    expect_error(CheckpointError, "model_tp00.pt: model parameter layers.0.mlp.fc1.weight: piece of rank 0 of 1 has shape [96, 64]",
+    expect_error(CheckpointError, "model_tp00_pp00.pt: model parameter layers.0.mlp.fc1.weight: piece of rank 0 of 1 has shape [96, 64]",
                  load_checkpoint, path, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group())
     dist.barrier()  # nothing above ran a collective: every rank raised alike
 
@@ -148,7 +128,67 @@ def test_a_piece_of_the_wrong_shape_names_file_and_parameter(cpu_ranks, saved, t
 
     bad = str(tmp_path / "bad")
     shutil.copytree(os.path.join(saved, "llama-tp1", "iter_0000002"), bad)
-    state = torch.load(os.path.join(bad, "model_tp00.pt"), weights_only=True)
+    state = torch.load(os.path.join(bad, "model_tp00_pp00.pt"), weights_only=True)
     state["model"]["layers.0.mlp.fc1.weight"] = state["model"]["layers.0.mlp.fc1.weight"][:96].clone()
-    torch.save(state, os.path.join(bad, "model_tp00.pt"))
+    torch.save(state, os.path.join(bad, "model_tp00_pp00.pt"))
     cpu_ranks.run(_bad_piece, bad)
+
+
+def _as_format_1(directory: str, out: str) -> str:
+    """A copy of a TP-only checkpoint in format 1: files model_tpRR.pt, no pipeline fields."""
+    import json
+    import shutil
+
+    shutil.copytree(directory, out)
+    for name in os.listdir(out):
+        if name.startswith("model_"):
+            os.rename(os.path.join(out, name), os.path.join(out, name.replace("_pp00", "")))
+    with open(os.path.join(out, "metadata.json")) as f:
+        meta = json.load(f)
+    meta["version"] = 1
+    for key in ("pipeline_parallel_size", "virtual_pipeline_parallel_size", "pipeline_stage_layers"):
+        del meta[key]
+    with open(os.path.join(out, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    return out
+
+
+def _load_formats(rank, world, v1, v2, tp):
+    setup_tp(tp)
+    group = parallel_state.get_tensor_model_parallel_group()
+    (a, opt_a), (b, opt_b) = _make("llama", 5), _make("llama", 6)
+    rng = []
+    for path, model, opt in ((v2, a, opt_a), (v1, b, opt_b)):
+        torch.manual_seed(0)
+        load_checkpoint(path, model, opt, tp_group=group)
+        rng.append(torch.get_rng_state())
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    state_a, state_b = opt_a.state_dict()["params"], opt_b.state_dict()["params"]
+    for name, entry in state_a.items():
+        assert all(torch.equal(value, state_b[name][key]) for key, value in entry.items()), name
+    assert torch.equal(rng[0], rng[1]) and (tp == 2) == (not torch.equal(rng[0], torch.manual_seed(0).get_state()))  # restored at TP 2 only
+
+
+def test_format_1_checkpoints_still_load(cpu_ranks, saved, tmp_path):
+    v2 = os.path.join(saved, "llama-tp2", "iter_0000002")
+    v1 = _as_format_1(v2, str(tmp_path / "v1"))
+    assert sorted(n for n in os.listdir(v1) if n.startswith("model_")) == ["model_tp00.pt", "model_tp01.pt"]
+    for tp in (2, 4):
+        cpu_ranks.run(_load_formats, v1, v2, tp)
+    (_, dense_v1), (_, dense_v2) = load_dense_state_dict(v1), load_dense_state_dict(v2)
+    assert all(torch.equal(t, dense_v2[name]) for name, t in dense_v1.items()) and dense_v1.keys() == dense_v2.keys()
+
+
+def test_unknown_format_version_is_refused(saved, tmp_path):
+    import json
+    import shutil
+
+    bad = str(tmp_path / "v3")
+    shutil.copytree(os.path.join(saved, "llama-tp1", "iter_0000002"), bad)
+    with open(os.path.join(bad, "metadata.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(bad, "metadata.json"), "w") as f:
+        json.dump({**meta, "version": 3}, f)
+    with pytest.raises(CheckpointError, match="of version 3; this tpcore reads versions 1, 2"):
+        load_dense_state_dict(bad)

@@ -84,7 +84,7 @@ def test_export_round_trip(ckpt, dense_file):
 
 
 def test_parameters_are_the_shards_concatenated(ckpt, dense_file):
-    shards = [torch.load(ckpt / "iter_0000003" / f"model_tp0{r}.pt", weights_only=True)["model"] for r in range(2)]
+    shards = [torch.load(ckpt / "iter_0000003" / f"model_tp0{r}_pp00.pt", weights_only=True)["model"] for r in range(2)]
     dense = safetensors.torch.load_file(str(dense_file))
     c, name = load_dense_state_dict(str(ckpt))[0], "layers.1.attention.proj.weight"
     assert torch.equal(dense[name], torch.cat([s[name] for s in shards], 1))  # row parallel: input dim

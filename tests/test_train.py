@@ -1,6 +1,7 @@
 """End-to-end pretraining runs launched like users launch them (torchrun), compared with
-each other: TP=2 vs TP=1 vs DP=2 on the same global batch, a killed-and-resumed run vs an
-uninterrupted one, a TP=2 checkpoint continued at TP=1."""
+each other: TP=2 vs TP=1 vs DP=2 vs PP=2 vs TP=2 x PP=2 on the same global batch, killed-and-
+resumed runs (TP=2, PP=2) vs uninterrupted ones, TP=2, PP=2 and TP=2 x PP=2 checkpoints
+continued at TP=1 x PP=1, and a TP=2 x PP=2 checkpoint through tpcore-convert and generate.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import time
 import pytest
 import torch
 
-from tpcore.data import preprocess
-from tpcore.train import read_metrics
+from checks import merge_pieces
+from tpcore.data import load_tokenizer, preprocess
+from tpcore.models import generate
+from tpcore.models.sharding import rule_for
+from tpcore.train import export_safetensors, load_dense_gpt, read_metrics
 
 ITERS = 150
 FLAGS = [
@@ -107,7 +111,7 @@ def test_training_lowers_loss_and_writes_outputs(workdir, tp2_run):
     ckpt = workdir / "tp2"
     assert (ckpt / "latest").read_text().strip() == f"iter_{ITERS:07d}"
     names = sorted(os.listdir(ckpt / f"iter_{ITERS:07d}"))
-    assert names == ["metadata.json", "model_tp00.pt", "model_tp01.pt", "rng_rank00000.pt", "rng_rank00001.pt"], names
+    assert names == ["metadata.json", "model_tp00_pp00.pt", "model_tp01_pp00.pt", "rng_rank00000.pt", "rng_rank00001.pt"], names
     meta = json.loads((ckpt / f"iter_{ITERS:07d}" / "metadata.json").read_text())
     assert meta["iteration"] == ITERS and meta["consumed_samples"] == ITERS * 4 and meta["tensor_parallel_size"] == 2
     assert (ckpt / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -125,10 +129,11 @@ def test_dp2_equals_dp1_with_the_same_global_batch(workdir, tp1_run):
     _assert_same_curves(rows, tp1_run[0], exact=False)
 
 
-def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
-    save = workdir / "killed"
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--tensor-parallel-size", "2", "--save", str(save), "--save-interval", "10"]
-    proc = subprocess.Popen(_command(2, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
+    """Start a run that saves every 10 steps, SIGKILL it and its workers as soon as the
+    first checkpoint is in place; returns the iteration of the newest complete checkpoint."""
+    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--save", str(save), "--save-interval", "10", *extra]
+    proc = subprocess.Popen(_command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (save / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -137,7 +142,12 @@ def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
     proc.wait(timeout=30)
     time.sleep(0.5)
     assert not _descendants(proc.pid)
-    killed_at = int((save / "latest").read_text().strip().removeprefix("iter_"))
+    return int((save / "latest").read_text().strip().removeprefix("iter_"))
+
+
+def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
+    save = workdir / "killed"
+    killed_at = _kill_after_first_save(workdir, 2, save, "--tensor-parallel-size", "2")
     assert 10 <= killed_at < ITERS, killed_at
 
     rows, stdout = _train(workdir, "killed", 2, "--tensor-parallel-size", "2", "--save", str(save), "--load", str(save), "--save-interval", "10")
@@ -169,8 +179,67 @@ def test_autocast_bf16_run_trains_alongside_fp32(workdir, tp2_run):
     torch.testing.assert_close(loss[0], fp32[0], rtol=2 * 2**-7, atol=0)
 
 
-def test_pp2_gives_the_same_curve_as_pp1(workdir, tp1_run):
-    # Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global batch.
-    rows, stdout = _train(workdir, "pp2", 2, "--pipeline-model-parallel-size", "2", "--exit-interval", "20")
+PP2 = ["--pipeline-model-parallel-size", "2"]
+PP_ITERS = 30
+
+
+@pytest.fixture(scope="module")
+def pp2_run(workdir):
+    """Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global
+    batch, checkpoints every 10 steps, a sample at the end."""
+    return _train(workdir, "pp2", 2, *PP2, "--exit-interval", str(PP_ITERS), "--save", str(workdir / "pp2"), "--save-interval", "10", "--sample-tokens", "10")
+
+
+def test_pp2_gives_the_same_curve_as_pp1(pp2_run, tp1_run):
+    rows, stdout = pp2_run
     assert "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout, stdout[:2000]
-    _assert_same_curves(rows, tp1_run[0], exact=False)
+    assert "tpcore: sample" in stdout  # generated on the first stage from the gathered model
+    _assert_same_curves(rows[: len(tp1_run[0])], tp1_run[0], exact=False)
+
+
+def test_killed_pp2_run_resumes_on_the_same_curve(workdir, pp2_run):
+    save = workdir / "pp2_killed"
+    killed_at = _kill_after_first_save(workdir, 2, save, *PP2)
+    assert 10 <= killed_at < PP_ITERS, killed_at
+    names = sorted(os.listdir(save / f"iter_{killed_at:07d}"))
+    assert names == ["metadata.json", "model_tp00_pp00.pt", "model_tp00_pp01.pt", "rng_rank00000.pt", "rng_rank00001.pt"], names
+    rows, stdout = _train(workdir, "pp2_killed", 2, *PP2, "--save", str(save), "--load", str(save), "--exit-interval", str(PP_ITERS - killed_at))
+    assert f"at iteration {killed_at}" in stdout
+    _assert_same_curves(rows, pp2_run[0], exact=True)
+
+
+def test_pp2_checkpoint_continues_at_pp1(workdir, pp2_run):
+    rows, stdout = _train(workdir, "pp2_to_pp1", 1, "--load", str(workdir / "pp2" / "iter_0000010"), "--exit-interval", "5")
+    assert "at iteration 10" in stdout
+    _assert_same_curves(rows[-5:], pp2_run[0][10:15], exact=False)
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2_run(workdir):
+    """4 ranks: TP=2 inside each pair, 2 pipeline stages; 15 steps, checkpoints at 10 and 15."""
+    return _train(workdir, "tp2pp2", 4, "--tensor-parallel-size", "2", *PP2, "--exit-interval", "15", "--save", str(workdir / "tp2pp2"), "--save-interval", "10")
+
+
+def test_tp2_pp2_checkpoint_continues_at_tp1_pp1(workdir, tp2_pp2_run, tp1_run):
+    _assert_same_curves(tp2_pp2_run[0], tp1_run[0][:15], exact=False)
+    rows, stdout = _train(workdir, "tp2pp2_to_tp1", 1, "--load", str(workdir / "tp2pp2" / "iter_0000010"), "--exit-interval", "5")
+    assert "at iteration 10" in stdout
+    _assert_same_curves(rows[-5:], tp2_pp2_run[0][10:15], exact=False)
+
+
+def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tmp_path):
+    pytest.importorskip("safetensors")  # tpcore-convert's optional dependency
+    ckpt = workdir / "tp2pp2" / "iter_0000015"
+    model, meta = load_dense_gpt(export_safetensors(str(ckpt), str(tmp_path / "gpt.safetensors")))
+    files = {(t, p): torch.load(ckpt / f"model_tp{t:02d}_pp{p:02d}.pt", weights_only=True)["model"] for t in (0, 1) for p in (0, 1)}
+    assert meta["iteration"] == "15"
+    for name, got in model.state_dict().items():  # the dense model is the shards merged, each from the one stage storing it
+        (stage,) = [p for p in (0, 1) if name in files[0, p]]
+        assert torch.equal(got, merge_pieces([files[t, stage][name] for t in (0, 1)], rule_for(name, model.config), model.config)), name
+    tokenizer = load_tokenizer("byte")
+    expected = generate(model, torch.tensor([tokenizer.encode("the ")]), 12, greedy=True, eod=tokenizer.eod)
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
+    flags = ["--load", str(ckpt), "--prompt", "the ", "--max-new-tokens", "12", "--greedy", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == tokenizer.decode(expected[0].tolist()) + "\n"

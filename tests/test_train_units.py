@@ -441,7 +441,6 @@ def _barrier_after(rank, fn):
 def _ckpt_save_and_errors(rank, world, root):
     setup_tp(2)
     tp_group, dp_group = _groups()
-    tp_rank = dist.get_rank(tp_group)
     config = CKPT_CONFIG
     save = os.path.join(root, "save")
     model, opt = _make(config, 0)
@@ -449,7 +448,7 @@ def _ckpt_save_and_errors(rank, world, root):
     path = save_checkpoint(save, 2, model, opt, consumed_samples=8, tp_group=tp_group, dp_group=dp_group, extra={"note": "unit"})
     assert path == os.path.join(save, "iter_0000002")
     if rank == 0:
-        assert sorted(os.listdir(path)) == ["metadata.json", "model_tp00.pt", "model_tp01.pt"] + [f"rng_rank{r:05d}.pt" for r in range(4)]
+        assert sorted(os.listdir(path)) == ["metadata.json", "model_tp00_pp00.pt", "model_tp01_pp00.pt"] + [f"rng_rank{r:05d}.pt" for r in range(4)]
         ref = {"model": {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}}
     else:
         model.to_dense()  # a collective
@@ -483,7 +482,7 @@ def _ckpt_save_and_errors(rank, world, root):
 
     def make_leftover():
         os.makedirs(leftover)
-        with open(os.path.join(leftover, "model_tp00.pt"), "wb") as f:
+        with open(os.path.join(leftover, "model_tp00_pp00.pt"), "wb") as f:
             f.write(b"partial")
 
     _barrier_after(rank, make_leftover)
@@ -508,9 +507,9 @@ def _ckpt_save_and_errors(rank, world, root):
     expect_error(CheckpointError, "not a complete checkpoint", load_checkpoint, dangling, model3, opt3, tp_group=tp_group)
     expect_error(CheckpointError, "no checkpoint in", load_checkpoint, empty, model3, opt3, tp_group=tp_group)
 
-    # A truncated shard: the ranks that read it name the file.
+    # A truncated shard: every rank reads it (TP rank 1 for the replicated parameters) and names it.
     corrupt = os.path.join(root, "corrupt")
-    bad_file = os.path.join(corrupt, "model_tp00.pt")
+    bad_file = os.path.join(corrupt, "model_tp00_pp00.pt")
 
     def make_corrupt():
         shutil.copytree(path, corrupt)
@@ -519,8 +518,7 @@ def _ckpt_save_and_errors(rank, world, root):
             f.truncate(size // 2)
 
     _barrier_after(rank, make_corrupt)
-    if tp_rank == 0:
-        expect_error(CheckpointError, f"{bad_file} is corrupt", load_checkpoint, corrupt, model3, opt3, tp_group=tp_group)
+    expect_error(CheckpointError, f"{bad_file} is corrupt", load_checkpoint, corrupt, model3, opt3, tp_group=tp_group)
 
     # Another model shape: every differing field is listed.
     narrow = GPTModel(dataclasses.replace(config, hidden_size=32))

@@ -8,7 +8,8 @@ is the vocabulary split with padding rows, `("replicated",)` the full tensor eve
 
 `piece_ranges` says where a rank's piece lies in the full tensor without building either,
 and `copy_overlap` copies between pieces of two TP sizes through it: what sharded
-initialisation and checkpoint resharding use so that no rank holds a full tensor.
+initialisation and checkpoint resharding use so that no rank holds a full tensor;
+`shares_indices` says ahead whether two pieces overlap at all.
 """
 
 from __future__ import annotations
@@ -142,3 +143,29 @@ def copy_overlap(
                     out.narrow(dim, local + a - start, b - a).copy_(piece.narrow(dim, their_local + a - their_start, b - a))
                     copied = True
     return copied
+
+
+def shares_indices(
+    out_shape: torch.Size | tuple[int, ...],
+    rule: Rule,
+    rank: int,
+    tp: int,
+    piece_rank: int,
+    piece_tp: int,
+    *,
+    vocab_size: int,
+    make_vocab_size_divisible_by: int,
+) -> bool:
+    """Whether `copy_overlap` into a piece of `out_shape` (rank `rank` at TP size `tp`)
+    would copy anything from rank `piece_rank`'s piece at `piece_tp`, known without either
+    tensor: a loader opens only the saved files it needs."""
+    if rule[0] == "replicated":
+        return piece_rank == 0
+    full = full_shape(rule, out_shape, tp, vocab_size)
+
+    def rows(size: int) -> int:
+        return pad_vocab_size(vocab_size, size, make_vocab_size_divisible_by) // size
+
+    _, mine = piece_ranges(rule, rank, tp, full, rows(tp))
+    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp))
+    return any(max(start, s) < min(start + n, s + m) for _, start, n in mine for _, s, m in theirs)

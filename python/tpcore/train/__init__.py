@@ -5,13 +5,14 @@ from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_
 from .convert import export_safetensors, load_dense_gpt
 from .logger import MetricsLogger, plot_loss_curve, read_metrics
 from .optimizer import LossScaler, ParallelAdamW, average_data_parallel_grads, grad_norm
+from .sampling import gather_model_on_first_stage
 from .schedule import learning_rate
 from .trainer import init_distributed, pretrain
 
 __all__ = [
     "TrainArgs", "parse_args", "load_config_file", "pretrain", "init_distributed",
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "load_dense_state_dict", "CheckpointError",
-    "export_safetensors", "load_dense_gpt",
+    "export_safetensors", "load_dense_gpt", "gather_model_on_first_stage",
     "MetricsLogger", "read_metrics", "plot_loss_curve",
     "ParallelAdamW", "LossScaler", "average_data_parallel_grads", "grad_norm", "learning_rate", "main",
 ]

@@ -127,9 +127,6 @@ class TrainArgs:
             self.stage_layers()
         except ValueError as e:
             need(False, str(e).removeprefix("tpcore: "))
-        if pp > 1:  # raised here, before any process group exists, on every rank alike
-            need(not (self.save or self.load), "checkpoints (--save / --load) of pipeline-parallel runs are not supported yet")
-            need(self.sample_tokens == 0, "--sample-tokens (generation) from a pipeline-parallel model is not supported yet")
 
     def stage_layers(self) -> list[list[int]]:
         """The layers of each (virtual) pipeline stage, from --pipeline-stage-layers or an even split."""

@@ -1,19 +1,25 @@
-"""GPT checkpoints: per-TP-rank shards, per-rank RNG, JSON metadata, atomic saves.
+"""GPT checkpoints: one shard per (TP, PP) rank, per-rank RNG, JSON metadata, atomic saves.
 
 Layout of a save directory (a shared file system when ranks span machines):
 
     latest                    name of the newest complete checkpoint, e.g. "iter_0000100"
     iter_0000100/
-      metadata.json           format, iteration, consumed samples, TP/DP sizes, GPTConfig, arguments
-      model_tp00.pt           {"model": TP rank 0's state dict, "optimizer": its AdamW state by name}
+      metadata.json           format, version, iteration, consumed samples, TP/PP/DP sizes,
+                              the layers of each pipeline stage, GPTConfig, arguments
+      model_tp00_pp00.pt      {"model": the parameters of TP rank 0 on pipeline rank 0 (all
+                              its model chunks, full-model names), "optimizer": their AdamW state}
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
-A checkpoint is written into `iter_N.tmp/` and renamed into place only once every file is
-there; `latest` is replaced atomically afterwards. A kill at any point leaves the previous
-checkpoint and `latest` intact. Loading at any TP size memory-maps the saved shards one
-file at a time and copies into this rank's parameters and AdamW state only the index
-ranges they share with it (`sharding.copy_overlap`), so TP sizes are interchangeable and
-no rank builds a full tensor or reads more of a file than it needs.
+A tied word embedding is stored once, in the first stage's files; the last stage's copy is
+restored from it. A checkpoint is written into `iter_N.tmp/` and renamed into place only
+once every file is there; `latest` is replaced atomically afterwards. A kill at any point
+leaves the previous checkpoint and `latest` intact.
+
+Loading at any (TP, PP, virtual) layout: each rank opens only the files holding pieces
+it shares (`ParallelLayout.pipeline_rank_of`, `sharding.shares_indices`), memory-maps them
+one at a time and copies into its parameters and AdamW state only the shared index ranges
+(`sharding.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
+Format 1 (TP only, `model_tpRR.pt`) is still read.
 """
 
 from __future__ import annotations
@@ -22,19 +28,24 @@ import dataclasses
 import json
 import os
 import shutil
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .._atomic import atomic_output
 from ..models import GPTConfig, ReferenceGPT
-from ..models.sharding import copy_overlap, rule_for
+from ..models.sharding import copy_overlap, rule_for, shares_indices
+from ..pipeline_parallel import duplicate_parameter_names
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker, set_device_rng_states
+from .layout import ParallelLayout, current_layout, model_chunks
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
 
 FORMAT = "tpcore-gpt-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: TP only, files model_tpRR.pt
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
@@ -46,16 +57,34 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
 
-def _model_file(directory: str, tp_rank: int) -> str:
-    return os.path.join(directory, f"model_tp{tp_rank:02d}.pt")
+def _model_file(directory: str, tp_rank: int, pp_rank: int, version: int = VERSION) -> str:
+    name = f"model_tp{tp_rank:02d}.pt" if version == 1 else f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+    return os.path.join(directory, name)
 
 
 def _rng_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rng_rank{rank:05d}.pt")
 
 
-def save_checkpoint(save_dir: str, iteration: int, model, optimizer, *, consumed_samples: int, tp_group, dp_group, extra: dict | None = None) -> str:
-    """Write checkpoint `iter_{iteration}` (a collective: call on every rank). Returns its path."""
+def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
+    """This rank's file: its chunks' parameters and AdamW state, without the last stage's
+    copy of a tied embedding (the first stage's copy is stored)."""
+    skip = duplicate_parameter_names(chunks)
+    model = {name: t for chunk in chunks for name, t in chunk.state_dict().items() if name not in skip}
+    state = optimizer.state_dict() if optimizer else None
+    if state is not None:
+        state = {**state, "params": {name: entry for name, entry in state["params"].items() if name not in skip}}
+    return {"model": model, "optimizer": state}
+
+
+def save_checkpoint(
+    save_dir: str, iteration: int, model: nn.Module | Sequence[nn.Module], optimizer, *, consumed_samples: int,
+    tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None, extra: dict | None = None,
+) -> str:
+    """Write checkpoint `iter_{iteration}` (a collective: call on every rank). `model` is a
+    GPTModel or this rank's pipeline chunks (then pass `pp_group`). Returns its path."""
+    chunks = model_chunks(model)
+    layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     rank, name = dist.get_rank(), f"iter_{iteration:07d}"
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
     if rank == 0:
@@ -66,8 +95,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, *, consumed
         os.makedirs(tmp)
     dist.barrier()
     if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None}
-        torch.save(state, _model_file(tmp, dist.get_rank(tp_group)))
+        pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
+        torch.save(_shard_state(chunks, optimizer), _model_file(tmp, dist.get_rank(tp_group), pp_rank))
     cpu, cuda = device_rng_states()
     torch.save({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, _rng_file(tmp, rank))
     dist.barrier()
@@ -77,11 +106,11 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, *, consumed
             "version": VERSION,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "tensor_parallel_size": dist.get_world_size(tp_group),
+            **layout.to_metadata(),
             "data_parallel_size": dist.get_world_size(dp_group),
             "world_size": dist.get_world_size(),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "model_config": dataclasses.asdict(model.config),
+            "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
+            "model_config": dataclasses.asdict(chunks[0].config),
             **(extra or {}),
         }
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
@@ -116,14 +145,20 @@ def find_checkpoint(path: str) -> str | None:
 
 
 def read_metadata(directory: str) -> dict:
+    """A checkpoint's metadata.json (format 1 or 2)."""
     path = os.path.join(directory, "metadata.json")
     try:
         with open(path) as f:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"tpcore: cannot read checkpoint metadata {path}: {e}") from e
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"tpcore: {path} is not a {FORMAT} v{VERSION} checkpoint")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"tpcore: {path} is not a {FORMAT} checkpoint")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"tpcore: {path} is a {FORMAT} of version {meta.get('version')!r}; this tpcore reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} (was it written by a newer tpcore?)"
+        )
     return meta
 
 
@@ -142,6 +177,20 @@ def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
     diff = [f"{k}: checkpoint {saved.get(k)!r}, model {getattr(config, k)!r}" for k in _SHAPE_FIELDS if saved.get(k) != getattr(config, k)]
     if diff:
         raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")
+
+
+def _shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
+    """Every model file of the checkpoint by (TP rank, PP rank); raises, alike on every
+    rank, when one is missing."""
+    layout = ParallelLayout.from_metadata(meta)
+    files = {
+        (t, p): _model_file(directory, t, p, meta["version"])
+        for p in range(layout.pipeline_parallel_size) for t in range(layout.tensor_parallel_size)
+    }
+    missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointError(f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing")
+    return files
 
 
 class _MappedFile:
@@ -166,6 +215,16 @@ class _MappedFile:
         if self._read >= self.REMAP_BYTES:
             self._state = None  # unmapped once the last piece taken from it is dropped
 
+    def check_names(self, stored: list[str]) -> None:
+        """The file holds exactly the parameters (and their optimizer state) of `stored`."""
+        sections = [("model parameters", self.state["model"])]
+        if self.state["optimizer"] is not None:
+            sections.append(("optimizer state", self.state["optimizer"]["params"]))
+        for what, pieces in sections:
+            missing, extra = sorted(set(stored) - set(pieces)), sorted(set(pieces) - set(stored))
+            if missing or extra:
+                raise CheckpointError(f"tpcore: {self.path}: {what} do not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
+
 
 def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
     return state["model"]
@@ -179,9 +238,6 @@ def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], con
     """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
     state) what they share with the pieces `section(state)` of one saved file."""
     mapping, pieces = file.state, section(file.state)
-    missing, extra = sorted(set(targets) - set(pieces)), sorted(set(pieces) - set(targets))
-    if missing or extra:
-        raise CheckpointError(f"tpcore: {file.path}: {what} does not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
     common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
     for name, target in targets.items():
         if file.state is not mapping:  # re-mapped
@@ -194,46 +250,101 @@ def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], con
             raise CheckpointError(f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
 
 
-def _optimizer_targets(saved: dict, params: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The optimizer state to fill (saved rank 0's layout, this rank's shapes) and its
-    tensors by "name/key" (the AdamW step and the loss scale are taken as they are)."""
-    state, flat = {"params": {}, "loss_scaler": saved["loss_scaler"]}, {}
-    for name, entry in saved["params"].items():
-        if name not in params:
-            raise CheckpointError(f"tpcore: the checkpoint's optimizer state names {name!r}, which the model lacks")
-        state["params"][name] = {}
-        for key, value in entry.items():
+def _add_optimizer_targets(state: dict, flat: dict[str, torch.Tensor], saved: dict, names: list[str], params: dict[str, torch.Tensor]) -> None:
+    """Add to the optimizer state to fill (the saved layout, this rank's shapes) the entries
+    of `names` not there yet, and their tensors to `flat` by "name/key" (the AdamW step is
+    taken as it is)."""
+    for name in names:
+        if name in state["params"]:
+            continue
+        entry = state["params"][name] = {}
+        for key, value in saved["params"][name].items():
             if key == "step":
-                state["params"][name][key] = value.clone()
+                entry[key] = value.clone()
             else:
-                flat[f"{name}/{key}"] = state["params"][name][key] = torch.empty(params[name].shape, dtype=value.dtype, device=params[name].device)
-    return state, flat
+                flat[f"{name}/{key}"] = entry[key] = torch.empty(params[name].shape, dtype=value.dtype, device=params[name].device)
 
 
-def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: bool = True) -> dict:
+def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
+    """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
+    files that share indices with them; returns the optimizer state to load (or None)."""
+    common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
+    names = list(ReferenceGPT(config, device="meta").state_dict())
+    unknown = sorted(set(params) - set(names))
+    if unknown:
+        raise CheckpointError(f"tpcore: the model has parameters {unknown[:5]} that no GPT checkpoint holds")
+
+    def sources(name: str) -> list[int]:  # saved TP ranks to read `name` from (a piece of pure padding: rank 0)
+        shared = [r for r in range(saved.tensor_parallel_size) if shares_indices(params[name].shape, rule_for(name, config), rank, tp, r, saved.tensor_parallel_size, **common)]
+        return shared or [0]
+
+    needed: dict[tuple[int, int], list[str]] = {}  # (saved TP rank, PP rank) -> names to read there
+    for name in params:
+        for saved_rank in sources(name):
+            needed.setdefault((saved_rank, saved.pipeline_rank_of(name)), []).append(name)
+    state, flat = None, {}
+    for (saved_rank, pp_rank), wanted in sorted(needed.items(), key=lambda item: (item[0][1], item[0][0])):
+        file = _MappedFile(files[saved_rank, pp_rank])  # one file mapped at a time
+        file.check_names(saved.names_on(pp_rank, names))
+        targets = {name: params[name] for name in wanted}
+        _copy_from(file, _model_pieces, targets, config, rank, tp, saved_rank, saved.tensor_parallel_size, "model parameter")
+        if with_optimizer and file.state["optimizer"] is not None:
+            if state is None:
+                state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
+            _add_optimizer_targets(state, flat, file.state["optimizer"], wanted, params)
+            pieces = {f"{name}/{key}": flat[f"{name}/{key}"] for name in wanted for key in state["params"][name] if key != "step"}
+            _copy_from(file, _optimizer_pieces, pieces, config, rank, tp, saved_rank, saved.tensor_parallel_size, "optimizer state")
+        del file
+    if state is not None and len(state["params"]) != len(params):
+        missing = sorted(set(params) - set(state["params"]))
+        raise CheckpointError(f"tpcore: the checkpoint holds no optimizer state for {missing[:5]}")
+    return state
+
+
+def _failed_ranks(failed: bool, device: torch.device, group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of `group` (default: all) where loading failed (one all-reduce)."""
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = float(failed)
+    dist.all_reduce(flags, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return [r for r, f in zip(ranks, flags.tolist()) if f]
+
+
+def load_checkpoint(
+    path: str, model: nn.Module | Sequence[nn.Module], optimizer=None, *, tp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None = None, load_rng: bool = True, load_group: dist.ProcessGroup | None = None,
+) -> dict:
     """Load the checkpoint at `path` (a save directory or one `iter_N`) into this rank's
-    model (and optimizer); any saved TP size. Returns the metadata."""
+    model (a GPTModel, or its pipeline chunks with `pp_group`) and optimizer, whatever TP,
+    PP and virtual-stage layout it was saved at. A collective over `load_group` (default:
+    every rank): ranks read different files, so when loading fails on one of them all of
+    them raise, and none goes on to wait in a collective for it. The RNG states are
+    restored only when the rank layout is unchanged. Returns the metadata."""
     directory = find_checkpoint(path)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)")
     meta = read_metadata(directory)
-    _check_config(meta, model.config, directory)
-    tp, rank, saved_tp = dist.get_world_size(tp_group), dist.get_rank(tp_group), meta["tensor_parallel_size"]
-    config = model.config
-    params = {name: p.detach() for name, p in model.named_parameters()}
-    optimizer_state, optimizer_targets = None, {}
-    for saved_rank in range(saved_tp):  # one file mapped at a time: only shared ranges are read
-        file = _MappedFile(_model_file(directory, saved_rank))
-        if saved_rank == 0 and optimizer is not None and file.state["optimizer"] is not None:
-            optimizer_state, optimizer_targets = _optimizer_targets(file.state["optimizer"], params)
-        _copy_from(file, _model_pieces, params, config, rank, tp, saved_rank, saved_tp, "model parameter")
-        if optimizer_targets:
-            _copy_from(file, _optimizer_pieces, optimizer_targets, config, rank, tp, saved_rank, saved_tp, "optimizer state")
-        del file
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+    chunks = model_chunks(model)
+    config = chunks[0].config
+    _check_config(meta, config, directory)
+    files = _shard_files(directory, meta)
+    saved = ParallelLayout.from_metadata(meta)
+    layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
+    params = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters()}
+    state, error = None, None
+    try:
+        state = _read_shards(files, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
+    except Exception as e:  # reported on every rank below, so that no rank goes on to hang
+        error = e
+    failed = _failed_ranks(error is not None, next(iter(params.values())).device, load_group)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"tpcore: loading checkpoint {directory} failed on rank(s) {failed} (see their error)")
+    if state is not None:
+        optimizer.load_state_dict(state)
     # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
-    if load_rng and meta["world_size"] == dist.get_world_size() and saved_tp == tp:
+    if load_rng and meta["world_size"] == dist.get_world_size() and saved == layout:
         rng = _load(_rng_file(directory, dist.get_rank()))
         set_device_rng_states((rng["cpu"], rng["cuda"] if torch.cuda.is_available() else None))
         get_rng_tracker().set_states(rng["tracker"])
@@ -241,21 +352,25 @@ def load_checkpoint(path: str, model, optimizer=None, *, tp_group, load_rng: boo
 
 
 def load_dense_state_dict(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The full (dense) GPTConfig and ReferenceGPT state dict of a checkpoint, on CPU,
-    assembled from its memory-mapped shards in this process (no process group needed);
-    the optimizer state is not read."""
+    """The full (dense) GPTConfig and ReferenceGPT state dict of a checkpoint (any TP x PP
+    layout), on CPU, assembled from its memory-mapped shards in this process (no process
+    group needed); the optimizer state is not read."""
     directory = find_checkpoint(path)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {path}")
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
+    files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
     dense: dict[str, torch.Tensor] = {}
-    for saved_rank in range(meta["tensor_parallel_size"]):
-        file = _MappedFile(_model_file(directory, saved_rank))
+    for (saved_rank, pp_rank), file_path in sorted(files.items(), key=lambda item: (item[0][1], item[0][0])):
+        file = _MappedFile(file_path)
+        stored = saved.names_on(pp_rank, list(shapes))
+        file.check_names(stored)
         if not dense:
             dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
-        _copy_from(file, _model_pieces, dense, config, 0, 1, saved_rank, meta["tensor_parallel_size"], "model parameter")
+        targets = {name: dense[name] for name in stored}
+        _copy_from(file, _model_pieces, targets, config, 0, 1, saved_rank, saved.tensor_parallel_size, "model parameter")
         del file
     return config, dense

@@ -1,8 +1,9 @@
-"""Export a tpcore checkpoint (any TP size) to one dense safetensors file, and load it back.
+"""Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file, and load it back.
 
     tpcore-convert --load checkpoints/gpt --output gpt.safetensors
 
-The file holds the `ReferenceGPT` state dict (the shards merged) plus metadata:
+The file holds the `ReferenceGPT` state dict (the shards of every stage merged; the tied
+embedding from the first stage's files) plus metadata:
 "format" ("tpcore-gpt-dense"), "model_config" (the GPTConfig as JSON), "tokenizer"
 (when the checkpoint recorded one) and "iteration". `load_dense_gpt` rebuilds the
 plain-PyTorch model from it; no process group or tpcore extension is involved.
@@ -88,7 +89,7 @@ def load_dense_gpt(path: str, *, dtype: torch.dtype | None = None, device="cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP size) to one dense safetensors file")
+    p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file")
     p.add_argument("--load", required=True, help="checkpoint: a save directory (its 'latest') or an iter_N directory")
     p.add_argument("--output", required=True, help="the .safetensors file to write")
     args = p.parse_args(argv)

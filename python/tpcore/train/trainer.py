@@ -25,6 +25,7 @@ from .arguments import TrainArgs
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler, ParallelAdamW
+from .sampling import gather_model_on_first_stage
 from .schedule import learning_rate
 
 __all__ = ["pretrain", "init_distributed", "precision"]
@@ -138,7 +139,6 @@ def pretrain(args: TrainArgs) -> dict:
         config, num_model_chunks=chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=tp_group, pp_group=pp_group,
         dtype=dtype, device=device, _init=resume_from is None,
     )
-    model = chunks[0]  # the whole model when there is no pipeline (checkpoints, generation)
     sync_tied_embeddings(chunks)
     model_parallel_manual_seed(args.seed, tp_group)
     optimizer = ParallelAdamW(
@@ -156,7 +156,7 @@ def pretrain(args: TrainArgs) -> dict:
     )
     start = 0
     if resume_from:
-        meta = load_checkpoint(resume_from, model, optimizer, tp_group=tp_group)
+        meta = load_checkpoint(resume_from, chunks, optimizer, tp_group=tp_group, pp_group=pp_group)
         start = meta["iteration"]
     log_dir = args.log_dir or args.save
     logger = MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress)
@@ -193,7 +193,7 @@ def pretrain(args: TrainArgs) -> dict:
 
     def save(iteration: int) -> None:
         path = save_checkpoint(
-            args.save, iteration, model, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group,
+            args.save, iteration, chunks, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
             extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer)},
         )
         logger.print(f"tpcore: saved checkpoint {path}")
@@ -226,7 +226,9 @@ def pretrain(args: TrainArgs) -> dict:
     if rank0 and log_dir and logger.csv_path and os.path.isfile(logger.csv_path):
         png = os.path.join(log_dir, "loss_curve.png")
         logger.print(f"tpcore: loss curve {png}" if plot_loss_curve(logger.csv_path, png) else "tpcore: no loss-curve PNG (matplotlib is not installed)")
-    if args.sample_tokens:
+    # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and samples alone.
+    model = gather_model_on_first_stage(chunks, pp_group=pp_group) if args.sample_tokens else None
+    if model is not None:
         prompt = torch.tensor([tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=device)
         out = generate(model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=tokenizer.eod)
         logger.print("tpcore: sample (top-k 8):\n" + tokenizer.decode(out[0].tolist()))
