@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from tpcore._workers import collect_answers
+from tpcore._workers import collect_answers, stop_workers
 
 # How long the other ranks get to finish once one rank has failed; they are
 # usually blocked in a collective with the failed rank and never will.
@@ -87,25 +85,12 @@ class RankPool:
         """Stop every rank (politely, then by force)."""
         if not self._procs:
             return
-        for q in self._tasks:
-            q.put(None)
-        deadline = time.monotonic() + 5
-        for p in self._procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_workers(self._procs, self._tasks, self._dir)
         self._procs = []
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _kill(self) -> None:
-        for p in self._procs:
-            p.kill()
-        for p in self._procs:
-            p.join(timeout=5)
+        stop_workers(self._procs, None, self._dir)
         self._procs = []
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
         """Run `fn(rank, world, *args)` on every rank; return the per-rank results."""

@@ -4,6 +4,7 @@ and `tpcore.hf.launch` share it)."""
 from __future__ import annotations
 
 import queue
+import shutil
 import time
 from typing import Any
 
@@ -37,3 +38,21 @@ def collect_answers(
         if got_id == job_id:
             (values if ok else errors)[rank] = payload
     return values, errors, []
+
+
+def stop_workers(procs: list, tasks: list | None, scratch_dir: str, polite_s: float = 5.0) -> None:
+    """End the workers: with `tasks`, send each a `None` (its signal to leave) and give them
+    `polite_s` in all to exit; then kill whatever is still alive, and remove `scratch_dir`.
+    Without `tasks` (a job failed; ranks may be stuck in a collective), kill at once."""
+    if tasks is not None:
+        for q in tasks:
+            q.put(None)
+        deadline = time.monotonic() + polite_s
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+    shutil.rmtree(scratch_dir, ignore_errors=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -248,12 +249,18 @@ def get_embedding_group() -> dist.ProcessGroup:
     return group
 
 
-def resolve_tensor_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """`group`, or the tensor-parallel group when None; a clear error when neither is usable."""
+def resolve_group(group: dist.ProcessGroup | None, default: Callable[[], dist.ProcessGroup], what: str) -> dist.ProcessGroup:
+    """`group`, or `default()` when None; a clear error when neither is usable (`what` names
+    the kind of group in the message: "process", "pipeline")."""
     if group is None:
-        return get_tensor_model_parallel_group()
+        return default()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("tpcore: this rank is not a member of the process group passed as group=")
+        raise ValueError(f"tpcore: this rank is not a member of the {what} group passed as group=")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     return group
+
+
+def resolve_tensor_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """`group`, or the tensor-parallel group when None; a clear error when neither is usable."""
+    return resolve_group(group, get_tensor_model_parallel_group, "process")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import tempfile
 import time
 import traceback
@@ -19,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._workers import collect_answers
+from .._workers import collect_answers, stop_workers
 
 __all__ = ["launch", "ParallelModel", "WorkerError"]
 
@@ -205,23 +204,15 @@ class ParallelModel:
         return self.run(_generate, input_ids, **kwargs)
 
     def _kill(self) -> None:
-        for p in self._procs:
-            p.kill()
-        for p in self._procs:
-            p.join(timeout=5)
+        stop_workers(self._procs, None, self._dir)
         self._procs = []
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def close(self) -> None:
         """Stop the workers (politely, then by force); idempotent."""
         if self.closed:
             return
-        for q in self._tasks:
-            q.put(None)
-        deadline = time.monotonic() + 5
-        for p in self._procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-        self._kill()
+        stop_workers(self._procs, self._tasks, self._dir)
+        self._procs = []
 
     def __enter__(self) -> "ParallelModel":
         return self

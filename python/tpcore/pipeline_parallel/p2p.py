@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ..parallel_state import get_pipeline_model_parallel_group
+from ..parallel_state import get_pipeline_model_parallel_group, resolve_group
 
 __all__ = [
     "batch_send_recv",
@@ -42,13 +42,7 @@ Recv = tuple[Sequence[int], int, int, str]
 
 def resolve_pipeline_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """`group`, or the pipeline group of `parallel_state`; a clear error when neither is usable."""
-    if group is None:
-        return get_pipeline_model_parallel_group()
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("tpcore: this rank is not a member of the pipeline group passed as group=")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
-    return group
+    return resolve_group(group, get_pipeline_model_parallel_group, "pipeline")
 
 
 def batch_send_recv(

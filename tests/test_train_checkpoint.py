@@ -1,0 +1,186 @@
+"""Unit tests of tpcore.train's checkpoints on the rank pool (world 4 = TP 2 x DP 2):
+round trip, atomic leftovers, clear errors, loading at other TP sizes, the dense state dict."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checks import GPT_VARIANTS as VARIANTS, expect_error, setup_tp
+from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
+from tpcore.models import GPTModel, ReferenceGPT
+from tpcore.models.sharding import rule_for, unshard
+from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints (rank pool: world 4 = TP 2 x DP 2)
+# ---------------------------------------------------------------------------------------
+
+CKPT_CONFIG = VARIANTS["llama"]
+
+
+def _make(config, seed):
+    torch.manual_seed(seed)
+    model = GPTModel(config)
+    return model, make_adamw(model, config)
+
+
+def _train_steps(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        ids, target = train_batch(10 + step, model.config)
+        model(ids, target).backward()
+        opt.step(LRS[step % len(LRS)], CLIP)
+
+
+def _dense_optimizer_state(opt, config, tp_group):
+    out = {}
+    for name, entry in opt.state_dict()["params"].items():
+        for key, value in entry.items():
+            out[f"{name}/{key}"] = value.clone() if key == "step" else unshard(value, rule_for(name, config), tp_group, config.vocab_size)
+    return out
+
+
+def _barrier_after(rank, fn):
+    if rank == 0:
+        fn()
+    dist.barrier()
+
+
+def _ckpt_save_and_errors(rank, world, root):
+    setup_tp(2)
+    tp_group, dp_group = tp_dp_groups()
+    config = CKPT_CONFIG
+    save = os.path.join(root, "save")
+    model, opt = _make(config, 0)
+    _train_steps(model, opt, 2)
+    path = save_checkpoint(save, 2, model, opt, consumed_samples=8, tp_group=tp_group, dp_group=dp_group, extra={"note": "unit"})
+    assert path == os.path.join(save, "iter_0000002")
+    if rank == 0:
+        assert sorted(os.listdir(path)) == ["metadata.json", "model_tp00_pp00.pt", "model_tp01_pp00.pt"] + [f"rng_rank{r:05d}.pt" for r in range(4)]
+        ref = {"model": {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}}
+    else:
+        model.to_dense()  # a collective
+    ref_opt = _dense_optimizer_state(opt, config, tp_group)
+    if rank == 0:
+        ref["optimizer"] = ref_opt
+        torch.save(ref, os.path.join(root, "dense_ref.pt"))
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+
+    # Round trip into a freshly initialised model and optimizer.
+    model2, opt2 = _make(config, 1)
+    assert not torch.equal(model2.layers[0].attention.qkv.weight, model.layers[0].attention.qkv.weight)
+    meta = load_checkpoint(save, model2, opt2, tp_group=tp_group)
+    assert (meta["iteration"], meta["consumed_samples"], meta["note"], meta["tensor_parallel_size"]) == (2, 8, "unit", 2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, saved_model[k]), k
+    loaded = opt2.state_dict()["params"]
+    assert set(loaded) == set(saved_opt["params"])
+    for name, entry in saved_opt["params"].items():
+        assert set(loaded[name]) == set(entry) == {"exp_avg", "exp_avg_sq", "step"}, (name, set(loaded[name]))
+        for key, value in entry.items():
+            assert torch.equal(loaded[name][key], value), (name, key)
+    _train_steps(model, opt, 1, first=2)  # the restored state continues identically
+    _train_steps(model2, opt2, 1, first=2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), f"step after restore differs: {n}"
+
+    # A save killed before its rename leaves iter_N.tmp/: load ignores it, the next save removes it.
+    leftover = os.path.join(save, "iter_0000009.tmp")
+
+    def make_leftover():
+        os.makedirs(leftover)
+        with open(os.path.join(leftover, "model_tp00_pp00.pt"), "wb") as f:
+            f.write(b"partial")
+
+    _barrier_after(rank, make_leftover)
+    model3, opt3 = _make(config, 2)
+    assert load_checkpoint(save, model3, opt3, tp_group=tp_group)["iteration"] == 2
+    save_checkpoint(save, 3, model, opt, consumed_samples=12, tp_group=tp_group, dp_group=dp_group)
+    assert not os.path.exists(leftover)
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003", "latest"]
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "iter_0000003"
+
+    # `latest` naming a directory that is not there, and a directory with no checkpoint.
+    dangling, empty = os.path.join(root, "dangling"), os.path.join(root, "empty")
+
+    def make_dangling():
+        os.makedirs(dangling)
+        os.makedirs(empty)
+        with open(os.path.join(dangling, "latest"), "w") as f:
+            f.write("iter_0000042\n")
+
+    _barrier_after(rank, make_dangling)
+    expect_error(CheckpointError, "not a complete checkpoint", load_checkpoint, dangling, model3, opt3, tp_group=tp_group)
+    expect_error(CheckpointError, "no checkpoint in", load_checkpoint, empty, model3, opt3, tp_group=tp_group)
+
+    # A truncated shard: every rank reads it (TP rank 1 for the replicated parameters) and names it.
+    corrupt = os.path.join(root, "corrupt")
+    bad_file = os.path.join(corrupt, "model_tp00_pp00.pt")
+
+    def make_corrupt():
+        shutil.copytree(path, corrupt)
+        size = os.path.getsize(bad_file)
+        with open(bad_file, "r+b") as f:
+            f.truncate(size // 2)
+
+    _barrier_after(rank, make_corrupt)
+    expect_error(CheckpointError, f"{bad_file} is corrupt", load_checkpoint, corrupt, model3, opt3, tp_group=tp_group)
+
+    # Another model shape: every differing field is listed.
+    narrow = GPTModel(dataclasses.replace(config, hidden_size=32))
+    expect_error(CheckpointError, "hidden_size: checkpoint 64, model 32", load_checkpoint, path, narrow, tp_group=tp_group)
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(cpu_ranks, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    cpu_ranks.run(_ckpt_save_and_errors, root)
+    return root
+
+
+def test_checkpoint_round_trip_and_errors(tp2_checkpoint):
+    assert os.path.isfile(os.path.join(tp2_checkpoint, "dense_ref.pt"))
+
+
+def _ckpt_reshard(rank, world, root, tp):
+    setup_tp(tp)
+    tp_group, _ = tp_dp_groups()
+    config = CKPT_CONFIG
+    model, opt = _make(config, 3)
+    meta = load_checkpoint(os.path.join(root, "save", "iter_0000002"), model, opt, tp_group=tp_group)
+    assert meta["tensor_parallel_size"] == 2 and meta["iteration"] == 2
+    ref = torch.load(os.path.join(root, "dense_ref.pt"))
+    dense = dict(model.to_dense().named_parameters())
+    assert set(dense) == set(ref["model"])
+    for name, want in ref["model"].items():
+        assert torch.equal(dense[name].detach(), want), f"TP={tp}: {name}"
+    got = _dense_optimizer_state(opt, config, tp_group)
+    assert set(got) == set(ref["optimizer"])
+    for key, want in ref["optimizer"].items():
+        assert torch.equal(got[key], want), f"TP={tp}: optimizer {key}"
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_tp2_checkpoint_loads_at_other_tp_sizes(cpu_ranks, tp2_checkpoint, tp):
+    cpu_ranks.run(_ckpt_reshard, tp2_checkpoint, tp)
+
+
+def test_load_dense_state_dict(tp2_checkpoint):
+    config, state = load_dense_state_dict(os.path.join(tp2_checkpoint, "save", "iter_0000002"))
+    assert config == CKPT_CONFIG
+    ref = torch.load(os.path.join(tp2_checkpoint, "dense_ref.pt"))["model"]
+    assert set(state) == set(ref)
+    for name, want in ref.items():
+        assert torch.equal(state[name], want), name
+    ReferenceGPT(config).load_state_dict(state)  # the names and shapes of the dense model
+
+

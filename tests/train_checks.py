@@ -1,0 +1,31 @@
+"""Shared pieces of the optimizer and checkpoint unit tests: a small batch, the TP / DP
+groups of the current layout, and the AdamW settings both files use."""
+
+from __future__ import annotations
+
+import torch
+
+from tpcore import parallel_state
+from tpcore.models import GPTConfig
+from tpcore.models.sharding import rule_for
+from tpcore.train import ParallelAdamW
+
+BATCH, SEQ = 2, 8
+BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-3, 0.1, 0.05
+LRS = [1e-2, 5e-3, 2e-2]
+
+
+def train_batch(seed: int, config: GPTConfig, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (ids, target), each `[batch, SEQ]`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (batch, SEQ), generator=g), torch.randint(0, config.vocab_size, (batch, SEQ), generator=g)
+
+
+def tp_dp_groups():
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+
+
+def make_adamw(model, config: GPTConfig, **kw) -> ParallelAdamW:
+    tp_group, dp_group = tp_dp_groups()
+    return ParallelAdamW(model, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=tp_group, dp_group=dp_group,
+                         lr=LRS[0], weight_decay=WD, betas=BETAS, eps=EPS, **kw)
