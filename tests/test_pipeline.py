@@ -153,7 +153,7 @@ def test_explicit_and_uneven_layer_splits(cpu_ranks):
 # ---------------------------------------------------------------------------------------
 
 STEPS, LR, CLIP = 3, 1e-2, 0.05
-EPS = 1e-3  # as in test_train_units: a tiny eps would turn fp32 rounding in tiny gradients into whole steps
+EPS = 1e-3  # as in tests/train_checks.py: a tiny eps would turn fp32 rounding in tiny gradients into whole steps
 
 
 def _dense_adamw(dense: ReferenceGPT) -> torch.optim.AdamW:
