@@ -96,6 +96,10 @@ def main() -> None:
         ("tpcore DP=2, 2 processes", 2, ["--tensor-parallel-size", "1", "--micro-batch-size", str(max(1, mbs // 2))]),
     ]
     for name, nproc, flags in cases:
+        if args.device == "cuda" and nproc > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+            print(f"{name:30s}: skipped, needs {nproc} GPUs, this machine has {torch.cuda.device_count()}")
+            continue
         rate = _tpcore(args.config, nproc, flags, args.iters, args.device)
         print(f"{name:30s}: {rate:10,.0f} tokens/s  ({rate / plain:.3f}x plain PyTorch)")
 
