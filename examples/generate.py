@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     # Inference: no sequence parallelism, recomputation or fused loss (they do not change the weights).
     config = dataclasses.replace(GPTConfig(**meta["model_config"]), sequence_parallel=False, recompute="none", fused_lm_head_loss=False)
     init_distributed(device)
+    ok = False
     try:
         tpcore.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
         tp_group = tpcore.parallel_state.get_tensor_model_parallel_group()
@@ -78,10 +79,9 @@ def main(argv=None) -> int:
         text = sample(model, args, tokenizer, device)
         if dist.get_rank() == 0:
             print(text)
+        ok = True
     finally:
-        if tpcore.is_initialized():
-            tpcore.destroy_model_parallel()
-        dist.destroy_process_group()
+        tpcore.shutdown(barrier=ok)
     return 0
 
 

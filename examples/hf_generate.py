@@ -84,6 +84,7 @@ def run_torchrun(path: str | None, args) -> None:
             build_demo_model(args.demo_dir)
         dist.barrier()
         path = args.demo_dir
+    ok = False
     try:
         tpcore.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
         model = tpcore.hf.from_pretrained(path, dtype=getattr(torch, args.dtype))
@@ -93,10 +94,9 @@ def run_torchrun(path: str | None, args) -> None:
             show(tokens, tokenizer, ids.shape[1])
             if args.check and not args.do_sample:
                 check_against_transformers(path, ids, tokens, args)
-        dist.barrier()  # no rank tears the groups down while another still talks to it
+        ok = True
     finally:
-        tpcore.destroy_model_parallel()
-        dist.destroy_process_group()
+        tpcore.shutdown(barrier=ok)
 
 
 def run_launcher(path: str, args) -> None:

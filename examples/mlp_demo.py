@@ -64,8 +64,7 @@ def main() -> None:
     if rank == 0:
         print(f"max |loss difference| {worst:.2e}, max |weight difference| after {args.steps} steps {weight_err:.2e}")
         print("TP MLP matches the dense MLP" if ok else "MISMATCH between the TP MLP and the dense MLP")
-    tpcore.destroy_model_parallel()
-    dist.destroy_process_group()
+    tpcore.shutdown()
     raise SystemExit(0 if ok else 1)
 
 

@@ -16,7 +16,7 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
 from . import _C, comm, parallel_state, tensor_parallel
-from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized
+from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized, shutdown
 from .tensor_parallel import (
     ColumnParallelLinear,
     InitMethod,
@@ -54,6 +54,7 @@ __all__ = [
     "tensor_parallel",
     "initialize_model_parallel",
     "destroy_model_parallel",
+    "shutdown",
     "is_initialized",
     "model_parallel_manual_seed",
     "get_rng_tracker",

@@ -29,6 +29,7 @@ __all__ = [
     "rank_layout",
     "initialize_model_parallel",
     "destroy_model_parallel",
+    "shutdown",
     "is_initialized",
     "get_parallel_state",
     "get_tensor_model_parallel_group",
@@ -175,6 +176,22 @@ def destroy_model_parallel() -> None:
     """
     global _STATE
     _STATE = None
+
+
+def shutdown(barrier: bool = True) -> None:
+    """End a distributed run: forget tpcore's groups and destroy the default group (a no-op
+    for what is not initialised). Call it on every rank, last thing.
+
+    With `barrier=True` (a normal exit) every rank first waits for the others: on gloo a
+    rank that destroys its group while a peer still talks to it can make the peer abort
+    ("terminate called without an active exception", seen with torch 2.4). Pass
+    `barrier=False` when leaving on an error, since a failed peer may never arrive.
+    """
+    destroy_model_parallel()
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def is_initialized() -> bool:

@@ -20,12 +20,13 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tpcore.train ...` / examples/pretrain_gpt.py: parse flags, train, clean up."""
-    import torch.distributed as dist
+    from ..parallel_state import shutdown
 
     args = parse_args(argv)
+    ok = False
     try:
         pretrain(args)
+        ok = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(barrier=ok)
     return 0
