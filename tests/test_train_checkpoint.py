@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -184,3 +185,61 @@ def test_load_dense_state_dict(tp2_checkpoint):
     ReferenceGPT(config).load_state_dict(state)  # the names and shapes of the dense model
 
 
+
+
+def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):
+    """bf16 weights loaded from a checkpoint without optimizer state: the fp32 masters must
+    follow them, or the next step writes the old masters back over the loaded weights."""
+    setup_tp(2)
+    tp_group, dp_group = tp_dp_groups()
+    config = CKPT_CONFIG
+    torch.manual_seed(0)
+    saved_model = GPTModel(config, dtype=torch.bfloat16)
+    save = os.path.join(root, "weights_only")
+    save_checkpoint(save, 1, saved_model, None, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    torch.manual_seed(1)
+    model = GPTModel(config, dtype=torch.bfloat16)
+    opt = make_adamw(model, config)
+    opt.step(LRS[0], CLIP)  # moments and masters of the old weights
+    load_checkpoint(save, model, opt, tp_group=tp_group)
+    assert not opt.adam.state, "the old weights' AdamW moments survived the load"
+    ids, target = train_batch(0, config)
+    model(ids, target).backward()
+    opt.step(0.0, CLIP)  # lr 0, no weight decay effect: the weights must stay as loaded
+    for (name, got), want in zip(model.named_parameters(), saved_model.parameters()):
+        assert torch.equal(got.detach(), want.detach()), f"{name} moved away from the loaded weights"
+
+
+def test_weights_only_checkpoint_restarts_the_optimizer(cpu_ranks, tmp_path):
+    cpu_ranks.run(_weights_only_checkpoint_restarts_the_optimizer, str(tmp_path))
+
+
+def _save_failure_and_missing_rng_fail_every_rank(rank, world, root):
+    setup_tp(2)
+    tp_group, dp_group = tp_dp_groups()
+    model, opt = _make(CKPT_CONFIG, 0)
+    # A save directory that cannot be made (a file stands there): rank 0 fails to prepare it.
+    blocked = os.path.join(root, "blocked")
+    if rank == 0:
+        open(blocked, "w").close()
+    dist.barrier()
+    start = time.monotonic()
+    error = "FileExistsError" if rank == 0 else "preparing failed on rank(s) [0]"
+    try:
+        save_checkpoint(blocked, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    except (OSError, CheckpointError) as e:
+        assert error in f"{type(e).__name__}: {e}", e
+    else:
+        raise AssertionError("saving into a file did not raise")
+    assert time.monotonic() - start < 20, "the other ranks waited for the failed one"
+    # A missing RNG file of one rank: every rank raises, none goes on into training.
+    save = os.path.join(root, "ok")
+    path = save_checkpoint(save, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    _barrier_after(rank, lambda: os.remove(os.path.join(path, "rng_rank00003.pt")))
+    error = "rng_rank00003.pt is missing" if rank == 3 else "failed on rank(s) [3]"
+    expect_error(CheckpointError, error, load_checkpoint, save, model, opt, tp_group=tp_group)
+    dist.barrier()
+
+
+def test_save_failure_and_missing_rng_fail_every_rank(cpu_ranks, tmp_path):
+    cpu_ranks.run(_save_failure_and_missing_rng_fail_every_rank, str(tmp_path))

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,43 +87,53 @@ def save_checkpoint(
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     rank, name = dist.get_rank(), f"iter_{iteration:07d}"
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        for entry in os.listdir(save_dir):  # leftovers of saves that were killed
-            if entry.endswith(".tmp"):
-                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-        pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
-        torch.save(_shard_state(chunks, optimizer), _model_file(tmp, dist.get_rank(tp_group), pp_rank))
-    cpu, cuda = device_rng_states()
-    torch.save({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, _rng_file(tmp, rank))
-    dist.barrier()
-    if rank == 0:
-        metadata = {
-            "format": FORMAT,
-            "version": VERSION,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            **layout.to_metadata(),
-            "data_parallel_size": dist.get_world_size(dp_group),
-            "world_size": dist.get_world_size(),
-            "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
-            "model_config": dataclasses.asdict(chunks[0].config),
-            **(extra or {}),
-        }
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(metadata, f, indent=1)
-        old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
-        if os.path.exists(final):
+    device = next(chunks[0].parameters()).device
+
+    def prepare() -> None:
+        if rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            for entry in os.listdir(save_dir):  # leftovers of saves that were killed
+                if entry.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+            os.makedirs(tmp)
+
+    def write_files() -> None:
+        if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
+            pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
+            torch.save(_shard_state(chunks, optimizer), _model_file(tmp, dist.get_rank(tp_group), pp_rank))
+        cpu, cuda = device_rng_states()
+        torch.save({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, _rng_file(tmp, rank))
+
+    def publish() -> None:
+        if rank == 0:
+            metadata = {
+                "format": FORMAT,
+                "version": VERSION,
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                **layout.to_metadata(),
+                "data_parallel_size": dist.get_world_size(dp_group),
+                "world_size": dist.get_world_size(),
+                "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
+                "model_config": dataclasses.asdict(chunks[0].config),
+                **(extra or {}),
+            }
+            with open(os.path.join(tmp, "metadata.json"), "w") as f:
+                json.dump(metadata, f, indent=1)
+            old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
+            if os.path.exists(final):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
+            with atomic_output(os.path.join(save_dir, "latest")) as latest, open(latest, "w") as f:
+                f.write(name + "\n")
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        with atomic_output(os.path.join(save_dir, "latest")) as tmp, open(tmp, "w") as f:
-            f.write(name + "\n")
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    # Each phase ends with every rank learning which ranks failed (in place of a barrier):
+    # a rank whose disk is full raises its error, the others a CheckpointError naming it,
+    # instead of waiting for it until the group timeout.
+    for what, phase in (("preparing", prepare), ("writing", write_files), ("publishing", publish)):
+        _all_or_none(phase, f"saving checkpoint {final}: {what}", device)
     return final
 
 
@@ -301,6 +311,20 @@ def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Ten
     return state
 
 
+def _all_or_none(fn: Callable[[], None], what: str, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Run `fn` on this rank, then raise on every rank of `group` if it failed on any."""
+    error = None
+    try:
+        fn()
+    except Exception as e:
+        error = e
+    failed = _failed_ranks(error is not None, device, group)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"tpcore: {what} failed on rank(s) {failed} (see their error)")
+
+
 def _failed_ranks(failed: bool, device: torch.device, group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of `group` (default: all) where loading failed (one all-reduce)."""
     flags = torch.zeros(dist.get_world_size(group), device=device)
@@ -331,21 +355,23 @@ def load_checkpoint(
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     params = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters()}
-    state, error = None, None
-    try:
-        state = _read_shards(files, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
-    except Exception as e:  # reported on every rank below, so that no rank goes on to hang
-        error = e
-    failed = _failed_ranks(error is not None, next(iter(params.values())).device, load_group)
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(f"tpcore: loading checkpoint {directory} failed on rank(s) {failed} (see their error)")
+    # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
+    same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
+    loaded: dict = {"state": None, "rng": None}
+
+    def read() -> None:
+        loaded["state"] = _read_shards(files, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
+        if load_rng and same_layout:
+            loaded["rng"] = _load(_rng_file(directory, dist.get_rank()))
+
+    # Every rank raises when one fails, so that no rank goes on to hang in a collective.
+    _all_or_none(read, f"loading checkpoint {directory}", next(iter(params.values())).device, load_group)
+    state, rng = loaded["state"], loaded["rng"]
     if state is not None:
         optimizer.load_state_dict(state)
-    # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
-    if load_rng and meta["world_size"] == dist.get_world_size() and saved == layout:
-        rng = _load(_rng_file(directory, dist.get_rank()))
+    elif optimizer is not None:  # weights only: the optimizer restarts from them
+        optimizer.reset_from_params()
+    if rng is not None:
         set_device_rng_states((rng["cpu"], rng["cuda"] if torch.cuda.is_available() else None))
         get_rng_tracker().set_states(rng["tracker"])
     return meta

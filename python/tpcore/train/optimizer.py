@@ -72,6 +72,16 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
+    def reset_from_params(self) -> None:
+        """Start afresh from the parameters' current values: fp32 masters copied from them,
+        no AdamW moments (after loading weights from a checkpoint without optimizer state;
+        stale masters would overwrite the loaded weights at the next step)."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.copy_(p.float())
+        self.adam.state.clear()
+
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
@@ -172,6 +182,16 @@ class ParallelAdamW:
             params[name] = entry
         return {"params": params, "loss_scaler": self.scaler.state_dict() if self.scaler else None}
 
+    def reset_from_params(self) -> None:
+        """Start afresh from the parameters' current values: fp32 masters copied from them,
+        no AdamW moments (after loading weights from a checkpoint without optimizer state;
+        stale masters would overwrite the loaded weights at the next step)."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.copy_(p.float())
+        self.adam.state.clear()
+
     def load_state_dict(self, state: dict) -> None:
         missing = [n for n in self.names if n not in state["params"]]
         if missing:
@@ -182,6 +202,8 @@ class ParallelAdamW:
                 master = entry.pop("master", None)
                 if m is not p:  # fp32 master from the checkpoint, else from the loaded weights
                     m.copy_(master if master is not None else p.float())
+                elif master is not None:  # a low-precision run resumed in fp32: its master is the better copy
+                    p.copy_(master)
                 self.adam.state[m] = {k: v.to(m.device) if k != "step" else v.clone() for k, v in entry.items()}
         if self.scaler and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])

@@ -96,7 +96,9 @@ def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
     return params, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
 
 
-def _dp_mean(value: torch.Tensor, dp_group) -> float:
+def _dp_mean(value: torch.Tensor, dp_group, device: str) -> float:
+    # On the run's device: a NCCL group cannot reduce a CPU tensor.
+    value = value.to(device)
     dist.all_reduce(value, group=dp_group)
     return float(value.item()) / dist.get_world_size(dp_group)
 
@@ -189,7 +191,7 @@ def pretrain(args: TrainArgs) -> dict:
                 total += run_pipeline(valid_batches, step, forward_only=True)
         for chunk in chunks:
             chunk.train()
-        return _dp_mean(total / args.eval_iters, dp_group)
+        return _dp_mean(total / args.eval_iters, dp_group, device)
 
     def save(iteration: int) -> None:
         path = save_checkpoint(
@@ -209,7 +211,7 @@ def pretrain(args: TrainArgs) -> dict:
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
             grad_norm, skipped = optimizer.step(lr, args.clip_grad)
         iteration += 1
-        loss = _dp_mean(step_loss, dp_group)
+        loss = _dp_mean(step_loss, dp_group, device)
         stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - start >= args.exit_interval)
         metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=optimizer.loss_scale, skipped=float(skipped),
                        tokens_per_s=global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
