@@ -17,7 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from tpcore._workers import collect_answers, stop_workers
+from tpcore._workers import collect_answers, next_task, stop_workers
 
 # How long the other ranks get to finish once one rank has failed; they are
 # usually blocked in a collective with the failed rank and never will.
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, store_path: str, backend: str, group_timeout_
     import tpcore
 
     while True:
-        job = tasks.get()
+        job = next_task(tasks)
         if job is None:
             break
         job_id, fn, args = job

@@ -310,3 +310,23 @@ def _padding_eos_job(rank, world, name, path):
 def test_generate_left_padding_and_eos(cpu_ranks, tmp_path, name):
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_padding_eos_job, name, path))
+
+
+def _frozen_job(rank, world, path):
+    import tpcore
+    import tpcore.hf
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    dense = load_dense(path, FAMILIES["llama"][0], torch.float32)
+    for name, p in dense.named_parameters():  # freeze the embedding and every attention block
+        p.requires_grad_(not ("embed_tokens" in name or "self_attn" in name))
+    want = {n: p.requires_grad for n, p in dense.named_parameters()}
+    model = tpcore.hf.parallelize(dense)
+    got = {n: p.requires_grad for n, p in model.named_parameters()}
+    tpcore.destroy_model_parallel()
+    assert got == want, {n: (want.get(n), got.get(n)) for n in set(want) | set(got) if want.get(n) != got.get(n)}
+    assert not all(got.values()) and any(got.values())
+
+
+def test_parallelize_keeps_frozen_parameters_frozen(cpu_ranks, tmp_path):
+    cpu_ranks.run(_frozen_job, save_family("llama", tmp_path))

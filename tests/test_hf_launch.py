@@ -82,6 +82,62 @@ def test_worker_exception_reaches_caller(handle):
     assert handle.run(_tp_size) == TP, "the workers should still serve calls after a clean failure"
 
 
+def _unpicklable_result(model):
+    return lambda: None
+
+
+def test_unpicklable_call_or_result_fails_at_once(handle):
+    start = time.monotonic()
+    with pytest.raises(TypeError, match="must be picklable"):
+        handle.run(lambda model: 1)
+    with pytest.raises(tpcore.hf.WorkerError, match="Can't pickle|cannot pickle"):
+        handle.run(_unpicklable_result)
+    assert time.monotonic() - start < 10, "the call waited for answers that could never come"
+    assert handle.run(_tp_size) == TP, "the workers should still serve calls"
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+import tpcore.hf
+if __name__ == "__main__":  # the spawned workers import this file too
+    handle = tpcore.hf.launch(sys.argv[1], 2, timeout=120)
+    print(" ".join(str(p.pid) for p in handle._procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_caller_is_killed(saved, tmp_path):
+    """A caller killed without close() (SIGKILL, a notebook kernel restart) leaves no worker behind."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "caller.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    caller = subprocess.Popen([sys.executable, str(script), saved[0]], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in caller.stdout.readline().split()]
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(timeout=30)
+    assert len(pids) == 2, pids
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed caller"
+
+
 def _exit_on_rank(model, rank_to_die):
     import torch.distributed as dist
 
@@ -128,3 +184,14 @@ def test_verify_names_first_divergence():
     assert not report.ok and report.first_divergence == "hidden_states[1]"
     assert "FAILED: first divergence at hidden_states[1]" in str(report)
     assert _compare(base, base, 2, 1e-4, None).ok
+
+
+def test_verify_ignores_the_checkpoints_generation_config(tmp_path):
+    """A repetition penalty in generation_config.json changes model.generate, not the split:
+    verify compares plain greedy on both sides and passes."""
+    path = save_family("qwen2", tmp_path)
+    config = transformers.GenerationConfig.from_pretrained(path) if os.path.exists(os.path.join(path, "generation_config.json")) else transformers.GenerationConfig()
+    config.repetition_penalty = 1.3
+    config.save_pretrained(path)
+    report = tpcore.hf.verify(path, tensor_parallel_size=2, max_new_tokens=8)
+    assert report.ok, str(report)

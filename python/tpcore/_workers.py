@@ -3,6 +3,7 @@ and `tpcore.hf.launch` share it)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import queue
 import shutil
 import time
@@ -56,3 +57,16 @@ def stop_workers(procs: list, tasks: list | None, scratch_dir: str, polite_s: fl
     for p in procs:
         p.join(timeout=5)
     shutil.rmtree(scratch_dir, ignore_errors=True)
+
+
+def next_task(tasks: Any, poll_s: float = 1.0) -> Any:
+    """A worker's next task from `tasks`, or None once the process that spawned it is gone
+    (killed, so it never sent the `None` that ends the loop): no worker outlives its caller
+    holding memory and waiting forever."""
+    parent = mp.parent_process()
+    while True:
+        try:
+            return tasks.get(timeout=poll_s)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None

@@ -45,11 +45,12 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent) if parent else model), child
 
 
-def _set_parameter(module: nn.Module, attr: str, value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    """Put `value` in `module.attr` as a Parameter carrying `like`'s tpcore attributes."""
+def _set_parameter(module: nn.Module, attr: str, value: torch.Tensor, like: nn.Parameter, requires_grad: bool) -> nn.Parameter:
+    """Put `value` in `module.attr` as a Parameter carrying `like`'s tpcore attributes and the
+    replaced parameter's `requires_grad` (a frozen weight stays frozen)."""
     if tuple(value.shape) != tuple(like.shape):
         raise RuntimeError(f"tpcore.hf: slice for {type(module).__name__}.{attr} has shape {list(value.shape)}, the layer expects {list(like.shape)}")
-    param = nn.Parameter(value, requires_grad=like.requires_grad)
+    param = nn.Parameter(value, requires_grad=requires_grad)
     param.__dict__.update(like.__dict__)
     module._parameters[attr] = param
     return param
@@ -98,7 +99,7 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
             if target_device.type == "meta":
                 raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is on the meta device and no device was given")
             load = _in_source(load, aliases[id(old_param)], source)
-            new_of[id(old_param)] = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta)
+            new_of[id(old_param)] = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta, old_param.requires_grad)
             keep_alive.append(old_param)
         setattr(parent, child, layer)
     _swap_parameters(model, new_of)
@@ -199,7 +200,7 @@ def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, 
         if load.key not in source:
             missing.append(name)
             continue
-        new_of[id(p)] = _set_parameter(owner, attr, source.read(load, dtype, device), p)
+        new_of[id(p)] = _set_parameter(owner, attr, source.read(load, dtype, device), p, p.requires_grad)
     if missing:
         raise KeyError(f"tpcore.hf: the checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
     _swap_parameters(model, new_of)

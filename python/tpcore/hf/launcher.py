@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._workers import collect_answers, stop_workers
+from .._workers import collect_answers, next_task, stop_workers
 
 __all__ = ["launch", "ParallelModel", "WorkerError"]
 
@@ -113,13 +114,15 @@ def _worker(rank: int, world: int, store_path: str, backend: str, timeout_s: flo
         results.put((0, rank, False, traceback.format_exc()))
         return
     while True:
-        job = tasks.get()
+        job = next_task(tasks)
         if job is None:
             break
         job_id, fn, args, kwargs = job
         try:
             value = fn(model, *args, **kwargs)
-            results.put((job_id, rank, True, _detach(value) if rank == 0 else None))
+            value = _detach(value) if rank == 0 else None
+            pickle.dumps(value)  # an unpicklable result fails here, not silently in the queue's thread
+            results.put((job_id, rank, True, value))
         except BaseException:
             results.put((job_id, rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -190,6 +193,11 @@ class ParallelModel:
         """`fn(model, *args, **kwargs)` on every worker; rank 0's result (tensors on CPU)."""
         if self.closed:
             raise RuntimeError("tpcore.hf: this ParallelModel is closed")
+        try:  # here: the queue pickles in a feeder thread, where the error would only be printed
+            pickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"tpcore.hf: {getattr(fn, '__name__', fn)!s} and its arguments must be picklable "
+                            f"(a module-level function): {type(e).__name__}: {e}") from e
         self._job_id += 1
         for q in self._tasks:
             q.put((self._job_id, fn, args, kwargs))

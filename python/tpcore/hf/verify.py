@@ -93,9 +93,20 @@ def collect(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             result[name] = getattr(out, name).float().cpu()
     if max_new_tokens and getattr(model, "can_generate", lambda: False)():
         eos, pad = _eos(model)
-        result["greedy:model.generate"] = model.generate(
-            input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad if pad is not None else eos
-        ).cpu()
+        from transformers import GenerationConfig
+
+        # Plain greedy, whatever the checkpoint's generation_config.json adds (a repetition
+        # penalty, suppressed tokens...): tpcore.hf.generate applies none of it. Swapped in
+        # as the model's own config, since generate() fills a passed config's unset fields
+        # from the model's.
+        saved_config = model.generation_config
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
+        try:
+            result["greedy:model.generate"] = model.generate(
+                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False
+            ).cpu()
+        finally:
+            model.generation_config = saved_config
         if parallel:
             from .generate import generate
 
