@@ -48,7 +48,7 @@ def workdir(tmp_path_factory):
 
 def _command(nproc: int, flags: list[str]) -> list[str]:
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt.py")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
     return launcher + [script] + flags
 
 
@@ -159,6 +159,15 @@ def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
     rows, stdout = _train(workdir, "reshard", 1, "--load", str(workdir / "tp2" / "iter_0000020"), "--exit-interval", "5")
     assert "at iteration 20" in stdout
     _assert_same_curves(rows[-5:], tp2_run[0][20:25], exact=False)  # weights and AdamW state resharded
+
+
+def test_resuming_with_another_global_batch_is_refused(workdir, tp2_run):
+    """The data position is step x global batch: a changed global batch would skip or repeat samples."""
+    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--tensor-parallel-size", "2", "--global-batch-size", "8",
+                     "--load", str(workdir / "tp2" / "iter_0000020"), "--log-dir", str(workdir / "regrouped")]
+    proc = subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert proc.stderr.count("resume with that --global-batch-size, not 8") >= 2, proc.stderr[-2000:]
 
 
 def test_bad_arguments_fail_fast_on_every_rank(workdir):

@@ -163,10 +163,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def _config_dtype(config, dtype) -> torch.dtype:
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(f"tpcore.hf: dtype must be float32, bfloat16, float16 or float64, got {dtype!r}")
+        raise ValueError(f"tpcore.hf: dtype must be float32, bfloat16, float16 or float64, got {given!r}")
     return dtype
 
 

@@ -160,6 +160,13 @@ def pretrain(args: TrainArgs) -> dict:
     if resume_from:
         meta = load_checkpoint(resume_from, chunks, optimizer, tp_group=tp_group, pp_group=pp_group)
         start = meta["iteration"]
+        # The data position is step x global batch: another global batch would silently skip
+        # or repeat samples. Every rank read the same metadata, so all raise alike.
+        if meta.get("consumed_samples", start * global_batch) != start * global_batch:
+            raise ValueError(
+                f"tpcore: the checkpoint consumed {meta['consumed_samples']} samples in {start} steps "
+                f"(global batch {meta['consumed_samples'] // max(start, 1)}); resume with that --global-batch-size, not {global_batch}"
+            )
     log_dir = args.log_dir or args.save
     logger = MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress)
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
