@@ -72,16 +72,6 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
-    def reset_from_params(self) -> None:
-        """Start afresh from the parameters' current values: fp32 masters copied from them,
-        no AdamW moments (after loading weights from a checkpoint without optimizer state;
-        stale masters would overwrite the loaded weights at the next step)."""
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                if m is not p:
-                    m.copy_(p.float())
-        self.adam.state.clear()
-
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
