@@ -190,8 +190,6 @@ def test_verify_ignores_the_checkpoints_generation_config(tmp_path):
     """A repetition penalty in generation_config.json changes model.generate, not the split:
     verify compares plain greedy on both sides and passes."""
     path = save_family("qwen2", tmp_path)
-    config = transformers.GenerationConfig.from_pretrained(path) if os.path.exists(os.path.join(path, "generation_config.json")) else transformers.GenerationConfig()
-    config.repetition_penalty = 1.3
-    config.save_pretrained(path)
+    transformers.GenerationConfig(repetition_penalty=1.3).save_pretrained(path)
     report = tpcore.hf.verify(path, tensor_parallel_size=2, max_new_tokens=8)
     assert report.ok, str(report)

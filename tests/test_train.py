@@ -161,20 +161,22 @@ def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
     _assert_same_curves(rows[-5:], tp2_run[0][20:25], exact=False)  # weights and AdamW state resharded
 
 
-def test_resuming_with_another_global_batch_is_refused(workdir, tp2_run):
-    """The data position is step x global batch: a changed global batch would skip or repeat samples."""
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--tensor-parallel-size", "2", "--global-batch-size", "8",
-                     "--load", str(workdir / "tp2" / "iter_0000020"), "--log-dir", str(workdir / "regrouped")]
+def _fails_on_both_ranks(workdir, message: str, *extra: str) -> None:
+    """A 2-rank TP=2 run with `extra` flags exits non-zero with `message` from each rank."""
+    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--tensor-parallel-size", "2", *extra]
     proc = subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0
-    assert proc.stderr.count("resume with that --global-batch-size, not 8") >= 2, proc.stderr[-2000:]
+    assert proc.stderr.count(message) >= 2, proc.stderr[-2000:]
+
+
+def test_resuming_with_another_global_batch_is_refused(workdir, tp2_run):
+    """The data position is step x global batch: a changed global batch would skip or repeat samples."""
+    _fails_on_both_ranks(workdir, "resume with that --global-batch-size, not 8", "--global-batch-size", "8",
+                         "--load", str(workdir / "tp2" / "iter_0000020"), "--log-dir", str(workdir / "regrouped"))
 
 
 def test_bad_arguments_fail_fast_on_every_rank(workdir):
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--num-attention-heads", "3", "--tensor-parallel-size", "2"]
-    proc = subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode != 0
-    assert proc.stderr.count("hidden_size 32 is not divisible by num_attention_heads 3") >= 2, proc.stderr[-2000:]
+    _fails_on_both_ranks(workdir, "hidden_size 32 is not divisible by num_attention_heads 3", "--num-attention-heads", "3")
 
 
 def test_autocast_bf16_run_trains_alongside_fp32(workdir, tp2_run):

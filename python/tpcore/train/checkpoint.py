@@ -312,26 +312,22 @@ def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Ten
 
 
 def _all_or_none(fn: Callable[[], None], what: str, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-    """Run `fn` on this rank, then raise on every rank of `group` if it failed on any."""
+    """Run `fn` on this rank, then raise on every rank of `group` (default: all) if it failed
+    on any: one all-reduce of per-rank failure flags tells each rank who failed."""
     error = None
     try:
         fn()
     except Exception as e:
         error = e
-    failed = _failed_ranks(error is not None, device, group)
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = float(error is not None)
+    dist.all_reduce(flags, group=group)
     if error is not None:
         raise error
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    failed = [r for r, f in zip(ranks, flags.tolist()) if f]
     if failed:
         raise CheckpointError(f"tpcore: {what} failed on rank(s) {failed} (see their error)")
-
-
-def _failed_ranks(failed: bool, device: torch.device, group: dist.ProcessGroup | None) -> list[int]:
-    """The global ranks of `group` (default: all) where loading failed (one all-reduce)."""
-    flags = torch.zeros(dist.get_world_size(group), device=device)
-    flags[dist.get_rank(group)] = float(failed)
-    dist.all_reduce(flags, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-    return [r for r, f in zip(ranks, flags.tolist()) if f]
 
 
 def load_checkpoint(
