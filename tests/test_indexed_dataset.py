@@ -102,7 +102,7 @@ def test_truncated_files(tmp_path):
         IndexedDataset(prefix)
     open(prefix + ".idx", "wb").write(idx)
     open(prefix + ".bin", "wb").write(binary[:-2])
-    with pytest.raises(ValueError, match=r"t\.bin: sequences extend to byte"):
+    with pytest.raises(ValueError, match=r"t\.bin: 606 bytes but .*t\.idx describes 608 bytes"):
         IndexedDataset(prefix)
     os.remove(prefix + ".bin")
     with pytest.raises(FileNotFoundError, match=r"t\.bin does not exist"):
@@ -121,3 +121,62 @@ def test_failed_build_leaves_nothing(tmp_path):
 def test_best_token_dtype():
     assert best_token_dtype(50257) == np.uint16
     assert best_token_dtype(128256) == np.int32
+
+
+def _build(prefix, docs, dtype=np.uint16):
+    with IndexedDatasetBuilder(prefix, dtype) as b:
+        for doc in docs:
+            b.add_document(doc)
+    return prefix
+
+
+def _patch_idx(prefix, offset, value_bytes):
+    """Overwrite bytes of `prefix.idx` at `offset` (the header is 34 bytes, then sizes, pointers, doc index)."""
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(offset)
+        f.write(value_bytes)
+
+
+def test_index_must_describe_the_bin_exactly(tmp_path):
+    """Every sequence inside `.bin` is not enough: an unrelated `.idx` of a smaller dataset, or a
+    dtype byte changed to a narrower type, points only inside `.bin` and trained on misaligned
+    text. The reader checks the exact size and the pointers against sizes x itemsize."""
+    big = _build(str(tmp_path / "big"), DOCS)
+    small = _build(str(tmp_path / "small"), [[1, 2], [3]])
+    os.replace(small + ".idx", big + ".idx")  # an unrelated index beside big.bin
+    with pytest.raises(ValueError) as err:
+        IndexedDataset(big)
+    message = str(err.value)
+    assert big + ".bin" in message and "608 bytes" in message and "6 bytes" in message, message
+    # The dtype byte of a uint16 dataset changed to uint8 (code 1): pointers are in bytes of uint16.
+    prefix = _build(str(tmp_path / "dt"), DOCS)
+    _patch_idx(prefix, 9 + 8, struct.pack("<B", 1))
+    with pytest.raises(ValueError, match=r"dt\.idx: sequence 1 starts at byte 6 but the sequences before it end at byte 3"):
+        IndexedDataset(prefix)
+    # One sequence, dtype changed from uint16 to int32: the only check left is the size.
+    prefix = _build(str(tmp_path / "one"), [[1, 2, 3, 4]])
+    _patch_idx(prefix, 9 + 8, struct.pack("<B", 4))
+    with pytest.raises(ValueError, match=r"one\.bin: 8 bytes but .*one\.idx describes 16"):
+        IndexedDataset(prefix)
+
+
+@pytest.mark.parametrize(
+    "field, index, value, match",
+    [
+        ("sizes", 0, -1, r"sequence 0 has a negative size -1"),
+        ("pointers", 0, 2, r"sequence 0 starts at byte 2 but the sequences before it end at byte 0"),
+        ("pointers", 2, 0, r"sequence 2 starts at byte 0 but the sequences before it end at byte 6"),
+        ("doc_idx", 1, 7, r"document index entry 1 is 7, outside \[0, 4\]"),
+        ("doc_idx", 3, 1, r"document index is not sorted \(entry 3 is 1 after 2\)"),
+        ("doc_idx", 0, 1, r"document index must start at 0, got 1"),
+    ],
+)
+def test_index_arrays_are_checked(tmp_path, field, index, value, match):
+    prefix = _build(str(tmp_path / "ds"), DOCS)
+    n = len(DOCS)
+    offset, fmt = {"sizes": (34, "<i"), "pointers": (34 + 4 * n, "<q"), "doc_idx": (34 + 12 * n, "<q")}[field]
+    size = struct.calcsize(fmt)
+    _patch_idx(prefix, offset + index * size, struct.pack(fmt, value))
+    with pytest.raises(ValueError, match=match) as err:
+        IndexedDataset(prefix)
+    assert prefix + ".idx" in str(err.value)

@@ -37,8 +37,14 @@ def test_builder_records_the_token_range(tmp_path):
 
 def test_stale_or_missing_sidecar_is_not_trusted(tmp_path):
     prefix = _write(str(tmp_path / "ds"), DOCS)
-    with open(prefix + ".bin", "ab") as f:  # the data changed after preprocessing
+    # The data changed after preprocessing (a token appended to the last sequence, the index
+    # updated to match, so the dataset itself stays valid) but the sidecar did not.
+    with open(prefix + ".bin", "ab") as f:
         f.write(np.asarray([60000], dtype=np.uint16).tobytes())
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(34 + 4 * (len(DOCS) - 1))  # sizes[-1], after the 34-byte header
+        f.write(np.asarray([len(DOCS[-1]) + 1], dtype=np.int32).tobytes())
+    assert IndexedDataset(prefix)[len(DOCS) - 1][-1] == 60000
     assert IndexedDataset(prefix).recorded_token_range() is None
     _write(prefix, DOCS)  # rewriting replaces the sidecar
     assert IndexedDataset(prefix).recorded_token_range() == (1, 1299)

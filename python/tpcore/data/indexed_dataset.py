@@ -110,6 +110,62 @@ class IndexedDatasetBuilder:
             self.abort()
 
 
+_CHUNK = 1 << 22
+"""Index entries checked at once when opening (bounds the temporary arrays of a huge index)."""
+
+
+def _check_sequences(idx_path: str, bin_path: str, bin_size: int, sizes: np.ndarray, pointers: np.ndarray, dtype: np.dtype) -> None:
+    """Sizes >= 0, each sequence right after the one before (pointers = running sum of
+    sizes x itemsize) and `.bin` exactly as long as all of them: a sequence merely inside
+    `.bin` is not enough, since an unrelated `.idx` or a changed dtype byte also points
+    inside it and reads misaligned tokens."""
+    itemsize, end = dtype.itemsize, 0  # byte where the sequences checked so far end
+    for start in range(0, len(sizes), _CHUNK):
+        nbytes = sizes[start : start + _CHUNK].astype(np.int64)
+        negative = np.flatnonzero(nbytes < 0)
+        if negative.size:
+            i = start + int(negative[0])
+            raise ValueError(f"tpcore: {idx_path}: sequence {i} has a negative size {int(sizes[i])}: corrupt index")
+        nbytes *= itemsize
+        ends = end + np.cumsum(nbytes)
+        starts = ends - nbytes
+        wrong = np.flatnonzero(pointers[start : start + _CHUNK] != starts)
+        if wrong.size:
+            i = start + int(wrong[0])
+            raise ValueError(
+                f"tpcore: {idx_path}: sequence {i} starts at byte {int(pointers[i])} but the sequences before it end at "
+                f"byte {int(starts[wrong[0]])} (sizes x {itemsize} bytes of {dtype}): the pointers contradict the sizes "
+                "and the dtype code (a changed dtype byte or a corrupt index)"
+            )
+        end = int(ends[-1])
+    if end != bin_size:
+        raise ValueError(
+            f"tpcore: {bin_path}: {bin_size} bytes but {idx_path} describes {end} bytes ({len(sizes)} sequences of {dtype}): "
+            "the two files do not belong together, or one is truncated or corrupt"
+        )
+
+
+def _check_doc_idx(idx_path: str, doc_idx: np.ndarray, count: int) -> None:
+    """The document index starts at 0, stays within [0, sequences] and never decreases."""
+    if len(doc_idx) == 0 or doc_idx[0] != 0:
+        got = int(doc_idx[0]) if len(doc_idx) else "nothing"
+        raise ValueError(f"tpcore: {idx_path}: document index must start at 0, got {got}: corrupt index")
+    for start in range(0, len(doc_idx), _CHUNK):
+        part = doc_idx[start : start + _CHUNK]
+        outside = np.flatnonzero((part < 0) | (part > count))
+        if outside.size:
+            i = start + int(outside[0])
+            raise ValueError(f"tpcore: {idx_path}: document index entry {i} is {int(doc_idx[i])}, outside [0, {count}]: corrupt index")
+        # Each entry against the one before it (the first of a chunk against the last of the previous).
+        previous = doc_idx[max(start - 1, 0) : start + len(part) - 1] if start else np.concatenate(([0], part[:-1]))
+        falling = np.flatnonzero(part < previous)
+        if falling.size:
+            i = start + int(falling[0])
+            raise ValueError(
+                f"tpcore: {idx_path}: document index is not sorted (entry {i} is {int(doc_idx[i])} after {int(doc_idx[i - 1])}): corrupt index"
+            )
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of `prefix.bin` / `prefix.idx`; `ds[i]` is sequence i."""
 
@@ -145,13 +201,8 @@ class IndexedDataset:
         offset += count * 8
         self.doc_idx = np.frombuffer(self._idx, dtype=np.int64, count=doc_count, offset=offset)
         bin_size = os.path.getsize(bin_path)
-        if count:
-            ends = self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize
-            if (self.sizes < 0).any() or (self.pointers < 0).any() or ends.max() > bin_size:
-                raise ValueError(
-                    f"tpcore: {bin_path}: sequences extend to byte {int(ends.max())} but the file has {bin_size}: "
-                    "truncated or does not match its index"
-                )
+        _check_sequences(idx_path, bin_path, bin_size, self.sizes, self.pointers, self.dtype)
+        _check_doc_idx(idx_path, self.doc_idx, count)
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self) -> int:
