@@ -3,11 +3,11 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "comm.h"
-#include "cpu_buffer_pool.h"
-#include "kernels.h"
-#include "ops.h"
-#include "p2p.h"
+#include "comm/comm.h"
+#include "comm/p2p.h"
+#include "kernels/cpu/cpu_buffer_pool.h"
+#include "kernels/kernels.h"
+#include "tensor_parallel/ops.h"
 
 namespace py = pybind11;
 using tpcore::Group;

@@ -1,4 +1,4 @@
-"""Point-to-point messages between pipeline stages (the C++ in csrc/p2p.cpp).
+"""Point-to-point messages between pipeline stages (the C++ in csrc/comm/p2p.cpp).
 
 Ranks are ranks of the pipeline group: stage r sends activations forward to r + 1 and
 gradients backward to r - 1. A batch posts every message before waiting on any, so the

@@ -1,4 +1,4 @@
-#include "comm.h"
+#include "comm/comm.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>

@@ -3,17 +3,17 @@
 // over its shard in one fused pass; the ranks all-gather these small stats and each
 // combines them into the global log-sum-exp. Megatron-LM needs three all-reduces.
 // The backward recomputes the softmax from the saved logits and log-sum-exp.
-#include "cross_entropy.h"
+#include "tensor_parallel/cross_entropy.h"
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 
-#include "autocast_util.h"
-#include "autograd_util.h"
-#include "cpu_buffer_pool.h"
-#include "kernels.h"
-#include "ops.h"
+#include "kernels/cpu/cpu_buffer_pool.h"
+#include "kernels/kernels.h"
+#include "tensor_parallel/autocast_util.h"
+#include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 

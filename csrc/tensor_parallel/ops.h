@@ -5,7 +5,7 @@
 
 #include <optional>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace tpcore {
 

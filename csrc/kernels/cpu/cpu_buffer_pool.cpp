@@ -1,4 +1,4 @@
-#include "cpu_buffer_pool.h"
+#include "kernels/cpu/cpu_buffer_pool.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>

@@ -1,5 +1,5 @@
 // SoftmaxLoops built with -mavx2 -mfma (CMake sets the flags for this file only).
-#include "softmax_loops_impl.h"
+#include "kernels/cpu/softmax_loops_impl.h"
 
 namespace tpcore {
 const SoftmaxLoops& softmax_loops_avx2() {

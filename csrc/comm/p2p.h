@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace tpcore {
 

@@ -3,7 +3,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace tpcore {
 

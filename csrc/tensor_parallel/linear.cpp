@@ -8,9 +8,9 @@
 // reduce-scatters them along the sequence; the bias is added after the sum.
 #include <ATen/ATen.h>
 
-#include "autocast_util.h"
-#include "autograd_util.h"
-#include "ops.h"
+#include "tensor_parallel/autocast_util.h"
+#include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 namespace {

@@ -1,4 +1,4 @@
-#include "p2p.h"
+#include "comm/p2p.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>

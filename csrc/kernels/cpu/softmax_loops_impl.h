@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #endif
 
-#include "softmax_loops.h"
+#include "kernels/cpu/softmax_loops.h"
 
 namespace {
 

@@ -11,8 +11,8 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels.h"
-#include "softmax_loops.h"
+#include "kernels/cpu/softmax_loops.h"
+#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {

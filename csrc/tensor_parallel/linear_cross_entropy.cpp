@@ -8,11 +8,11 @@
 #include <algorithm>
 #include <vector>
 
-#include "autocast_util.h"
-#include "autograd_util.h"
-#include "cpu_buffer_pool.h"
-#include "cross_entropy.h"
-#include "ops.h"
+#include "kernels/cpu/cpu_buffer_pool.h"
+#include "tensor_parallel/autocast_util.h"
+#include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/cross_entropy.h"
+#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <cfloat>
 
-#include "../kernels.h"
+#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {

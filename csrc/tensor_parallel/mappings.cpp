@@ -4,8 +4,8 @@
 // conjugate of forward so that the composition is the gradient of the model.
 #include <ATen/ATen.h>
 
-#include "autograd_util.h"
-#include "ops.h"
+#include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 namespace {

@@ -4,9 +4,9 @@
 // parallelism. Backward: gradient accumulated into the local rows only, deterministically.
 #include <ATen/ATen.h>
 
-#include "autograd_util.h"
-#include "kernels.h"
-#include "ops.h"
+#include "kernels/kernels.h"
+#include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 namespace {

@@ -3,7 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "../kernels.h"
+#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {

@@ -1,5 +1,5 @@
 // SoftmaxLoops for the baseline target, and the run-time choice between the builds.
-#include "softmax_loops_impl.h"
+#include "kernels/cpu/softmax_loops_impl.h"
 
 namespace tpcore {
 

@@ -3,7 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace torch::autograd {
 struct AutogradContext;

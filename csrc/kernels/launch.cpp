@@ -4,7 +4,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {
