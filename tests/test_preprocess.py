@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -63,3 +64,53 @@ def test_plain_text_and_custom_key(tmp_path):
 def test_missing_input(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "x"), "--quiet"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+class _FullDisk:
+    """A file on a disk with `room` bytes left: a write past it fails with ENOSPC, either at
+    once or, as buffered writes do, only when close() flushes."""
+
+    def __init__(self, f, room: int, at_close: bool) -> None:
+        self.f, self.room, self.at_close, self.pending = f, room, at_close, False
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            if not self.at_close:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.pending = True
+            return len(data)
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def close(self) -> None:
+        self.f.close()
+        if self.pending:
+            self.pending = False
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@pytest.mark.parametrize("ext, room, at_close", [(".bin", 100, False), (".bin", 100, True), (".idx", 10, False)])
+def test_full_disk_names_enospc_and_leaves_nothing(tmp_path, monkeypatch, capsys, ext, room, at_close):
+    """A full disk while writing the tokens (at the write or at the flush on close) or the index:
+    exit 1 with ENOSPC and the file named, no temporary `PREFIX.tmpPID.*` and no output left."""
+    import builtins
+
+    from tpcore.data import indexed_dataset
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return _FullDisk(f, room, at_close) if "w" in mode and str(path).endswith(ext) else f
+
+    monkeypatch.setattr(indexed_dataset, "open", full_disk_open, raising=False)
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in TEXTS])
+    out = tmp_path / "out"
+    assert main(["--input", src, "--output-prefix", str(out / "ds"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "ENOSPC" in err and str(out / f"ds.tmp{os.getpid()}{ext}") in err, err
+    assert os.listdir(out) == [], "a failed run must leave no temporary or partial files"

@@ -10,6 +10,7 @@ memory and validates it, raising a ValueError that names the file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -18,7 +19,7 @@ import numpy as np
 
 from .._atomic import atomic_output
 
-__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES", "stats_path"]
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES", "stats_path", "write_error"]
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -33,6 +34,16 @@ _STATS_FORMAT = "tpcore-token-stats"
 def stats_path(prefix: str) -> str:
     """The sidecar with the token-id range of `prefix.bin` (not part of Megatron's layout)."""
     return prefix + ".stats.json"
+
+
+def write_error(path: str, error: OSError) -> OSError:
+    """`error` (a failed write of `path`) as an OSError naming the file and the errno, with
+    what to do about a full disk: the raw one names neither (buffered writes fail in close())."""
+    code = errno.errorcode.get(error.errno, "error") if error.errno else type(error).__name__
+    hint = ": the disk is full (free space or write elsewhere)" if error.errno == errno.ENOSPC else ""
+    wrapped = OSError(f"tpcore: writing {path} failed: {code} ({error.strerror or error}){hint}")
+    wrapped.errno = error.errno  # str() stays the message above (a filename attribute would replace it)
+    return wrapped
 
 
 def best_token_dtype(vocab_size: int) -> np.dtype:
@@ -61,7 +72,10 @@ class IndexedDatasetBuilder:
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
                 raise ValueError(f"tpcore: IndexedDatasetBuilder: token ids outside the range of {self.dtype}")
-        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        try:
+            self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        except OSError as e:
+            raise write_error(self._tmp + ".bin", e) from e
         self._sizes.append(int(array.size))
         if array.size:
             low, high = array.min().item(), array.max().item()
@@ -69,18 +83,34 @@ class IndexedDatasetBuilder:
             self._max_id = high if self._max_id is None else max(self._max_id, high)
 
     def finalize(self) -> None:
-        """Write the index and move both files into place."""
-        self._bin.close()
+        """Write the index and move both files into place; on any failure remove the
+        temporary files (nothing new appears under the final names) and raise."""
+        try:
+            path = self._tmp + ".bin"
+            try:
+                self._bin.close()  # flushes: a full disk often shows only here
+                path = self._tmp + ".idx"
+                self._write_index(path)
+            except OSError as e:
+                raise write_error(path, e) from e
+            self._publish()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write_index(self, path: str) -> None:
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize
         doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
-        with open(self._tmp + ".idx", "wb") as f:
+        with open(path, "wb") as f:
             f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx)))
             f.write(sizes.tobytes())
             f.write(pointers.tobytes())
             f.write(doc_idx.tobytes())
+
+    def _publish(self) -> None:
         # An old sidecar goes first: a crash below leaves none, never a stale one.
         if os.path.exists(stats_path(self.prefix)):
             os.remove(stats_path(self.prefix))
@@ -95,7 +125,10 @@ class IndexedDatasetBuilder:
 
     def abort(self) -> None:
         """Drop what was written (nothing appears under the final names)."""
-        self._bin.close()
+        try:
+            self._bin.close()
+        except OSError:  # the flush of a full disk fails again: the files go regardless
+            pass
         for ext in (".bin", ".idx"):
             if os.path.exists(self._tmp + ext):
                 os.remove(self._tmp + ext)

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             args.input, args.output_prefix, tokenizer=args.tokenizer, fmt=args.format, json_key=args.json_key,
             append_eod=args.append_eod, workers=args.workers, on_error=args.on_error, progress=not args.quiet,
         )
-    except (MalformedLine, FileNotFoundError, ValueError) as e:
+    except (ValueError, OSError) as e:  # MalformedLine, a missing input, a full disk (named by the builder)
         print(e, file=sys.stderr)
         return 1
     print(f"{args.output_prefix}: {counts['documents']} documents, {counts['tokens']} tokens, {counts['skipped']} malformed lines skipped")
