@@ -79,3 +79,29 @@ def test_preprocess_with_trained_tokenizer(tmp_path, trained):
     for doc, text in zip(ds, texts):
         ids = doc.tolist()
         assert ids[-1] == tok.eod and tok.decode(ids[:-1]) == text
+
+
+def test_bad_tokenizer_path_is_named(tmp_path, capsys):
+    """A missing path, a directory, a file that is not JSON and a JSON file that is not a
+    tokenizer each raise naming the path (the tokenizers library's own errors name nothing)."""
+    not_json, not_tok = tmp_path / "notes.txt", tmp_path / "config.json"
+    not_json.write_text("just some text\n")
+    not_tok.write_text(json.dumps({"vocab_size": 5}))
+    cases = [
+        (tmp_path / "missing.json", FileNotFoundError, "does not exist"),
+        (tmp_path, IsADirectoryError, "is a directory"),
+        (not_json, ValueError, "is not a tokenizer.json"),
+        (not_tok, ValueError, "is not a tokenizer.json"),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "hello"}) + "\n")
+    for path, error, cause in cases:
+        with pytest.raises(error) as info:
+            load_tokenizer(str(path))
+        assert f"--tokenizer {path}" in str(info.value) and cause in str(info.value), str(info.value)
+        # The preprocess CLI exits 1 with the same message, not a traceback.
+        from tpcore.data.preprocess import main as preprocess_main
+
+        assert preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "out" / "ds"), "--tokenizer", str(path), "--quiet"]) == 1
+        assert f"--tokenizer {path}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 __all__ = ["Tokenizer", "ByteTokenizer", "JSONTokenizer", "load_tokenizer"]
@@ -38,7 +39,16 @@ class JSONTokenizer:
         except ImportError as e:  # an optional dependency
             raise ImportError("tpcore: loading a tokenizer.json needs the `tokenizers` package (pip install tokenizers)") from e
         self.path = path
-        self._tok = HFTokenizer.from_file(path)
+        # The tokenizers library's errors name no file ("No such file or directory (os error 2)",
+        # "expected value at line 1 column 1"): check and name it here.
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"tpcore: --tokenizer {path} is a directory; pass the tokenizer.json inside it (or \"byte\")")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tpcore: --tokenizer {path} does not exist (\"byte\" or the path of a tokenizer.json)")
+        try:
+            self._tok = HFTokenizer.from_file(path)
+        except Exception as e:  # the library raises a bare Exception for any unreadable file
+            raise ValueError(f"tpcore: --tokenizer {path} is not a tokenizer.json of the tokenizers library ({e})") from e
         self.vocab_size = self._tok.get_vocab_size()
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
