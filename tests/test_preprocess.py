@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tpcore.data import ByteTokenizer, IndexedDataset
-from tpcore.data.preprocess import main
+from tpcore.data.preprocess import main, preprocess
 
 TEXTS = ["Hello, world.", "Ünïcödé works too", "a" * 3000, "last one"]
 
@@ -114,3 +114,27 @@ def test_full_disk_names_enospc_and_leaves_nothing(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "ENOSPC" in err and str(out / f"ds.tmp{os.getpid()}{ext}") in err, err
     assert os.listdir(out) == [], "a failed run must leave no temporary or partial files"
+
+
+def test_json_key_absent_everywhere_fails_naming_key_and_file(tmp_path, capsys):
+    """A wrong --json-key made an empty dataset and exit 0; now it names the key, the file
+    and the keys the lines do have, and leaves no output."""
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"body": t, "id": i}) for i, t in enumerate(TEXTS)])
+    out = tmp_path / "out"
+    assert main(["--input", src, "--output-prefix", str(out / "ds"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "'text'" in err and src in err and "--json-key" in err and "'body'" in err and "4 lines" in err, err
+    assert not out.exists() or os.listdir(out) == []
+    with pytest.raises(ValueError, match="no line of .* has a string field 'text'"):
+        preprocess(src, str(out / "api"))
+
+
+def test_json_key_absent_from_some_lines_is_reported(tmp_path, capsys):
+    lines = [json.dumps({"text": "a"}), json.dumps({"body": "b"}), json.dumps({"text": 7}), json.dumps({"body": "c"}), "{bad"]
+    src = _jsonl(tmp_path / "in.jsonl", lines)
+    prefix = str(tmp_path / "ds")
+    assert main(["--input", src, "--output-prefix", prefix, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "1 documents" in out and "4 malformed lines skipped" in out and "2 without the key 'text'" in out, out
+    counts = preprocess(src, str(tmp_path / "api"))
+    assert (counts["documents"], counts["skipped"], counts["missing_key"]) == (1, 4, 2)

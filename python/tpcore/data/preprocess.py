@@ -5,9 +5,11 @@
 
 JSON lines: one document per line, text under `--json-key` (default "text"). Plain
 text: one document per non-empty line. A malformed line (bad JSON, key missing or not
-a string) is skipped and counted, or with `--on-error fail` stops the run with its
-line number. The output appears only when the run succeeds (written to temporary
-files and renamed), never half-written.
+a string) is skipped and counted (lines without the key counted apart), or with
+`--on-error fail` stops the run with its line number; a JSON input where no line has
+the key fails naming the key and the file (a wrong `--json-key`, not an empty corpus).
+The output appears only when the run succeeds (written to temporary files and renamed),
+never half-written.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ class MalformedLine(ValueError):
     """A line of the input that is not a document; names the file and line number."""
 
 
+class _MissingKey(ValueError):
+    """A JSON object without the `--json-key` field; carries the keys it does have."""
+
+    def __init__(self, key: str, keys: list[str]) -> None:
+        super().__init__(f"no field {key!r} (the line has {keys[:8]})")
+        self.keys = keys
+
+
 def _document(line: str, fmt: str, key: str) -> str | None:
     """The text of one input line; None for a blank line; raises ValueError when malformed."""
     if fmt == "text":
@@ -38,6 +48,8 @@ def _document(line: str, fmt: str, key: str) -> str | None:
     if not line.strip():
         return None
     record = json.loads(line)
+    if isinstance(record, dict) and key not in record:
+        raise _MissingKey(key, list(record))
     if not isinstance(record, dict) or not isinstance(record.get(key), str):
         raise ValueError(f"no string field {key!r}")
     return record[key]
@@ -51,14 +63,19 @@ def _init_worker(spec: str) -> None:
     _WORKER_TOKENIZER = load_tokenizer(spec)
 
 
-def _encode(item: tuple[int, str | None, str | None]) -> tuple[int, list[int] | None, str | None]:
+# (line number, text, error): a document (text) or a malformed line (error); the error of a line
+# without the key is its keys (a list), so the summary can show what the lines hold instead.
+_Line = tuple[int, "str | None", "str | list[str] | None"]
+
+
+def _encode(item: _Line) -> tuple[int, list[int] | None, str | list[str] | None]:
     number, text, error = item
     if text is None:
         return number, None, error
     return number, _WORKER_TOKENIZER.encode(text), None
 
 
-def _parsed_lines(path: str, fmt: str, key: str) -> Iterator[tuple[int, str | None, str | None]]:
+def _parsed_lines(path: str, fmt: str, key: str) -> Iterator[_Line]:
     """(line number, text, error) for every document or malformed line of the input."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -66,6 +83,9 @@ def _parsed_lines(path: str, fmt: str, key: str) -> Iterator[tuple[int, str | No
                 text = _document(raw.decode("utf-8"), fmt, key)
             except UnicodeDecodeError as e:
                 yield number, None, f"not UTF-8 ({e.reason})"
+                continue
+            except _MissingKey as e:
+                yield number, None, e.keys
                 continue
             except ValueError as e:  # json.JSONDecodeError is a ValueError
                 yield number, None, str(e)
@@ -86,7 +106,10 @@ def preprocess(
     on_error: str = "skip",
     progress: bool = False,
 ) -> dict[str, int]:
-    """Tokenize `input_path` into `output_prefix.{bin,idx}`; returns counts of the run."""
+    """Tokenize `input_path` into `output_prefix.{bin,idx}`; returns counts of the run
+    (documents, tokens, skipped malformed lines, missing_key: those without `json_key`).
+    Raises MalformedLine when no line has `json_key` (or, with on_error="fail", at the
+    first malformed line), OSError naming the file when writing fails; nothing is left."""
     if fmt == "auto":
         fmt = "jsonl" if input_path.endswith((".jsonl", ".json")) else "text"
     if fmt not in ("jsonl", "text") or on_error not in ("skip", "fail"):
@@ -95,7 +118,8 @@ def preprocess(
         raise FileNotFoundError(f"tpcore: preprocess: input {input_path} does not exist")
     tok = load_tokenizer(tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    counts = {"documents": 0, "tokens": 0, "skipped": 0}
+    counts = {"documents": 0, "tokens": 0, "skipped": 0, "missing_key": 0}
+    keys_seen: list[str] = []  # of the first line without the key, for the error below
     lines = _parsed_lines(input_path, fmt, json_key)
     pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
     encoded = pool.imap(_encode, lines, chunksize=256) if pool else map(_encode, lines)
@@ -106,6 +130,10 @@ def preprocess(
         with IndexedDatasetBuilder(output_prefix, best_token_dtype(tok.vocab_size)) as builder:
             for number, ids, error in encoded:
                 if error is not None:
+                    if isinstance(error, list):  # the keys of a line without the key
+                        keys_seen = keys_seen or error
+                        counts["missing_key"] += 1
+                        error = f"no field {json_key!r} (the line has {error[:8]})"
                     if on_error == "fail":
                         raise MalformedLine(f"tpcore: preprocess: {input_path}, line {number}: {error}")
                     counts["skipped"] += 1
@@ -119,6 +147,13 @@ def preprocess(
                     last = time.monotonic()
                     rate = counts["documents"] / (last - start)
                     print(f"\r{counts['documents']} documents, {counts['tokens']} tokens ({rate:.0f} docs/s)", end="", file=sys.stderr)
+            if counts["documents"] == 0 and counts["missing_key"]:
+                # Raised inside the builder's block: it removes what it wrote.
+                raise MalformedLine(
+                    f"tpcore: preprocess: no line of {input_path} has a string field {json_key!r} (--json-key): "
+                    f"{counts['missing_key']} lines lack it (the first has keys {keys_seen[:8]}), "
+                    f"{counts['skipped'] - counts['missing_key']} other lines are malformed"
+                )
     finally:
         if pool is not None:
             pool.terminate()
@@ -147,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # MalformedLine, a missing input, a full disk (named by the builder)
         print(e, file=sys.stderr)
         return 1
-    print(f"{args.output_prefix}: {counts['documents']} documents, {counts['tokens']} tokens, {counts['skipped']} malformed lines skipped")
+    missing = f" ({counts['missing_key']} without the key {args.json_key!r})" if counts["missing_key"] else ""
+    print(f"{args.output_prefix}: {counts['documents']} documents, {counts['tokens']} tokens, {counts['skipped']} malformed lines skipped{missing}")
     return 0
 
 
