@@ -131,7 +131,21 @@ def test_a_piece_of_the_wrong_shape_names_file_and_parameter(cpu_ranks, saved, t
     state = torch.load(os.path.join(bad, "model_tp00_pp00.pt"), weights_only=True)
     state["model"]["layers.0.mlp.fc1.weight"] = state["model"]["layers.0.mlp.fc1.weight"][:96].clone()
     torch.save(state, os.path.join(bad, "model_tp00_pp00.pt"))
+    _record_checksum(bad, "model_tp00_pp00.pt")  # consistent on disk: the shape check is what must catch it
     cpu_ranks.run(_bad_piece, bad)
+
+
+def _record_checksum(directory: str, name: str) -> None:
+    """Make the metadata record the file's current size and CRC-32 (as a buggy writer would)."""
+    import json
+
+    from tpcore.train.checkpoint_integrity import file_checksum
+
+    with open(os.path.join(directory, "metadata.json")) as f:
+        meta = json.load(f)
+    meta["files"][name] = file_checksum(os.path.join(directory, name))
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(meta, f)
 
 
 def _as_format_1(directory: str, out: str) -> str:
@@ -184,11 +198,11 @@ def test_unknown_format_version_is_refused(saved, tmp_path):
     import json
     import shutil
 
-    bad = str(tmp_path / "v3")
+    bad = str(tmp_path / "v4")
     shutil.copytree(os.path.join(saved, "llama-tp1", "iter_0000002"), bad)
     with open(os.path.join(bad, "metadata.json")) as f:
         meta = json.load(f)
     with open(os.path.join(bad, "metadata.json"), "w") as f:
-        json.dump({**meta, "version": 3}, f)
-    with pytest.raises(CheckpointError, match="of version 3; this tpcore reads versions 1, 2"):
+        json.dump({**meta, "version": 4}, f)
+    with pytest.raises(CheckpointError, match="of version 4; this tpcore reads versions 1, 2, 3"):
         load_dense_state_dict(bad)

@@ -224,11 +224,11 @@ def _save_failure_and_missing_rng_fail_every_rank(rank, world, root):
         open(blocked, "w").close()
     dist.barrier()
     start = time.monotonic()
-    error = "FileExistsError" if rank == 0 else "preparing failed on rank(s) [0]"
+    error = f"creating {blocked} failed: EEXIST" if rank == 0 else "preparing failed on rank(s) [0]: rank 0:"
     try:
         save_checkpoint(blocked, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
-    except (OSError, CheckpointError) as e:
-        assert error in f"{type(e).__name__}: {e}", e
+    except CheckpointError as e:  # every rank names the path and the cause
+        assert error in str(e) and f"{blocked} failed: EEXIST (File exists): a file stands where a folder should be" in str(e), e
     else:
         raise AssertionError("saving into a file did not raise")
     assert time.monotonic() - start < 20, "the other ranks waited for the failed one"

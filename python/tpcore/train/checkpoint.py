@@ -19,7 +19,12 @@ Loading at any (TP, PP, virtual) layout: each rank opens only the files holding 
 it shares (`ParallelLayout.pipeline_rank_of`, `sharding.shares_indices`), memory-maps them
 one at a time and copies into its parameters and AdamW state only the shared index ranges
 (`sharding.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
-Format 1 (TP only, `model_tpRR.pt`) is still read.
+Formats 1 (TP only, `model_tpRR.pt`) and 2 (no checksums, no shard identity) are still read.
+
+Integrity (format 3, `checkpoint_integrity`): metadata.json records every file's size and
+CRC-32, taken while the file is written; loaders check them before reading a file (opt out
+with `verify=False`), and check the (TP, PP) rank, layout, run id and save id each shard
+records against the metadata. Weights that are not finite are never saved.
 """
 
 from __future__ import annotations
@@ -39,22 +44,18 @@ from ..models import GPTConfig, ReferenceGPT
 from ..models.sharding import copy_overlap, rule_for, shares_indices
 from ..pipeline_parallel import duplicate_parameter_names
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker, set_device_rng_states
+from .agreement import all_or_none
+from .checkpoint_index import FORMAT, READABLE_VERSIONS, VERSION, find_checkpoint, read_metadata
+from .checkpoint_integrity import check_identity, describe_os_error, random_id, save_checked, shard_identity, verify_file, write_text_checked
+from .errors import CheckpointError
 from .layout import ParallelLayout, current_layout, model_chunks
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
-
-FORMAT = "tpcore-gpt-checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: TP only, files model_tpRR.pt
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
     "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
 
 def _model_file(directory: str, tp_rank: int, pp_rank: int, version: int = VERSION) -> str:
@@ -77,99 +78,95 @@ def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
     return {"model": model, "optimizer": state}
 
 
+def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse to save weights holding NaN or inf: a diverged run must not replace the last
+    good checkpoint (`latest`) with one that every resume and export would inherit."""
+    bad = [name for name, t in model.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"tpcore: not saving {where}: parameter(s) {bad[:5]} hold NaN or inf values (the run has diverged)")
+
+
 def save_checkpoint(
     save_dir: str, iteration: int, model: nn.Module | Sequence[nn.Module], optimizer, *, consumed_samples: int,
     tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None, extra: dict | None = None,
+    run_id: str | None = None,
 ) -> str:
     """Write checkpoint `iter_{iteration}` (a collective: call on every rank). `model` is a
-    GPTModel or this rank's pipeline chunks (then pass `pp_group`). Returns its path."""
+    GPTModel or this rank's pipeline chunks (then pass `pp_group`). `run_id` (the same on
+    every rank; default: a fresh one) is recorded in the metadata and in every shard.
+    Returns its path. Fails on every rank alike, naming the file and the cause (ENOSPC,
+    EACCES, non-finite weights), and removes what it wrote, when any rank fails."""
     chunks = model_chunks(model)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     rank, name = dist.get_rank(), f"iter_{iteration:07d}"
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
     device = next(chunks[0].parameters()).device
+    save_id = random_id(device)  # tells this save's shards from any other's, even of the same run
+    identity = {"run_id": run_id or save_id, "save_id": save_id, "iteration": iteration, **layout.to_metadata()}
+    records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 
     def prepare() -> None:
         if rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            for entry in os.listdir(save_dir):  # leftovers of saves that were killed
-                if entry.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-            os.makedirs(tmp)
+            try:
+                os.makedirs(save_dir, exist_ok=True)
+                for entry in os.listdir(save_dir):  # leftovers of saves that were killed
+                    if entry.endswith(".tmp"):
+                        shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as e:
+                raise CheckpointError(describe_os_error(e, e.filename or save_dir, "creating")) from e
 
     def write_files() -> None:
         if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-            pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
-            torch.save(_shard_state(chunks, optimizer), _model_file(tmp, dist.get_rank(tp_group), pp_rank))
+            tp_rank, pp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group)
+            path = _model_file(tmp, tp_rank, pp_rank)
+            state = _shard_state(chunks, optimizer)
+            _check_finite(state["model"], f"{final} (TP rank {tp_rank}, PP rank {pp_rank})")
+            records[os.path.basename(path)] = save_checked({**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path)
         cpu, cuda = device_rng_states()
-        torch.save({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, _rng_file(tmp, rank))
+        path = _rng_file(tmp, rank)
+        records[os.path.basename(path)] = save_checked({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, path)
 
     def publish() -> None:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records)  # every rank joins: the write phase succeeded everywhere
         if rank == 0:
             metadata = {
                 "format": FORMAT,
                 "version": VERSION,
-                "iteration": iteration,
+                **identity,
                 "consumed_samples": consumed_samples,
-                **layout.to_metadata(),
                 "data_parallel_size": dist.get_world_size(dp_group),
                 "world_size": dist.get_world_size(),
                 "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
                 "model_config": dataclasses.asdict(chunks[0].config),
+                "files": {k: v for part in gathered for k, v in sorted(part.items())},
                 **(extra or {}),
             }
-            with open(os.path.join(tmp, "metadata.json"), "w") as f:
-                json.dump(metadata, f, indent=1)
+            write_text_checked(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1))
             old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
-            if os.path.exists(final):
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-            os.rename(tmp, final)
-            with atomic_output(os.path.join(save_dir, "latest")) as latest, open(latest, "w") as f:
-                f.write(name + "\n")
+            try:
+                if os.path.exists(final):
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.rename(final, old)
+                os.rename(tmp, final)
+                with atomic_output(os.path.join(save_dir, "latest")) as latest, open(latest, "w") as f:
+                    f.write(name + "\n")
+            except OSError as e:
+                raise CheckpointError(describe_os_error(e, e.filename or final, "publishing")) from e
             shutil.rmtree(old, ignore_errors=True)
 
-    # Each phase ends with every rank learning which ranks failed (in place of a barrier):
-    # a rank whose disk is full raises its error, the others a CheckpointError naming it,
-    # instead of waiting for it until the group timeout.
-    for what, phase in (("preparing", prepare), ("writing", write_files), ("publishing", publish)):
-        _all_or_none(phase, f"saving checkpoint {final}: {what}", device)
-    return final
-
-
-def find_checkpoint(path: str) -> str | None:
-    """The checkpoint directory `path` names: itself if it holds metadata.json, else the one
-    its `latest` file points to; None if `path` holds no checkpoint yet."""
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        target = os.path.join(path, f.read().strip())
-    if not os.path.exists(target) and os.path.isfile(os.path.join(target + ".old", "metadata.json")):
-        target += ".old"  # killed while re-saving this iteration: the previous copy is complete
-    if not os.path.isfile(os.path.join(target, "metadata.json")):
-        raise CheckpointError(f"tpcore: {latest} points to {target}, which is not a complete checkpoint")
-    return target
-
-
-def read_metadata(directory: str) -> dict:
-    """A checkpoint's metadata.json (format 1 or 2)."""
-    path = os.path.join(directory, "metadata.json")
+    # Each phase ends with every rank learning which ranks failed and why (in place of a
+    # barrier): a rank whose disk is full raises its error, the others a CheckpointError
+    # quoting it, instead of waiting for it until the group timeout.
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"tpcore: cannot read checkpoint metadata {path}: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"tpcore: {path} is not a {FORMAT} checkpoint")
-    if meta.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"tpcore: {path} is a {FORMAT} of version {meta.get('version')!r}; this tpcore reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))} (was it written by a newer tpcore?)"
-        )
-    return meta
+        for what, phase in (("preparing", prepare), ("writing", write_files), ("publishing", publish)):
+            all_or_none(phase, f"saving checkpoint {final}: {what}", device)
+    except Exception:
+        if rank == 0:  # what this save wrote goes; the previous checkpoint and `latest` stay
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def _load(path: str, mmap: bool = False) -> dict:
@@ -275,7 +272,24 @@ def _add_optimizer_targets(state: dict, flat: dict[str, torch.Tensor], saved: di
                 flat[f"{name}/{key}"] = entry[key] = torch.empty(params[name].shape, dtype=value.dtype, device=params[name].device)
 
 
-def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
+def _opener(meta: dict, files: dict[tuple[int, int], str], verify: bool) -> Callable[[tuple[int, int]], "_MappedFile"]:
+    """Opens the saved shard at (TP rank, PP rank): its size and CRC-32 checked against the
+    metadata first (format 3, unless `verify` is False: a damaged file is named before any
+    of it is parsed), then the identity it records (rank, layout, run and save ids)."""
+
+    def open_shard(key: tuple[int, int]) -> _MappedFile:
+        path = files[key]
+        if meta["version"] >= 3 and verify:
+            verify_file(path, meta["files"])
+        file = _MappedFile(path)
+        if meta["version"] >= 3:
+            check_identity(path, file.state, meta, *key)
+        return file
+
+    return open_shard
+
+
+def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
     """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
     files that share indices with them; returns the optimizer state to load (or None)."""
     common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
@@ -294,7 +308,7 @@ def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Ten
             needed.setdefault((saved_rank, saved.pipeline_rank_of(name)), []).append(name)
     state, flat = None, {}
     for (saved_rank, pp_rank), wanted in sorted(needed.items(), key=lambda item: (item[0][1], item[0][0])):
-        file = _MappedFile(files[saved_rank, pp_rank])  # one file mapped at a time
+        file = open_shard((saved_rank, pp_rank))  # one file mapped at a time
         file.check_names(saved.names_on(pp_rank, names))
         targets = {name: params[name] for name in wanted}
         _copy_from(file, _model_pieces, targets, config, rank, tp, saved_rank, saved.tensor_parallel_size, "model parameter")
@@ -311,35 +325,19 @@ def _read_shards(files: dict, saved: ParallelLayout, params: dict[str, torch.Ten
     return state
 
 
-def _all_or_none(fn: Callable[[], None], what: str, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-    """Run `fn` on this rank, then raise on every rank of `group` (default: all) if it failed
-    on any: one all-reduce of per-rank failure flags tells each rank who failed."""
-    error = None
-    try:
-        fn()
-    except Exception as e:
-        error = e
-    flags = torch.zeros(dist.get_world_size(group), device=device)
-    flags[dist.get_rank(group)] = float(error is not None)
-    dist.all_reduce(flags, group=group)
-    if error is not None:
-        raise error
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-    failed = [r for r, f in zip(ranks, flags.tolist()) if f]
-    if failed:
-        raise CheckpointError(f"tpcore: {what} failed on rank(s) {failed} (see their error)")
-
-
 def load_checkpoint(
     path: str, model: nn.Module | Sequence[nn.Module], optimizer=None, *, tp_group: dist.ProcessGroup,
-    pp_group: dist.ProcessGroup | None = None, load_rng: bool = True, load_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None, load_rng: bool = True, load_group: dist.ProcessGroup | None = None, verify: bool = True,
 ) -> dict:
     """Load the checkpoint at `path` (a save directory or one `iter_N`) into this rank's
     model (a GPTModel, or its pipeline chunks with `pp_group`) and optimizer, whatever TP,
     PP and virtual-stage layout it was saved at. A collective over `load_group` (default:
     every rank): ranks read different files, so when loading fails on one of them all of
     them raise, and none goes on to wait in a collective for it. The RNG states are
-    restored only when the rank layout is unchanged. Returns the metadata."""
+    restored only when the rank layout is unchanged. With `verify` (default) each file is
+    checked against the size and CRC-32 the metadata records before it is read (each rank
+    reads whole the files it takes a piece of: pass False to skip that on huge
+    checkpoints; the shards' identity is checked either way). Returns the metadata."""
     directory = find_checkpoint(path)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)")
@@ -355,13 +353,18 @@ def load_checkpoint(
     same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
     loaded: dict = {"state": None, "rng": None}
 
+    open_shard = _opener(meta, files, verify)
+
     def read() -> None:
-        loaded["state"] = _read_shards(files, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
+        loaded["state"] = _read_shards(open_shard, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
         if load_rng and same_layout:
-            loaded["rng"] = _load(_rng_file(directory, dist.get_rank()))
+            rng_path = _rng_file(directory, dist.get_rank())
+            if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
+                verify_file(rng_path, meta["files"])
+            loaded["rng"] = _load(rng_path)
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective.
-    _all_or_none(read, f"loading checkpoint {directory}", next(iter(params.values())).device, load_group)
+    all_or_none(read, f"loading checkpoint {directory}", next(iter(params.values())).device, load_group)
     state, rng = loaded["state"], loaded["rng"]
     if state is not None:
         optimizer.load_state_dict(state)
@@ -373,20 +376,22 @@ def load_checkpoint(
     return meta
 
 
-def load_dense_state_dict(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The full (dense) GPTConfig and ReferenceGPT state dict of a checkpoint (any TP x PP
     layout), on CPU, assembled from its memory-mapped shards in this process (no process
-    group needed); the optimizer state is not read."""
+    group needed); the optimizer state is not read. Each shard's checksum (unless `verify`
+    is False) and identity are checked as `load_checkpoint` does."""
     directory = find_checkpoint(path)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {path}")
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
+    open_shard = _opener(meta, files, verify)
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
     dense: dict[str, torch.Tensor] = {}
-    for (saved_rank, pp_rank), file_path in sorted(files.items(), key=lambda item: (item[0][1], item[0][0])):
-        file = _MappedFile(file_path)
+    for saved_rank, pp_rank in sorted(files, key=lambda key: (key[1], key[0])):
+        file = open_shard((saved_rank, pp_rank))
         stored = saved.names_on(pp_rank, list(shapes))
         file.check_names(stored)
         if not dense:
