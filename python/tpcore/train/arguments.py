@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -99,15 +100,17 @@ class TrainArgs:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+        for name, (kind, low, high) in _RANGES.items():
+            _check_range(name, getattr(self, name), kind, low, high, need)
+        need(self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
+             f"--max-position-embeddings {self.max_position_embeddings} is shorter than --seq-length {self.seq_length}")
         need(not (self.bf16 and self.fp16), "--bf16 and --fp16 exclude each other")
         need(self.autocast == "none" or not (self.bf16 or self.fp16), "--autocast keeps fp32 weights: it excludes --bf16 and --fp16")
         need(0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
-        need(self.clip_grad >= 0 and self.weight_decay >= 0, "--clip-grad and --weight-decay must be >= 0")
         need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
         need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
         need(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1")
-        need(self.initial_loss_scale > 0, "--initial-loss-scale must be > 0")
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
             need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
@@ -164,21 +167,67 @@ class TrainArgs:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
 
+# The range of each numeric flag that the checks in __post_init__ and GPTConfig leave out:
+# name -> (kind, low, high); kind "int" (low <= value <= high), "[)" (low <= value < high),
+# ">=" / ">" (a finite number above low); None: unbounded. Named ranges, because torch's
+# errors (AdamW's "Invalid beta parameter at index 0: 1.5") name no flag, and NaN or inf
+# fail late or never. tests/test_train_arguments.py tries bad values on every numeric field.
+_RANGES: dict[str, tuple[str, float | None, float | None]] = {
+    "max_position_embeddings": ("int", 1, None),
+    "seed": ("int", 0, 2**32 - 2),  # the data order seeds numpy's RandomState with seed and seed + 1 (< 2**32)
+    "valid_fraction": ("[)", 0.0, 1.0),
+    "lr": (">=", 0.0, None),
+    "min_lr": (">=", 0.0, None),
+    "weight_decay": (">=", 0.0, None),
+    "clip_grad": (">=", 0.0, None),
+    "adam_beta1": ("[)", 0.0, 1.0),
+    "adam_beta2": ("[)", 0.0, 1.0),
+    "adam_eps": (">", 0.0, None),
+    "initial_loss_scale": (">", 0.0, None),
+}
+
+
+def _check_range(name: str, value, kind: str, low, high, need) -> None:
+    """`need` a message naming --flag and its range unless `value` is in it (None passes)."""
+    if value is None:
+        return
+    flag = "--" + name.replace("_", "-")
+    if kind == "int":
+        text = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
+    else:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "[)":
+            text, ok = f"in [{low:g}, {high:g})", number and low <= value < high
+        else:
+            text = f"a finite number {kind} {low:g}"
+            ok = number and math.isfinite(value) and (value >= low if kind == ">=" else value > low)
+    need(ok, f"{flag} must be {text}, got {value!r}")
+
 
 def load_config_file(path: str) -> dict:
     """Field values from a `.json`, `.yaml` or `.yml` file (keys with dashes or underscores)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tpcore: config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"tpcore: config file {path} is not UTF-8 ({e.reason} at byte {e.start})") from e
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError as e:
             raise ImportError("tpcore: YAML config files need PyYAML (pip install pyyaml); JSON works without it") from e
-        values = yaml.safe_load(text) or {}
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:  # its message names no file
+            raise ValueError(f"tpcore: config file {path} is not valid YAML: {e}") from e
     else:
-        values = json.loads(text)
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tpcore: config file {path} is not valid JSON: {e}") from e
     if not isinstance(values, dict):
         raise ValueError(f"tpcore: config file {path} must hold a mapping of argument names to values")
     out = {}
