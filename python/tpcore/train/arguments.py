@@ -85,6 +85,9 @@ class TrainArgs:
     save: str | None = _arg(None, "checkpoint directory")
     save_interval: int | None = _arg(None, "checkpoint every this many steps (always at the end with --save)")
     load: str | None = _arg(None, "resume from (or reshard) the latest checkpoint in this directory")
+    verify_checkpoint: bool = _arg(True, "check each checkpoint file's size and CRC-32 before loading it (--no-verify-checkpoint skips that extra read on huge checkpoints)")
+    max_skipped_steps: int = _arg(10, "stop with an error after this many consecutive steps skipped for NaN/inf gradients that fp16 loss scaling does not explain")
+    distributed_timeout_minutes: float = _arg(10.0, "a collective that waits longer than this for a peer rank fails, naming the training phase")
     exit_interval: int | None = _arg(None, "stop after this many steps of this run (after any save due)")
     device: str = _arg("auto", "cpu, cuda, or auto (cuda when available)", ("auto", "cpu", "cuda"))
     sample_tokens: int = _arg(0, "at the end, generate this many tokens from --sample-prompt")
@@ -111,6 +114,9 @@ class TrainArgs:
         need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
         need(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1")
+        need(type(self.max_skipped_steps) is int and self.max_skipped_steps >= 1, f"--max-skipped-steps must be an int >= 1, got {self.max_skipped_steps!r}")
+        need(type(self.distributed_timeout_minutes) in (int, float) and 0 < self.distributed_timeout_minutes < float("inf"),
+             f"--distributed-timeout-minutes must be a finite number > 0, got {self.distributed_timeout_minutes!r}")
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
             need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
