@@ -242,3 +242,76 @@ def test_user_registered_policy_splits_a_new_family(cpu_ranks, tmp_path):
     torch.manual_seed(0)
     transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
     assert all(cpu_ranks.run(_user_policy_job, str(tmp_path)))
+
+
+def _corrupt_checkpoints(tmp_path) -> list[tuple[str, type, list[str]]]:
+    """(path, error type, strings the message must hold) for each way a folder can be bad."""
+    import json
+    import shutil
+    import struct
+
+    good = save_family("gpt2", tmp_path / "good")
+    cases = []
+
+    def variant(name: str) -> str:
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        return str(path)
+
+    def edit_config(path: str, **changes) -> None:
+        config = json.loads(open(f"{path}/config.json").read())
+        config.update(changes)
+        open(f"{path}/config.json", "w").write(json.dumps(config))
+
+    wider = variant("wider")  # config.json says 32 wide, the weights are 64 wide
+    edit_config(wider, n_embd=32)
+    cases.append((wider, ValueError, [f"{wider}/config.json contradicts the weights", "'transformer.wte.weight'",
+                                      "config gives [97, 32]", f"[97, 64] in {wider}/model.safetensors"]))
+    vocab = variant("vocab")
+    edit_config(vocab, vocab_size=VOCAB + 3)
+    cases.append((vocab, ValueError, ["'transformer.wte.weight'", f"config gives [{VOCAB + 3}, 64]", f"[{VOCAB}, 64] in"]))
+    raw = open(f"{good}/model.safetensors", "rb").read()
+    length = variant("length")  # a header length far past the end of the file (it read 2**62 bytes: MemoryError)
+    open(f"{length}/model.safetensors", "wb").write(struct.pack("<Q", 2**62) + raw[8:])
+    cases.append((length, ValueError, [f"{length}/model.safetensors", f"header length {2**62}", f"file has {len(raw)} bytes"]))
+    header = variant("header")  # the JSON header damaged (its first byte)
+    open(f"{header}/model.safetensors", "wb").write(raw[:8] + b"x" + raw[9:])
+    cases.append((header, ValueError, [f"{header}/model.safetensors", "header is not valid JSON"]))
+    offsets = variant("offsets")  # a tensor's data range past the end of the file (a truncated download)
+    open(f"{offsets}/model.safetensors", "wb").write(raw[: len(raw) - 100])
+    cases.append((offsets, ValueError, [f"{offsets}/model.safetensors", "ends at byte", "truncated"]))
+    missing = str(tmp_path / "no-such-model")
+    cases.append((missing, FileNotFoundError, [f"{missing} does not exist"]))
+    return cases
+
+
+def _corrupt_checkpoints_job(rank, world, cases):
+    import torch.distributed as dist
+
+    import tpcore
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    messages = []
+    for path, error, parts in cases:
+        try:
+            tpcore.hf.from_pretrained(path)
+        except error as e:
+            assert all(part in str(e) for part in parts), f"rank {rank}, {path}: expected {parts} in: {e}"
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"rank {rank}: {path} loaded")
+    # Every rank raised before any collective: the ranks are still in step.
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == world
+    return messages
+
+
+def test_bad_checkpoints_fail_alike_on_every_rank(cpu_ranks, tmp_path):
+    """A config.json that contradicts the weights (it raised an expand error on one rank and a
+    gloo error on the other), a corrupt safetensors header length (MemoryError) or header
+    (the file unnamed), a truncated file and a missing folder ("Repo id must be in the form")
+    each raise the same clear error on every rank, naming the file, before any collective."""
+    cases = _corrupt_checkpoints(tmp_path)
+    messages = cpu_ranks.run(_corrupt_checkpoints_job, cases)
+    assert all(m == messages[0] for m in messages), "every rank must raise the same error"

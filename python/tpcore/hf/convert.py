@@ -7,6 +7,7 @@ The layers' own initialisation never runs, so it does not matter how it draws.
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -188,6 +189,28 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> None:
+    """Every tensor of the checkpoint that the model has must have the shape config.json
+    gives it. Checked from the headers before any weight is read: a contradiction made one
+    rank fail cutting its slice (an expand error) while another went on into a collective."""
+    wrong, seen = [], set()
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    for name, tensor in tensors:
+        key = source.resolve(name)
+        if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
+            continue
+        seen.add(key)
+        found, file = source.stored_shape(key)
+        if found != list(tensor.shape):
+            wrong.append(f"{key!r} is {found} in {file} but the config gives {list(tensor.shape)}")
+    if wrong:
+        more = f"; and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+        raise ValueError(
+            f"tpcore.hf: {os.path.join(path, 'config.json')} contradicts the weights: {len(wrong)} tensor(s) differ: "
+            + "; ".join(wrong[:4]) + more
+        )
+
+
 def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, device: torch.device) -> None:
     """Fill the parameters left on meta (norms, position embeddings...) and the persistent buffers."""
     aliases = _names_by_parameter(model)
@@ -232,6 +255,14 @@ def from_pretrained(
     """
     from transformers import AutoConfig, GenerationConfig
 
+    # Checked here, not by transformers: it takes a missing folder for a hub repo id
+    # ("Repo id must be in the form 'repo_name'..."), and this reads local files only.
+    if not os.path.isdir(path):
+        what = "is a file, not" if os.path.exists(path) else "does not exist; expected"
+        raise FileNotFoundError(
+            f"tpcore.hf: {path} {what} a save_pretrained folder (a hub model: download it first, "
+            "e.g. huggingface_hub.snapshot_download)"
+        )
     group = resolve_tensor_group(group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
@@ -244,6 +275,7 @@ def from_pretrained(
         model = cls(config)
     plan = make_plan(model, tp, rank)  # every size checked before any weight is read
     source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames)
+    _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
     _apply(model, plan, group, source, dtype, device)
     _load_rest(model, source, dtype, device)
     if getattr(model, "can_generate", lambda: False)():

@@ -66,16 +66,59 @@ class DenseSource:
 
 
 class _SafetensorsFile:
-    """One .safetensors file: its header, and reads of ranges along one dim."""
+    """One .safetensors file: its header, and reads of ranges along one dim.
+
+    The header is checked against the file's size before it is trusted (a corrupt length
+    asked for 2**62 bytes: MemoryError), and so is every tensor's byte range (a truncated
+    download); each failure is a ValueError naming the file, raised alike on every rank."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        file_size = os.path.getsize(path)
+        if file_size < 8:
+            raise ValueError(f"tpcore.hf: {path}: {file_size} bytes, too short for a safetensors file (truncated?)")
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+            if size > file_size - 8:
+                raise ValueError(
+                    f"tpcore.hf: {path}: header length {size} but the file has {file_size} bytes: "
+                    "corrupt, truncated or not a safetensors file"
+                )
+            raw = f.read(size)
+        try:
+            header = json.loads(raw)
+        except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"tpcore.hf: {path}: header is not valid JSON ({e}): corrupt or not a safetensors file") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"tpcore.hf: {path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file")
         header.pop("__metadata__", None)
         self.base = 8 + size
         self.entries = header
+        for key, entry in header.items():
+            self._check_entry(key, entry, file_size)
+
+    def _check_entry(self, key: str, entry, file_size: int) -> None:
+        """The entry has a shape, a dtype and a byte range inside the file of the shape's size."""
+        try:
+            shape, (begin, end) = [int(n) for n in entry["shape"]], entry["data_offsets"]
+            dtype = entry["dtype"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"tpcore.hf: {self.path}: tensor {key!r} has a malformed header entry {entry!r}") from e
+        if self.base + end > file_size:
+            raise ValueError(
+                f"tpcore.hf: {self.path}: tensor {key!r} ends at byte {self.base + end} but the file has {file_size} bytes: truncated"
+            )
+        if dtype in _DTYPES:
+            want = math.prod(shape) * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+            if not 0 <= begin <= end or end - begin != want:
+                raise ValueError(
+                    f"tpcore.hf: {self.path}: tensor {key!r} ({dtype} {shape}) needs {want} bytes, its header gives "
+                    f"[{begin}, {end}): corrupt"
+                )
+
+    def shape(self, key: str) -> list[int]:
+        """The stored shape of tensor `key`."""
+        return [int(n) for n in self.entries[key]["shape"]]
 
     def read(self, key: str, dim: int | None, ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
         entry = self.entries[key]
@@ -135,8 +178,17 @@ class SafetensorsSource:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)
+            except ValueError as e:  # bad JSON or not UTF-8
+                raise ValueError(f"tpcore.hf: {index} is not valid JSON ({e})") from e
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"tpcore.hf: {index} has no weight_map of tensor names to file names")
+            for name in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(path, name)):
+                    raise FileNotFoundError(f"tpcore.hf: {index} lists {name}, which is not in {path}")
             files = {name: _SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
             self.files = {key: files[name] for key, name in weight_map.items()}
         elif os.path.isfile(single):
@@ -162,6 +214,11 @@ class SafetensorsSource:
 
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None
+
+    def stored_shape(self, key: str) -> tuple[list[int], str]:
+        """(shape, file) of the checkpoint's tensor `key` (a name `resolve` returned)."""
+        file = self.files[key]
+        return file.shape(key), file.path
 
     def read(self, load: Load, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
         key = self.resolve(load.key)
