@@ -277,21 +277,24 @@ def _opener(meta: dict, files: dict[tuple[int, int], str], verify: bool) -> Call
     metadata first (format 3, unless `verify` is False: a damaged file is named before any
     of it is parsed), then the identity it records (rank, layout, run and save ids)."""
 
+    checked: set[tuple[int, int]] = set()  # each file is checked once, however often it is opened
+
     def open_shard(key: tuple[int, int]) -> _MappedFile:
         path = files[key]
-        if meta["version"] >= 3 and verify:
+        if meta["version"] >= 3 and verify and key not in checked:
             verify_file(path, meta["files"])
         file = _MappedFile(path)
-        if meta["version"] >= 3:
+        if meta["version"] >= 3 and key not in checked:
             check_identity(path, file.state, meta, *key)
+        checked.add(key)
         return file
 
     return open_shard
 
 
-def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
-    """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
-    files that share indices with them; returns the optimizer state to load (or None)."""
+def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int) -> dict[tuple[int, int], list[str]]:
+    """(saved TP rank, PP rank) -> the names of `params` (this rank's pieces, TP rank
+    `rank` of `tp`) to read from that file: the files sharing indices with them."""
     common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
     names = list(ReferenceGPT(config, device="meta").state_dict())
     unknown = sorted(set(params) - set(names))
@@ -302,10 +305,18 @@ def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], saved: 
         shared = [r for r in range(saved.tensor_parallel_size) if shares_indices(params[name].shape, rule_for(name, config), rank, tp, r, saved.tensor_parallel_size, **common)]
         return shared or [0]
 
-    needed: dict[tuple[int, int], list[str]] = {}  # (saved TP rank, PP rank) -> names to read there
+    needed: dict[tuple[int, int], list[str]] = {}
     for name in params:
         for saved_rank in sources(name):
             needed.setdefault((saved_rank, saved.pipeline_rank_of(name)), []).append(name)
+    return needed
+
+
+def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed: dict[tuple[int, int], list[str]], saved: ParallelLayout,
+                 params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
+    """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
+    files `needed` names (`_plan`); returns the optimizer state to load (or None)."""
+    names = list(ReferenceGPT(config, device="meta").state_dict())
     state, flat = None, {}
     for (saved_rank, pp_rank), wanted in sorted(needed.items(), key=lambda item: (item[0][1], item[0][0])):
         file = open_shard((saved_rank, pp_rank))  # one file mapped at a time
@@ -353,18 +364,26 @@ def load_checkpoint(
     same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
     loaded: dict = {"state": None, "rng": None}
 
-    open_shard = _opener(meta, files, verify)
+    open_shard, rank, tp = _opener(meta, files, verify), dist.get_rank(tp_group), layout.tensor_parallel_size
+    rng_path = _rng_file(directory, dist.get_rank()) if load_rng and same_layout else None
 
-    def read() -> None:
-        loaded["state"] = _read_shards(open_shard, saved, params, config, dist.get_rank(tp_group), layout.tensor_parallel_size, optimizer is not None)
-        if load_rng and same_layout:
-            rng_path = _rng_file(directory, dist.get_rank())
+    def check() -> None:  # every file this rank reads, before any is copied from
+        loaded["plan"] = _plan(saved, params, config, rank, tp)
+        for key in sorted(loaded["plan"]):
+            open_shard(key)
+        if rng_path is not None:
             if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
                 verify_file(rng_path, meta["files"])
-            loaded["rng"] = _load(rng_path)
+            loaded["rng"] = _load(rng_path)  # a missing file is named here
 
-    # Every rank raises when one fails, so that no rank goes on to hang in a collective.
-    all_or_none(read, f"loading checkpoint {directory}", next(iter(params.values())).device, load_group)
+    def read() -> None:
+        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, config, rank, tp, optimizer is not None)
+
+    # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
+    # a damaged or foreign file fails every rank before any rank's model is written to.
+    device = next(iter(params.values())).device
+    all_or_none(check, f"loading checkpoint {directory}: checking its files", device, load_group)
+    all_or_none(read, f"loading checkpoint {directory}", device, load_group)
     state, rng = loaded["state"], loaded["rng"]
     if state is not None:
         optimizer.load_state_dict(state)

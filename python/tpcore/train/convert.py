@@ -43,15 +43,17 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
-def export_safetensors(checkpoint: str, output: str) -> str:
+def export_safetensors(checkpoint: str, output: str, *, verify: bool = True) -> str:
     """Merge the checkpoint at `checkpoint` (a save directory or an `iter_N`) into the dense
-    state dict and write it to `output` atomically. Returns `output`."""
+    state dict and write it to `output` atomically. Returns `output`. Each shard's size and
+    CRC-32 are checked against the checkpoint's metadata first (unless `verify` is False),
+    so a damaged checkpoint raises CheckpointError naming the file and nothing is written."""
     st = _safetensors()
     directory = find_checkpoint(checkpoint)
     if directory is None:
         raise CheckpointError(f"tpcore: no checkpoint in {checkpoint} (no metadata.json and no 'latest' file)")
     meta = read_metadata(directory)
-    config, state = load_dense_state_dict(directory)
+    config, state = load_dense_state_dict(directory, verify=verify)
     metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(config)), "iteration": str(meta["iteration"])}
     if meta.get("tokenizer") is not None:
         metadata["tokenizer"] = str(meta["tokenizer"])
@@ -92,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file")
     p.add_argument("--load", required=True, help="checkpoint: a save directory (its 'latest') or an iter_N directory")
     p.add_argument("--output", required=True, help="the .safetensors file to write")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checking each file's CRC-32 against the checkpoint's metadata")
     args = p.parse_args(argv)
     try:
-        path = export_safetensors(args.load, args.output)
+        path = export_safetensors(args.load, args.output, verify=args.verify)
         with _safetensors().safe_open(path, framework="pt") as f:
             params, meta = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()), f.metadata()
     except (CheckpointError, ValueError, ImportError, OSError) as e:
