@@ -189,13 +189,18 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_persistent(model: nn.Module, name: str) -> bool:
+    owner, attr = _parent(model, name)
+    return attr not in owner._non_persistent_buffers_set
+
+
 def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> None:
     """Every tensor of the checkpoint that the model has must have the shape config.json
     gives it. Checked from the headers before any weight is read: a contradiction made one
     rank fail cutting its slice (an expand error) while another went on into a collective."""
     wrong, seen = [], set()
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-    for name, tensor in tensors:
+    buffers = [(name, b) for name, b in model.named_buffers() if _is_persistent(model, name)]  # what _load_rest loads
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *buffers]:
         key = source.resolve(name)
         if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
             continue
