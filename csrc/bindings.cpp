@@ -5,6 +5,7 @@
 
 #include "comm/comm.h"
 #include "comm/p2p.h"
+#include "comm/shm/backend.h"
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
 #include "tensor_parallel/ops.h"
@@ -107,6 +108,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("check_shapes"), release_gil());
   m.def("release_storage", &tpcore::release_storage, py::arg("tensor"));
   m.def("backward_from", &tpcore::backward_from, py::arg("output"), py::arg("grad"), release_gil());
+  // The `tpcore` c10d backend (shared memory on one host); tpcore/_shm_backend.py registers it.
+  py::class_<tpcore::shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<tpcore::shm::ShmBackend>>(
+      m, "ShmBackend", "c10d backend: collectives through shared memory among ranks of one host")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                      double timeout_s, int64_t slot_bytes, int64_t cell_bytes, int cells,
+                      int64_t two_step_bytes, py::function make_fallback) {
+            // The factory may run, and be dropped, on threads without the GIL.
+            std::shared_ptr<py::function> fn(new py::function(std::move(make_fallback)),
+                                             [](py::function* f) {
+                                               py::gil_scoped_acquire gil;
+                                               delete f;
+                                             });
+            auto factory = [fn]() {
+              py::gil_scoped_acquire gil;
+              return (*fn)().cast<c10::intrusive_ptr<c10d::Backend>>();
+            };
+            tpcore::shm::Config config;
+            config.slot_bytes = static_cast<size_t>(slot_bytes);
+            config.cell_bytes = static_cast<size_t>(cell_bytes);
+            config.cells = cells;
+            config.two_step_bytes = static_cast<size_t>(two_step_bytes);
+            config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+            py::gil_scoped_release nogil;  // rank 0 waits for the others to map the segment
+            return c10::make_intrusive<tpcore::shm::ShmBackend>(store, rank, size, config, factory);
+          }),
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+          py::arg("slot_bytes"), py::arg("cell_bytes"), py::arg("cells"), py::arg("two_step_bytes"),
+          py::arg("make_fallback"))
+      .def_property_readonly("fast_ops", &tpcore::shm::ShmBackend::fast_ops)
+      .def_property_readonly("fallback_ops", &tpcore::shm::ShmBackend::fallback_ops)
+      .def_property_readonly("segment_name", &tpcore::shm::ShmBackend::segment_name);
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

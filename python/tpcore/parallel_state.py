@@ -15,12 +15,14 @@ fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
 
+from . import shm
 from ._validation import check_positive_ints
 
 __all__ = [
@@ -128,6 +130,19 @@ def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None)
     return _GROUPS[key]
 
 
+def _hosts() -> list[str] | None:
+    """Every rank's host identity (one gather on the default group), or None where the
+    shared-memory backend cannot apply (opted out, or a default group without gloo)."""
+    if os.environ.get("TPCORE_CPU_BACKEND", shm.BACKEND_NAME).lower() == "gloo":
+        return None
+    default = dist.get_backend()
+    if default not in ("gloo", shm.BACKEND_NAME) and "cpu:gloo" not in default:
+        return None
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, shm.host_id())
+    return hosts
+
+
 def initialize_model_parallel(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -138,7 +153,9 @@ def initialize_model_parallel(
     """Create the tensor / data / pipeline groups; data-parallel size is derived.
 
     Call after `torch.distributed.init_process_group`, on every rank, with the same
-    arguments. Raises on every rank alike (before creating any group) when the sizes
+    arguments. With `backend=None`, groups whose ranks share a host use the shared-memory
+    `tpcore` backend for CPU tensors (`tpcore.shm`; `TPCORE_CPU_BACKEND=gloo` opts out), the
+    others the default group's backend. Raises on every rank alike (before creating any group) when the sizes
     do not fit the world or when groups already exist.
     """
     global _STATE
@@ -154,12 +171,13 @@ def initialize_model_parallel(
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
+    hosts = _hosts() if backend is None else None
     mine = {}
     # Every rank must create every group, in the same order, even those it is not in.
     # (With pp <= 2 the embedding groups are the pipeline groups and are reused as such.)
     for kind in ("tensor", "data", "pipeline", "embedding"):
         for ranks in getattr(layout, kind):
-            group = _new_group(ranks, timeout, backend)
+            group = _new_group(ranks, timeout, backend or shm.cpu_backend_for(ranks, hosts))
             if rank in ranks:
                 mine[kind] = group
     _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding"))

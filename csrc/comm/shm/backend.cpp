@@ -1,0 +1,333 @@
+#include "comm/shm/backend.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <optional>
+#include <thread>
+
+namespace tpcore::shm {
+namespace {
+
+using c10d::OpType;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+std::optional<ReduceKind> kind_of(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return ReduceKind::kSum;
+    case c10d::ReduceOp::AVG:
+      return ReduceKind::kAvg;
+    case c10d::ReduceOp::MAX:
+      return ReduceKind::kMax;
+    case c10d::ReduceOp::MIN:
+      return ReduceKind::kMin;
+    case c10d::ReduceOp::PRODUCT:
+      return ReduceKind::kProduct;
+    default:
+      return std::nullopt;
+  }
+}
+
+// Tensors the shared-memory path can move: dense, on the CPU, of a fixed-size dtype.
+bool movable(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !t.is_quantized();
+}
+
+bool movable(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts)
+    if (!movable(t)) return false;
+  return true;
+}
+
+// Runs `fn` on a contiguous tensor with `t`'s data, and copies back into `t` when that
+// had to be a copy (so non-contiguous inputs and outputs work).
+template <class Fn>
+void on_contiguous(const at::Tensor& t, bool copy_in, Fn fn) {
+  if (t.is_contiguous()) {
+    fn(t);
+    return;
+  }
+  at::Tensor c = copy_in ? t.contiguous() : at::empty(t.sizes(), t.options());
+  fn(c);
+  t.copy_(c);
+}
+
+// A receive in flight: wait() reads it from the link (see Group::wait_recv).
+class RecvWork : public c10d::Work {
+ public:
+  RecvWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, std::shared_ptr<Group::Recv> recv,
+           at::Tensor user, at::Tensor buffer)
+      : c10d::Work(group->rank(), OpType::RECV),
+        owner_(std::move(owner)),
+        group_(group),
+        recv_(std::move(recv)),
+        user_(std::move(user)),
+        buffer_(std::move(buffer)) {}
+
+  bool wait(std::chrono::milliseconds) override {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    if (!done_) {
+      group_->wait_recv(recv_);
+      if (!user_.is_same(buffer_)) user_.copy_(buffer_);
+      done_ = true;
+      finish();
+    }
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  int sourceRank() const override { return recv_->src; }
+  std::vector<at::Tensor> result() override { return {user_}; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    wait(std::chrono::milliseconds(0));
+    auto fut =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    fut->markCompleted(c10::IValue(std::vector<at::Tensor>{user_}));
+    return fut;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> owner_;  // keeps the group mapped
+  Group* group_;
+  std::shared_ptr<Group::Recv> recv_;
+  at::Tensor user_, buffer_;
+  std::mutex wait_mu_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       const Config& config, Fallback make_fallback)
+    : c10d::Backend(rank, size), make_fallback_(std::move(make_fallback)) {
+  const std::string name_key = "tpcore_shm/segment", mapped_key = "tpcore_shm/mapped";
+  group_ = std::make_unique<Group>(
+      rank, size, config,
+      [&](const std::string& name) {
+        store->set(name_key, std::vector<uint8_t>(name.begin(), name.end()));
+      },
+      [&]() {
+        const auto v = store->get(name_key);
+        return std::string(v.begin(), v.end());
+      },
+      [&]() { store->add(mapped_key, 1); },
+      [&]() {
+        const auto deadline = Clock::now() + config.timeout;
+        while (store->add(mapped_key, 0) < size) {
+          TORCH_CHECK(Clock::now() < deadline, "tpcore shm: ranks did not map the segment within ",
+                      config.timeout.count(), " ms");
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      });
+}
+
+ShmBackend::~ShmBackend() = default;
+
+c10d::Backend& ShmBackend::fallback() {
+  std::lock_guard<std::mutex> lock(fallback_mu_);
+  if (!fallback_) fallback_ = make_fallback_();
+  ++fallback_ops_;
+  return *fallback_;
+}
+
+WorkPtr ShmBackend::done(std::vector<at::Tensor> result, OpType op) {
+  ++fast_ops_;
+  auto fut =
+      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  fut->markCompleted(c10::IValue(std::move(result)));
+  return c10d::Work::create_from_future(fut);
+}
+
+WorkPtr ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
+                              const c10d::BroadcastOptions& opts) {
+  if (tensors.size() != 1 || !movable(tensors) || opts.rootTensor != 0)
+    return fallback().broadcast(tensors, opts);
+  on_contiguous(tensors[0], true, [&](const at::Tensor& t) {
+    group_->broadcast(t, static_cast<int>(opts.rootRank));
+  });
+  return done(tensors, OpType::BROADCAST);
+}
+
+WorkPtr ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
+                              const c10d::AllreduceOptions& opts) {
+  const auto kind = kind_of(opts.reduceOp);
+  if (tensors.size() != 1 || !movable(tensors) || !kind ||
+      !reducible(tensors[0].scalar_type(), *kind))
+    return fallback().allreduce(tensors, opts);
+  on_contiguous(tensors[0], true, [&](const at::Tensor& t) { group_->all_reduce(t, *kind); });
+  return done(tensors, OpType::ALLREDUCE);
+}
+
+WorkPtr ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                        const c10d::AllreduceCoalescedOptions& opts) {
+  const auto kind = kind_of(opts.reduceOp);
+  bool fast = movable(tensors) && kind.has_value();
+  for (const auto& t : tensors) fast = fast && reducible(t.scalar_type(), *kind);
+  if (!fast) return fallback().allreduce_coalesced(tensors, opts);
+  for (auto& t : tensors)
+    on_contiguous(t, true, [&](const at::Tensor& c) { group_->all_reduce(c, *kind); });
+  return done(tensors, OpType::ALLREDUCE_COALESCED);
+}
+
+WorkPtr ShmBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  return fallback().reduce(tensors, opts);
+}
+
+WorkPtr ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                    const c10d::AllgatherOptions& opts) {
+  if (!movable(output) || !movable(input)) return fallback()._allgather_base(output, input, opts);
+  TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
+                    "tpcore shm: all_gather: output is ", output.scalar_type(), " but input is ",
+                    input.scalar_type());
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * getSize(),
+                    "tpcore shm: all_gather: output has ", output.numel(), " elements, expected ",
+                    getSize(), " x ", input.numel());
+  const at::Tensor in = input.contiguous();
+  on_contiguous(output, false, [&](const at::Tensor& out) { group_->all_gather(out, in); });
+  return done({output}, OpType::_ALLGATHER_BASE);
+}
+
+WorkPtr ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                              std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (inputs.size() != 1 || outputs.size() != 1 || !movable(inputs) || !movable(outputs[0]))
+    return fallback().allgather(outputs, inputs, opts);
+  auto& outs = outputs[0];
+  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(),
+                    "tpcore shm: all_gather: ", outs.size(), " output tensors for a group of ",
+                    getSize());
+  for (const auto& o : outs)
+    TORCH_CHECK_VALUE(o.numel() == inputs[0].numel() && o.scalar_type() == inputs[0].scalar_type(),
+                      "tpcore shm: all_gather: every output must match the input (",
+                      inputs[0].numel(), " x ", inputs[0].scalar_type(), ")");
+  at::Tensor flat = at::empty({getSize() * inputs[0].numel()}, inputs[0].options());
+  group_->all_gather(flat, inputs[0].contiguous());
+  for (int r = 0; r < getSize(); ++r)
+    outs[r].copy_(flat.narrow(0, r * inputs[0].numel(), inputs[0].numel()).view(outs[r].sizes()));
+  return done(outs, OpType::ALLGATHER);
+}
+
+WorkPtr ShmBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::AllgatherOptions& opts) {
+  return fallback().allgather_coalesced(outputs, inputs, opts);
+}
+
+WorkPtr ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: all_gather: ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
+  return done(outputs, OpType::ALLGATHER_INTO_TENSOR_COALESCED);
+}
+
+WorkPtr ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                           std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  return fallback().gather(outputs, inputs, opts);
+}
+
+WorkPtr ShmBackend::scatter(std::vector<at::Tensor>& outputs,
+                            std::vector<std::vector<at::Tensor>>& inputs,
+                            const c10d::ScatterOptions& opts) {
+  return fallback().scatter(outputs, inputs, opts);
+}
+
+WorkPtr ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                         const c10d::ReduceScatterOptions& opts) {
+  const auto kind = kind_of(opts.reduceOp);
+  if (!movable(output) || !movable(input) || !kind || !reducible(input.scalar_type(), *kind))
+    return fallback()._reduce_scatter_base(output, input, opts);
+  TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
+                    "tpcore shm: reduce_scatter: output is ", output.scalar_type(),
+                    " but input is ", input.scalar_type());
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * getSize(),
+                    "tpcore shm: reduce_scatter: input has ", input.numel(), " elements, expected ",
+                    getSize(), " x ", output.numel());
+  const at::Tensor in = input.contiguous();
+  on_contiguous(output, false,
+                [&](const at::Tensor& out) { group_->reduce_scatter(out, in, *kind); });
+  return done({output}, OpType::_REDUCE_SCATTER_BASE);
+}
+
+WorkPtr ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ReduceScatterOptions& opts) {
+  const auto kind = kind_of(opts.reduceOp);
+  if (outputs.size() != 1 || inputs.size() != 1 || !movable(outputs) || !movable(inputs[0]) ||
+      !kind || !reducible(outputs[0].scalar_type(), *kind))
+    return fallback().reduce_scatter(outputs, inputs, opts);
+  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(),
+                    "tpcore shm: reduce_scatter: ", inputs[0].size(),
+                    " input tensors for a group of ", getSize());
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& t : inputs[0]) {
+    TORCH_CHECK_VALUE(
+        t.numel() == outputs[0].numel() && t.scalar_type() == outputs[0].scalar_type(),
+        "tpcore shm: reduce_scatter: every input must match the output (", outputs[0].numel(),
+        " x ", outputs[0].scalar_type(), ")");
+    flat_parts.push_back(t.reshape({-1}));
+  }
+  const at::Tensor in = at::cat(flat_parts);
+  on_contiguous(outputs[0], false,
+                [&](const at::Tensor& out) { group_->reduce_scatter(out, in, *kind); });
+  return done(outputs, OpType::REDUCE_SCATTER);
+}
+
+WorkPtr ShmBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: reduce_scatter: ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return done(outputs, OpType::REDUCE_SCATTER_TENSOR_COALESCED);
+}
+
+WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                  std::vector<int64_t>& output_splits,
+                                  std::vector<int64_t>& input_splits,
+                                  const c10d::AllToAllOptions& opts) {
+  // Equal splits only; uneven ones go to gloo.
+  if (!output_splits.empty() || !input_splits.empty() || !movable(output) || !movable(input) ||
+      input.numel() % getSize() != 0 || output.numel() != input.numel() ||
+      output.scalar_type() != input.scalar_type())
+    return fallback().alltoall_base(output, input, output_splits, input_splits, opts);
+  const at::Tensor in = input.contiguous();
+  on_contiguous(output, false, [&](const at::Tensor& out) { group_->all_to_all(out, in); });
+  return done({output}, OpType::ALLTOALL_BASE);
+}
+
+WorkPtr ShmBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                             const c10d::AllToAllOptions& opts) {
+  return fallback().alltoall(outputs, inputs, opts);
+}
+
+WorkPtr ShmBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  if (tensors.size() != 1 || !movable(tensors)) return fallback().send(tensors, dst, tag);
+  group_->send(tensors[0].contiguous(), dst, tag);
+  return done(tensors, OpType::SEND);
+}
+
+WorkPtr ShmBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  if (tensors.size() != 1 || !movable(tensors)) return fallback().recv(tensors, src, tag);
+  at::Tensor user = tensors[0];
+  at::Tensor buffer = user.is_contiguous() ? user : at::empty(user.sizes(), user.options());
+  auto posted = group_->post_recv(buffer, src, tag);
+  ++fast_ops_;
+  return c10::make_intrusive<RecvWork>(c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this),
+                                       group_.get(), std::move(posted), user, buffer);
+}
+
+WorkPtr ShmBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return fallback().recvAnysource(tensors, tag);
+}
+
+WorkPtr ShmBackend::barrier(const c10d::BarrierOptions& opts) {
+  group_->barrier();
+  return done({}, OpType::BARRIER);
+}
+
+void ShmBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  fallback().monitoredBarrier(opts, wait_all_ranks);
+}
+
+}  // namespace tpcore::shm

@@ -1,0 +1,144 @@
+// Collectives and point-to-point messages among the ranks of one group on one host,
+// through a shared segment (see layout.h). No torch.distributed types: the c10d backend
+// (backend.h) wraps this. Buffers are contiguous host memory.
+//
+// Collectives run in steps. In step s every rank writes its part into its slot of parity
+// s % 2, publishes s with a header describing its call, and waits until every rank has
+// published s; then it reads the slots of step s. A rank overwrites that slot only in step
+// s + 2, after every rank has published s + 1, i.e. finished reading step s: double
+// buffering instead of a closing barrier. Every rank reduces the same slots in rank order,
+// so results are bitwise identical on every rank.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/shm/layout.h"
+#include "comm/shm/reduce_loops.h"
+#include "comm/shm/segment.h"
+#include "comm/shm/wait.h"
+
+namespace tpcore::shm {
+
+enum class OpCode : uint32_t {
+  kAllReduce = 1,
+  kAllGather,
+  kReduceScatter,
+  kBroadcast,
+  kBarrier,
+  kAllToAll
+};
+
+struct Config {
+  size_t slot_bytes = 1 << 20;    // per rank and parity; larger messages go in chunks
+  size_t cell_bytes = 256 << 10;  // per point-to-point cell
+  int cells = 4;                  // cells per one-way link
+  // At or above this many bytes, groups of more than two ranks all-reduce by
+  // reduce-scatter + all-gather (each rank reduces 1/world) instead of one shot.
+  size_t two_step_bytes = 256 << 10;
+  std::chrono::milliseconds timeout{600000};
+};
+
+class Group {
+ public:
+  // Rank 0 creates the segment and passes its name through `publish_name`; the others
+  // receive it from `fetch_name`. `all_mapped` returns once every rank has mapped it, after
+  // which rank 0 unlinks the name.
+  Group(int rank, int world, const Config& config,
+        const std::function<void(const std::string&)>& publish_name,
+        const std::function<std::string()>& fetch_name, const std::function<void()>& mapped,
+        const std::function<void()>& wait_all_mapped);
+  ~Group();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  const std::string& segment_name() const { return segment_.name(); }
+
+  // In place over the group: t = t_0 (op) t_1 ... in rank order.
+  void all_reduce(const at::Tensor& t, ReduceKind kind);
+  // out [world * n] = every rank's in [n], in rank order.
+  void all_gather(const at::Tensor& out, const at::Tensor& in);
+  // out [n] = reduction over ranks of chunk `rank` of in [world * n].
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKind kind);
+  // t = root's t.
+  void broadcast(const at::Tensor& t, int root);
+  // out chunk r [n] = rank r's in chunk `rank` [n] (in, out: [world * n]).
+  void all_to_all(const at::Tensor& out, const at::Tensor& in);
+  void barrier();
+
+  // Point to point (p2p.cpp). send returns once the message is in the link (it drains
+  // incoming links while waiting for room, so two ranks sending to each other cannot
+  // deadlock). post_recv registers a receive; wait_recv completes it.
+  struct Recv {
+    int src;
+    int64_t tag;
+    char* data;
+    uint64_t bytes;
+    bool done = false;
+    std::string error;  // set when the message that arrived does not fit
+  };
+  void send(const at::Tensor& t, int dst, int64_t tag);
+  std::shared_ptr<Recv> post_recv(const at::Tensor& t, int src, int64_t tag);
+  void wait_recv(const std::shared_ptr<Recv>& r);
+
+  // Gives up on the group: peers stop waiting and raise `reason` too.
+  void abort(const std::string& reason);
+
+ private:
+  RankControl* control(int r) const { return layout_.control(base(), r); }
+  void* base() const { return segment_.data(); }
+  // Publishes `step` with `header`, waits for every rank to publish it, checks headers.
+  void sync(uint32_t step, const OpHeader& header);
+  // Throws if the group was aborted, `peer` died or `elapsed` passed the timeout.
+  void check_peer(int peer, Clock::duration elapsed, const std::string& waiting_for);
+  void check_usable();
+  [[noreturn]] void fail(const std::string& reason);
+  std::string describe(const OpHeader& h) const;
+  void all_reduce_one_shot(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind);
+  void all_reduce_two_step(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind);
+  void reduce_parallel(void* out, const std::vector<const void*>& srcs, int64_t n,
+                       at::ScalarType dtype, ReduceKind kind);
+
+  // p2p.cpp. A message being received or kept: where its bytes go, how many arrived.
+  struct Message {
+    int64_t tag;
+    uint64_t total;
+    uint64_t received = 0;
+    std::shared_ptr<Recv> recv;  // null while nobody has asked for it
+    bool keep = false;           // arriving into `kept`, not into recv's buffer
+    std::vector<char> kept;      // its bytes when it arrived before its receive
+  };
+  struct Incoming {
+    uint32_t consumed = 0;                           // cells read from the link
+    std::shared_ptr<Message> current;                // the message whose cells are arriving
+    std::deque<std::shared_ptr<Recv>> posted;        // receives not matched yet, in post order
+    std::deque<std::shared_ptr<Message>> unclaimed;  // messages nobody asked for yet
+  };
+  static void finish_recv(Recv& r, const Message& m);
+  void drain(int src, const Recv* until);
+  void progress_all();
+
+  int rank_, world_;
+  Config config_;
+  Layout layout_;
+  Segment segment_;
+  WaitPolicy policy_;
+  uint32_t step_ = 0;
+  std::string op_name_;  // the collective in progress, for errors
+  std::string broken_;
+  std::mutex mu_;      // one collective at a time
+  std::mutex p2p_mu_;  // incoming links' state
+  std::vector<std::unique_ptr<std::mutex>> send_mu_;
+  std::vector<uint32_t> sent_cells_, sent_messages_;
+  std::vector<std::unique_ptr<Incoming>> incoming_;
+};
+
+}  // namespace tpcore::shm

@@ -1,0 +1,187 @@
+// Point-to-point messages through one-way links of `cells` cells each (layout.h).
+//
+// A message is one or more consecutive cells; the receiver matches messages to posted
+// receives by tag, in arrival order (receives with the same tag from the same rank match
+// in the order posted). A message that arrives before its receive is posted is kept in a
+// buffer of its own. A sender waiting for room drains its own incoming links, so ranks
+// that send to each other at once always make progress.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "comm/shm/group.h"
+
+namespace tpcore::shm {
+
+Group::~Group() = default;
+
+namespace {
+
+std::string size_error(int me, int src, int64_t tag, uint64_t expected, uint64_t got) {
+  return "tpcore shm: rank " + std::to_string(me) + " expected a message of " +
+         std::to_string(expected) + " bytes with tag " + std::to_string(tag) + " from rank " +
+         std::to_string(src) + ", but rank " + std::to_string(src) + " sent " +
+         std::to_string(got) + " bytes with that tag";
+}
+
+}  // namespace
+
+void Group::finish_recv(Recv& r, const Message& m) {
+  if (r.error.empty() && m.keep && m.total > 0) std::memcpy(r.data, m.kept.data(), m.total);
+  r.done = true;
+}
+
+// Reads the cells that have arrived from `src` (caller holds p2p_mu_). With `until`, stops
+// as soon as that receive is complete, leaving later cells in the link for their own
+// receive to read straight into its buffer.
+void Group::drain(int src, const Recv* until) {
+  if (!incoming_[src]) incoming_[src] = std::make_unique<Incoming>();
+  Incoming& in = *incoming_[src];
+  Channel* link = layout_.channel(base(), src, rank_);
+  while (link->head.value.load(std::memory_order_acquire) != in.consumed) {
+    if (until != nullptr && until->done) return;
+    Cell* cell = layout_.cell(base(), src, rank_, in.consumed);
+    if (cell->offset == 0) {
+      auto m = std::make_shared<Message>();
+      m->tag = cell->tag;
+      m->total = cell->total;
+      auto it = std::find_if(in.posted.begin(), in.posted.end(),
+                             [&](const std::shared_ptr<Recv>& r) { return r->tag == cell->tag; });
+      if (it != in.posted.end()) {
+        m->recv = *it;
+        in.posted.erase(it);
+        if (m->recv->bytes != m->total) {
+          m->recv->error = size_error(rank_, src, m->tag, m->recv->bytes, m->total);
+          m->keep = true;  // read and drop it, so the link stays in step
+          m->kept.resize(m->total);
+        }
+      } else {
+        m->keep = true;
+        m->kept.resize(m->total);
+        in.unclaimed.push_back(m);
+      }
+      in.current = m;
+    }
+    TORCH_CHECK(in.current && cell->offset == in.current->received && cell->tag == in.current->tag,
+                "tpcore shm: corrupt point-to-point link from rank ", src, " to rank ", rank_);
+    Message& m = *in.current;
+    if (cell->bytes > 0) {
+      char* dst = m.keep ? m.kept.data() : m.recv->data;
+      std::memcpy(dst + cell->offset, layout_.cell_data(cell), cell->bytes);
+    }
+    m.received += cell->bytes;
+    link->tail.publish(++in.consumed);
+    if (m.received == m.total) {
+      if (m.recv) {
+        finish_recv(*m.recv, m);
+        // Claimed while arriving: it no longer needs a place in the unclaimed queue.
+        auto it = std::find(in.unclaimed.begin(), in.unclaimed.end(), in.current);
+        if (it != in.unclaimed.end()) in.unclaimed.erase(it);
+      }
+      in.current.reset();
+    }
+  }
+}
+
+void Group::progress_all() {
+  std::lock_guard<std::mutex> lock(p2p_mu_);
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) drain(r, nullptr);
+}
+
+void Group::send(const at::Tensor& t, int dst, int64_t tag) {
+  check_usable();
+  TORCH_CHECK_VALUE(dst >= 0 && dst < world_ && dst != rank_, "tpcore shm: send: peer ", dst,
+                    " is not another rank of this group of ", world_);
+  std::lock_guard<std::mutex> lock(*send_mu_[dst]);
+  Channel* link = layout_.channel(base(), rank_, dst);
+  const char* data = static_cast<const char*>(t.data_ptr());
+  const uint64_t total = t.numel() * t.element_size();
+  const uint32_t cells = static_cast<uint32_t>(layout_.cells());
+  const std::string what = "sending " + std::to_string(total) + " bytes with tag " +
+                           std::to_string(tag) + " to rank " + std::to_string(dst);
+  ++sent_messages_[dst];
+  uint64_t off = 0;
+  do {
+    uint32_t& head = sent_cells_[dst];
+    if (head - link->tail.value.load(std::memory_order_acquire) >= cells) {
+      // The link is full: keep our own incoming links moving while the peer drains it.
+      const auto start = Clock::now();
+      auto next_check = start + policy_.check_every;
+      while (head - link->tail.value.load(std::memory_order_acquire) >= cells) {
+        progress_all();
+        const uint32_t seen = link->tail.value.load(std::memory_order_seq_cst);
+        if (head - seen < cells) break;
+        link->tail.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        if (head - link->tail.value.load(std::memory_order_seq_cst) >= cells)
+          futex_wait(&link->tail.value, seen, std::chrono::microseconds(200));
+        link->tail.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        const auto now = Clock::now();
+        if (now >= next_check) {
+          check_peer(dst, now - start, what);
+          next_check = now + policy_.check_every;
+        }
+      }
+    }
+    Cell* cell = layout_.cell(base(), rank_, dst, head);
+    const uint64_t bytes = std::min<uint64_t>(layout_.cell_bytes(), total - off);
+    cell->tag = tag;
+    cell->total = total;
+    cell->offset = off;
+    cell->bytes = bytes;
+    cell->message = sent_messages_[dst];
+    std::memcpy(layout_.cell_data(cell), data + off, bytes);
+    link->head.publish(++head);
+    off += bytes;
+  } while (off < total);
+}
+
+std::shared_ptr<Group::Recv> Group::post_recv(const at::Tensor& t, int src, int64_t tag) {
+  check_usable();
+  TORCH_CHECK_VALUE(src >= 0 && src < world_ && src != rank_, "tpcore shm: recv: peer ", src,
+                    " is not another rank of this group of ", world_);
+  auto r = std::make_shared<Recv>();
+  r->src = src;
+  r->tag = tag;
+  r->data = static_cast<char*>(t.data_ptr());
+  r->bytes = t.numel() * t.element_size();
+  std::lock_guard<std::mutex> lock(p2p_mu_);
+  if (!incoming_[src]) incoming_[src] = std::make_unique<Incoming>();
+  Incoming& in = *incoming_[src];
+  auto it =
+      std::find_if(in.unclaimed.begin(), in.unclaimed.end(),
+                   [&](const std::shared_ptr<Message>& m) { return m->tag == tag && !m->recv; });
+  if (it == in.unclaimed.end()) {
+    in.posted.push_back(r);
+    return r;
+  }
+  std::shared_ptr<Message> m = *it;
+  m->recv = r;
+  if (m->total != r->bytes) r->error = size_error(rank_, src, tag, r->bytes, m->total);
+  if (m->received == m->total) {
+    finish_recv(*r, *m);
+    in.unclaimed.erase(it);
+  }
+  return r;
+}
+
+void Group::wait_recv(const std::shared_ptr<Recv>& r) {
+  Channel* link = layout_.channel(base(), r->src, rank_);
+  const std::string what = "receiving " + std::to_string(r->bytes) + " bytes with tag " +
+                           std::to_string(r->tag) + " from rank " + std::to_string(r->src);
+  auto poll = [&](uint32_t) {
+    std::lock_guard<std::mutex> lock(p2p_mu_);
+    drain(r->src, r.get());
+    return r->done;
+  };
+  if (!poll(0)) {
+    check_usable();
+    // Wakes on the link's head: each new cell from `src` re-runs the poll.
+    wait_until(link->head, poll, policy_,
+               [&](Clock::duration elapsed) { check_peer(r->src, elapsed, what); });
+  }
+  TORCH_CHECK_VALUE(r->error.empty(), r->error);
+}
+
+}  // namespace tpcore::shm

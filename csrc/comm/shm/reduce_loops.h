@@ -1,0 +1,30 @@
+// Element-wise reductions of equally long buffers, in a fixed order (source 0 first), so
+// every rank that reduces the same buffers gets the same bits. bfloat16 and float16 are
+// accumulated in float32 and rounded once; integers wrap like two's complement.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace tpcore::shm {
+
+enum class ReduceKind : uint8_t { kSum, kAvg, kMax, kMin, kProduct };
+
+// Whether reduce() handles `dtype` with `kind` (kAvg: floating types only).
+bool reducible(at::ScalarType dtype, ReduceKind kind);
+
+// out[i] = srcs[0][i] (op) srcs[1][i] (op) ... for i < n; kAvg divides the sum by nsrc.
+// `out` may not overlap any source.
+void reduce(void* out, const void* const* srcs, int nsrc, int64_t n, at::ScalarType dtype,
+            ReduceKind kind);
+
+// The typed loops, one table per instruction set (baseline and AVX2+F16C), picked at run time.
+struct ReduceLoops {
+  void (*f32)(float*, const float* const*, int, int64_t, ReduceKind);
+  void (*f64)(double*, const double* const*, int, int64_t, ReduceKind);
+  void (*bf16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind);
+  void (*f16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind);
+};
+
+}  // namespace tpcore::shm

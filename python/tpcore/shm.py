@@ -1,0 +1,132 @@
+"""The ``tpcore`` torch.distributed backend: collectives through shared memory among the
+ranks of a group on one host (the C++ in csrc/comm/shm/), gloo for everything else.
+
+``import tpcore`` registers it for CPU tensors, so any torch.distributed program can use it::
+
+    dist.init_process_group("tpcore")                      # or "cpu:tpcore,cuda:nccl"
+    group = dist.new_group([0, 1], backend="tpcore")
+
+all_reduce (sum, avg, max, min, product), all_gather, reduce_scatter, broadcast, barrier,
+all_to_all (equal splits) and send/recv (so batch_isend_irecv) of dense CPU tensors go
+through shared memory; any other operation, dtype or reduce op is delegated to an internal
+gloo backend built on the same store (on first use). A group whose ranks are not all on one
+host is plain gloo. tpcore's own groups (`initialize_model_parallel`) use this backend by
+default on CPU; ``TPCORE_CPU_BACKEND=gloo`` opts out.
+
+Tuning (environment, read when a group is created; the same on every rank):
+``TPCORE_SHM_SLOT_BYTES`` (1 MiB: bytes per rank and step; larger messages go in chunks),
+``TPCORE_SHM_CELL_BYTES`` (256 KiB) and ``TPCORE_SHM_CELLS`` (4) for point-to-point links,
+``TPCORE_SHM_TWO_STEP_BYTES`` (256 KiB: from this size groups of 3+ ranks all-reduce by
+reduce-scatter + all-gather). ``TPCORE_HOST_ID`` overrides the host identity (tests use it
+to pose ranks of one machine as several hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["BACKEND_NAME", "host_id", "register", "shm_backend_of", "cpu_backend_for"]
+
+BACKEND_NAME = "tpcore"
+
+
+def host_id() -> str:
+    """What identifies this host for shared memory: hostname, boot id and IPC namespace
+    (ranks in different containers of one machine do not share /dev/shm)."""
+    override = os.environ.get("TPCORE_HOST_ID")
+    if override:
+        return override
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/ipc").st_ino))
+    except OSError:
+        pass
+    return "/".join(parts)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"tpcore: {name}={value!r} is not an integer") from None
+    if parsed <= 0:
+        raise ValueError(f"tpcore: {name}={value!r} must be positive")
+    return parsed
+
+
+def _hosts(store: dist.Store, rank: int, size: int) -> list[str]:
+    store.set(f"tpcore_host/{rank}", host_id())
+    return [store.get(f"tpcore_host/{r}").decode() for r in range(size)]
+
+
+def _create(opts, backend_options=None):
+    """Backend factory torch.distributed calls for each group (every member rank)."""
+    store, rank, size = opts.store, opts.group_rank, opts.group_size
+    timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=1800)
+
+    def make_gloo():
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+
+    if len(set(_hosts(store, rank, size))) > 1:
+        return make_gloo()  # ranks on several hosts: no shared memory
+    return _C.ShmBackend(
+        store,
+        rank,
+        size,
+        timeout.total_seconds(),
+        slot_bytes=_env_int("TPCORE_SHM_SLOT_BYTES", 1 << 20),
+        cell_bytes=_env_int("TPCORE_SHM_CELL_BYTES", 256 << 10),
+        cells=max(2, _env_int("TPCORE_SHM_CELLS", 4)),
+        two_step_bytes=_env_int("TPCORE_SHM_TWO_STEP_BYTES", 256 << 10),
+        make_fallback=make_gloo,
+    )
+
+
+def register() -> None:
+    """Register the ``tpcore`` backend with torch.distributed (idempotent)."""
+    if not dist.is_available() or BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def shm_backend_of(group: dist.ProcessGroup):
+    """The shared-memory backend behind `group` for CPU tensors, or None (gloo, NCCL, a
+    group spanning hosts). Its `fast_ops` / `fallback_ops` count what took which path."""
+    import torch
+
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):
+        return None
+    return backend if isinstance(backend, _C.ShmBackend) else None
+
+
+def cpu_backend_for(ranks: list[int], hosts: list[str] | None) -> str | None:
+    """The backend string for a tpcore group of `ranks` (global ranks): the default group's,
+    with ``tpcore`` for CPU when the ranks share a host and ``TPCORE_CPU_BACKEND`` is not
+    ``gloo``; None keeps the default group's backend."""
+    choice = os.environ.get("TPCORE_CPU_BACKEND", BACKEND_NAME).lower()
+    if choice not in (BACKEND_NAME, "gloo"):
+        raise ValueError(f"tpcore: TPCORE_CPU_BACKEND={choice!r}: expected 'tpcore' or 'gloo'")
+    if choice == "gloo" or hosts is None or len({hosts[r] for r in ranks}) > 1:
+        return None
+    default = dist.get_backend()
+    if default in ("gloo", BACKEND_NAME):
+        return BACKEND_NAME
+    if ":" in default:  # "cpu:gloo,cuda:nccl" -> "cpu:tpcore,cuda:nccl"
+        parts = dict(p.split(":", 1) for p in default.split(","))
+        if parts.get("cpu") == "gloo":
+            parts["cpu"] = BACKEND_NAME
+        return ",".join(f"{d}:{b}" for d, b in parts.items())
+    return None
