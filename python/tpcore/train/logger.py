@@ -9,6 +9,7 @@ import sys
 import time
 
 from .._atomic import atomic_output
+from .checkpoint_integrity import describe_os_error
 
 __all__ = ["MetricsLogger", "read_metrics", "plot_loss_curve"]
 
@@ -83,8 +84,16 @@ class MetricsLogger:
         if not self.active:
             return
         if self._csv:
-            self._csv.writerow({"iteration": iteration, **{k: repr(float(v)) for k, v in metrics.items()}})
-            self._file.flush()
+            try:
+                self._csv.writerow({"iteration": iteration, **{k: repr(float(v)) for k, v in metrics.items()}})
+                self._file.flush()
+            except OSError as e:  # a full disk must not kill the run from rank 0 alone, mid-collective
+                self.print(f"tpcore: warning: {describe_os_error(e, self.csv_path)}; metrics are no longer written to it")
+                self._csv = None
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
         if self.tensorboard:
             for k, v in metrics.items():
                 self.tensorboard.add_scalar(k, v, iteration)

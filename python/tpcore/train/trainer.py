@@ -22,7 +22,12 @@ from ..pipeline_parallel import (
 )
 from ..tensor_parallel.random import model_parallel_manual_seed
 from .arguments import TrainArgs
+from .agreement import all_or_none
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint_index import read_latest
+from .checkpoint_integrity import random_id
+from .errors import CheckpointError, TrainingError
+from .guards import SkippedStepGuard, check_output_folder, phase
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler, ParallelAdamW
 from .sampling import gather_model_on_first_stage
@@ -44,6 +49,27 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _resume_point(args: TrainArgs) -> str | None:
+    """The checkpoint `--load` names, or None to start from scratch. Raises (every rank
+    alike, before any collective) when `--load` is a folder that does not exist or holds no
+    checkpoint, unless it is also the `--save` folder: that is the auto-resume idiom, whose
+    first run has nothing to load; anywhere else a missing folder is a typo."""
+    if not args.load:
+        return None
+    auto_resume = args.save is not None and os.path.realpath(args.load) == os.path.realpath(args.save)
+    if not os.path.exists(args.load):
+        if auto_resume:
+            return None
+        raise FileNotFoundError(
+            f"tpcore: --load {args.load} does not exist (a typo?); to resume automatically whenever a checkpoint "
+            "is there, pass the same folder to --save"
+        )
+    found = find_checkpoint(args.load)  # a damaged 'latest' or only incomplete iter_N folders raise
+    if found is None and not auto_resume:
+        raise CheckpointError(f"tpcore: --load {args.load} holds no checkpoint (no metadata.json, no 'latest' file, no iter_N folder)")
+    return found
 
 
 def _check_tokens(indexed: IndexedDataset, vocab_size: int, device: str) -> None:
@@ -109,10 +135,13 @@ def pretrain(args: TrainArgs) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("tpcore: --device cuda but CUDA is not available")
-    init_distributed(device)
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    init_distributed(device, timeout.total_seconds())
+    # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
+    resume_from = _resume_point(args)
     pp, chunks_per_rank, schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.pipeline_schedule
     if not parallel_state.is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp, timeout=timeout)
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     dp, dp_rank, rank0 = dist.get_world_size(dp_group), dist.get_rank(dp_group), dist.get_rank() == 0
@@ -135,7 +164,10 @@ def pretrain(args: TrainArgs) -> dict:
     valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
 
     dtype, autocast_dtype = precision(args)
-    resume_from = find_checkpoint(args.load) if args.load else None
+    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
+        if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
+            check_output_folder(folder, flag, device)
+    run_id = random_id(device)  # recorded in every checkpoint of this run and in each of its shards
     torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
     chunks = build_gpt_stages(
         config, num_model_chunks=chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=tp_group, pp_group=pp_group,
@@ -158,7 +190,8 @@ def pretrain(args: TrainArgs) -> dict:
     )
     start = 0
     if resume_from:
-        meta = load_checkpoint(resume_from, chunks, optimizer, tp_group=tp_group, pp_group=pp_group)
+        with phase(f"loading checkpoint {resume_from}", args.distributed_timeout_minutes):
+            meta = load_checkpoint(resume_from, chunks, optimizer, tp_group=tp_group, pp_group=pp_group, verify=args.verify_checkpoint)
         start = meta["iteration"]
         # The data position is step x global batch: another global batch would silently skip
         # or repeat samples. Every rank read the same metadata, so all raise alike.
@@ -168,13 +201,19 @@ def pretrain(args: TrainArgs) -> dict:
                 f"(global batch {meta['consumed_samples'] // max(start, 1)}); resume with that --global-batch-size, not {global_batch}"
             )
     log_dir = args.log_dir or args.save
-    logger = MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress)
+    # Rank 0 alone makes the log folder and files: every rank learns if that failed.
+    logger = all_or_none(
+        lambda: MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress),
+        f"opening the metrics files in {log_dir}", device, error_type=TrainingError,
+    )
+    no_latest = resume_from is not None and os.path.realpath(resume_from) != os.path.realpath(args.load) and read_latest(args.load) is None
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
     logger.print(
         f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp}"
         + (f" x PP {pp} ({schedule}, {chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
         + f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
         + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
+        + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
     )
 
     shape = activation_shape(config, args.micro_batch_size, args.seq_length, dist.get_world_size(tp_group))
@@ -204,6 +243,7 @@ def pretrain(args: TrainArgs) -> dict:
         path = save_checkpoint(
             args.save, iteration, chunks, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
             extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer)},
+            run_id=run_id,
         )
         logger.print(f"tpcore: saved checkpoint {path}")
 
@@ -211,23 +251,29 @@ def pretrain(args: TrainArgs) -> dict:
         chunk.train()
     loss = valid_loss = float("nan")
     iteration = start
+    minutes = args.distributed_timeout_minutes
+    skips = SkippedStepGuard(args.max_skipped_steps, optimizer.scaler)
     while iteration < args.train_iters:
-        with StepTimer(device == "cuda") as timer:
+        with phase(f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)", minutes), StepTimer(device == "cuda") as timer:
             step_loss = run_pipeline(train_batches, iteration, forward_only=False)
             finalize_model_grads(chunks, tp_group=tp_group)  # sequence-parallel and tied-embedding gradients
             lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
+            explained = skips.scale_can_drop()
             grad_norm, skipped = optimizer.step(lr, args.clip_grad)
+            loss = _dp_mean(step_loss, dp_group, device)
         iteration += 1
-        loss = _dp_mean(step_loss, dp_group, device)
         stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - start >= args.exit_interval)
         metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=optimizer.loss_scale, skipped=float(skipped),
                        tokens_per_s=global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
         if valid_batches and (iteration % args.eval_interval == 0 or stop):
-            metrics["valid_loss"] = valid_loss = evaluate()
+            with phase(f"evaluation after step {iteration}", minutes):
+                metrics["valid_loss"] = valid_loss = evaluate()
             logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
         logger.record(iteration, **metrics)
+        skips.update(iteration, skipped, explained, loss)  # raises on every rank alike, before any save of this step
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or stop):
-            save(iteration)
+            with phase(f"saving the checkpoint of step {iteration}", minutes):
+                save(iteration)
         if stop:
             break
 
