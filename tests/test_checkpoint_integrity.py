@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import shutil
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -61,6 +63,17 @@ def _every_rank_raises(match: str, fn, *args, **kwargs) -> str:
     raise AssertionError(f"nothing raised; expected {match!r}")
 
 
+def _middle_of_largest_tensor(path: str) -> int:
+    """The file offset of the middle of the largest tensor record of a torch.save zip file."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    assert info.file_size >= 8192 and info.compress_type == zipfile.ZIP_STORED, info
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
 def _damaged_shards(rank, world, root):
     """World 4 = TP 2 x DP 2: a 4 KiB patch of random bytes inside a shard, swapped shards,
     a shard of another save; every rank raises naming the file before training on it."""
@@ -75,8 +88,8 @@ def _damaged_shards(rank, world, root):
         for folder in (corrupt, swapped, foreign):
             shutil.copytree(good, folder)
         path = os.path.join(corrupt, "model_tp00_pp00.pt")
-        with open(path, "r+b") as f:  # inside the tensor data, where the zip reader looks at nothing
-            f.seek(os.path.getsize(path) // 2)
+        with open(path, "r+b") as f:  # inside the largest tensor's bytes, which no reader checks
+            f.seek(_middle_of_largest_tensor(path) - 2048)
             f.write(os.urandom(4096))
         a, b = (os.path.join(swapped, f"model_tp{r:02d}_pp00.pt") for r in (0, 1))
         os.rename(a, a + ".x"), os.rename(b, a), os.rename(a + ".x", b)
