@@ -36,11 +36,12 @@ def _worker(rank: int, world: int, store_path: str, backend: str, group_timeout_
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    import tpcore  # registers the "tpcore" backend before the default group exists
+
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=group_timeout_s)
     )
-    import tpcore
 
     while True:
         job = next_task(tasks)

@@ -88,7 +88,8 @@ def _edge_collectives(rank, world):
     bf16, fp32 = per_rank_tensor((4, 3), rank, torch.bfloat16), per_rank_tensor((4, 3), rank)
     _C._mark_collective_missing(group, "reduce_scatter_base", bf16)
     fallbacks = _C._collective_fallbacks()
-    assert fallbacks == ["gloo/reduce_scatter_base/BFloat16/cpu"], fallbacks
+    backend = "tpcore" if tpcore.shm.shm_backend_of(group) is not None else "gloo"
+    assert fallbacks == [f"{backend}/reduce_scatter_base/BFloat16/cpu"], fallbacks
     for x in (bf16, fp32):
         inputs = [per_rank_tensor((4, 3), rank - tp_rank + r, x.dtype) for r in range(tp)]
         want = torch.stack([t.double() for t in inputs]).sum(0).to(x.dtype).chunk(tp, 0)[tp_rank]

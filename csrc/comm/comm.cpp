@@ -21,6 +21,16 @@ bool is_unsupported_error(const c10::Error& e) {
          msg.find("not implemented") != std::string::npos;
 }
 
+// The name of the backend that serves `t`'s device in `g` ("gloo", "tpcore", "nccl"); the
+// group's own name says only "custom" for a registered backend.
+std::string backend_name(const Group& g, const at::Tensor& t) {
+  try {
+    return g->getBackend(t.device().type())->getBackendName();
+  } catch (const c10::Error&) {
+    return g->getBackendName();
+  }
+}
+
 // (backend, collective, dtype, device) combinations found unsupported, remembered so the
 // unsupported call is attempted once per process, not once per step. Keyed that finely so
 // that one failure (say gloo's reduce-scatter of one dtype) never sends other dtypes or
@@ -46,7 +56,7 @@ class MissingOps {
 
  private:
   static std::string key(const Group& g, const char* op, const at::Tensor& t) {
-    return g->getBackendName() + "/" + op + "/" + std::string(c10::toString(t.scalar_type())) +
+    return backend_name(g, t) + "/" + op + "/" + std::string(c10::toString(t.scalar_type())) +
            "/" + c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
   }
   std::mutex mu_;
