@@ -34,7 +34,7 @@ def phase(what: str, timeout_minutes: float) -> Iterator[None]:
         text = str(e).lower()
         if any(w in text for w in _TIMEOUT_WORDS):
             hint = (f" (a collective got no answer within --distributed-timeout-minutes {timeout_minutes:g}: "
-                    "a peer rank is stopped, hung or much slower; the ranks that did not fail are the ones to look at)")
+                    "a peer rank is stopped, hung or much slower; the ranks that report no error are the ones to look at)")
         elif any(w in text for w in _PEER_WORDS):
             hint = " (a peer rank left the job: its own error says why)"
         else:
