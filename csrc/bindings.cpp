@@ -140,6 +140,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("fast_ops", &tpcore::shm::ShmBackend::fast_ops)
       .def_property_readonly("fallback_ops", &tpcore::shm::ShmBackend::fallback_ops)
       .def_property_readonly("segment_name", &tpcore::shm::ShmBackend::segment_name);
+  // Benchmark hook: `iters` sums of `tensor` over `group` in a C++ loop (no Python between
+  // calls); returns the seconds taken, to separate the transport's cost from the caller's.
+  m.def(
+      "_shm_all_reduce_loop",
+      [](const Group& group, const at::Tensor& tensor, int64_t iters) {
+        auto* shm = tpcore::shm::ShmBackend::of(group, tensor);
+        TORCH_CHECK_VALUE(shm && tensor.is_contiguous(),
+                          "tpcore: _shm_all_reduce_loop needs a tpcore-backend group and a "
+                          "contiguous CPU tensor");
+        const auto start = std::chrono::steady_clock::now();
+        for (int64_t i = 0; i < iters; ++i) shm->all_reduce_sum(tensor);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      },
+      py::arg("group"), py::arg("tensor"), py::arg("iters"), release_gil());
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+#include "comm/shm/backend.h"
+
 // _allgather_base / _reduce_scatter_base are deprecated aliases in new torch but
 // the only spelling that exists across every torch we support (>= 2.4).
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
@@ -56,8 +58,8 @@ class MissingOps {
 
  private:
   static std::string key(const Group& g, const char* op, const at::Tensor& t) {
-    return backend_name(g, t) + "/" + op + "/" + std::string(c10::toString(t.scalar_type())) +
-           "/" + c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
+    return backend_name(g, t) + "/" + op + "/" + std::string(c10::toString(t.scalar_type())) + "/" +
+           c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
   }
   std::mutex mu_;
   std::set<std::string> missing_;
@@ -112,6 +114,10 @@ PendingCollective all_reduce_inplace_async(at::Tensor tensor, const Group& group
   if (group_size(group) == 1) return PendingCollective(tensor);
   // Reducing a contiguous copy and copying back keeps non-contiguous inputs correct.
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  if (auto* shm = shm::ShmBackend::of(group, buffer); shm && shm->all_reduce_sum(buffer)) {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    return PendingCollective(tensor);
+  }
   std::vector<at::Tensor> tensors{buffer};
   auto work = group->allreduce(tensors);
   return PendingCollective(work, [tensor, buffer]() mutable {
@@ -136,6 +142,10 @@ PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const G
   buffer_shape.insert(buffer_shape.end(), local.sizes().begin(), local.sizes().end());
   at::Tensor buffer = at::empty(buffer_shape, local.options());
 
+  if (auto* shm = shm::ShmBackend::of(group, local)) {
+    shm->all_gather(buffer.view({-1}), local.view({-1}));
+    return PendingCollective(dim == 0 ? buffer.flatten(0, 1) : at::cat(buffer.unbind(0), dim));
+  }
   c10::intrusive_ptr<c10d::Work> work;
   if (!missing_ops().lacks(group, "allgather_base", input)) {
     try {
@@ -177,6 +187,9 @@ PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, con
     auto out_shape = input.sizes().vec();
     out_shape[dim] /= world;
     at::Tensor out = at::empty(out_shape, input.options());
+    if (auto* shm = shm::ShmBackend::of(group, stacked);
+        shm && shm->reduce_scatter_sum(out.view({-1}), stacked.view({-1})))
+      return PendingCollective(out);
     try {
       at::Tensor flat_out = out.view({-1});
       at::Tensor flat_in = stacked.view({-1});
@@ -200,6 +213,10 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src_rank, const Group& gro
                     " is outside the group of size ", world);
   if (world == 1) return input;
   std::vector<at::Tensor> tensors{input.clone(at::MemoryFormat::Contiguous)};
+  if (auto* shm = shm::ShmBackend::of(group, tensors[0])) {
+    shm->broadcast(tensors[0], static_cast<int>(src_rank));
+    return tensors[0];
+  }
   c10d::BroadcastOptions opts;
   opts.rootRank = src_rank;
   group->broadcast(tensors, opts)->wait();

@@ -53,6 +53,28 @@ void on_contiguous(const at::Tensor& t, bool copy_in, Fn fn) {
   t.copy_(c);
 }
 
+// The work of an operation already done: nothing to wait for; the future is made only
+// when asked for (DDP's hooks do, tpcore's paths never).
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(int rank, OpType op, std::vector<at::Tensor> result)
+      : c10d::Work(rank, op), result_(std::move(result)) {
+    finish();
+  }
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto fut =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    fut->markCompleted(c10::IValue(result_));
+    return fut;
+  }
+
+ private:
+  std::vector<at::Tensor> result_;
+};
+
 // A receive in flight: wait() reads it from the link (see Group::wait_recv).
 class RecvWork : public c10d::Work {
  public:
@@ -132,10 +154,40 @@ c10d::Backend& ShmBackend::fallback() {
 
 WorkPtr ShmBackend::done(std::vector<at::Tensor> result, OpType op) {
   ++fast_ops_;
-  auto fut =
-      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-  fut->markCompleted(c10::IValue(std::move(result)));
-  return c10d::Work::create_from_future(fut);
+  return c10::make_intrusive<DoneWork>(getRank(), op, std::move(result));
+}
+
+ShmBackend* ShmBackend::of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& t) {
+  if (!pg || !movable(t)) return nullptr;
+  try {
+    return dynamic_cast<ShmBackend*>(pg->getBackend(t.device().type()).get());
+  } catch (const c10::Error&) {
+    return nullptr;  // no backend for this device
+  }
+}
+
+bool ShmBackend::all_reduce_sum(const at::Tensor& t) {
+  if (!reducible(t.scalar_type(), ReduceKind::kSum)) return false;
+  group_->all_reduce(t, ReduceKind::kSum);
+  ++fast_ops_;
+  return true;
+}
+
+void ShmBackend::all_gather(const at::Tensor& out, const at::Tensor& in) {
+  group_->all_gather(out, in);
+  ++fast_ops_;
+}
+
+bool ShmBackend::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in) {
+  if (!reducible(in.scalar_type(), ReduceKind::kSum)) return false;
+  group_->reduce_scatter(out, in, ReduceKind::kSum);
+  ++fast_ops_;
+  return true;
+}
+
+void ShmBackend::broadcast(const at::Tensor& t, int root) {
+  group_->broadcast(t, root);
+  ++fast_ops_;
 }
 
 WorkPtr ShmBackend::broadcast(std::vector<at::Tensor>& tensors,

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/shm/group.h"
@@ -75,6 +76,16 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  // The shared-memory backend serving `t`'s device in `pg`, or null (tpcore's collectives
+  // call it directly: the same work without c10d's dispatch, Work and future per call).
+  static ShmBackend* of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& t);
+  // Direct forms of the fast ops for contiguous CPU tensors (see Group); false when `t`'s
+  // dtype has no shared-memory path, so the caller goes through c10d instead.
+  bool all_reduce_sum(const at::Tensor& t);
+  void all_gather(const at::Tensor& out, const at::Tensor& in);
+  bool reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in);
+  void broadcast(const at::Tensor& t, int root);
 
   // Counts of operations that took the shared-memory path and the gloo path (tests, benchmarks).
   int64_t fast_ops() const { return fast_ops_; }
