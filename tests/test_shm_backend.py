@@ -310,3 +310,18 @@ def test_bad_opt_out_value_is_named(monkeypatch):
     monkeypatch.setenv("TPCORE_CPU_BACKEND", "mpi")
     with pytest.raises(ValueError, match="TPCORE_CPU_BACKEND"):
         tpcore.shm.cpu_backend_for([0], ["h"])
+
+
+def _layer_batch_mismatch(rank, world):
+    # Issue 22 item 8: a different batch size per rank into RowParallelLinear aborted the
+    # process inside gloo; on the shared-memory backend the step header names the mismatch.
+    tpcore.initialize_model_parallel(tensor_parallel_size=world)
+    layer = tpcore.RowParallelLinear(8 * world, 4, input_is_parallel=True)
+    expect_error(ValueError, "mismatched collectives", layer, torch.randn(2 + rank % 2, 8))
+    # Same shapes afterwards: the group is still usable.
+    assert layer(torch.randn(3, 8)).shape == (3, 4)
+    return True
+
+
+def test_layer_inputs_of_different_sizes_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_layer_batch_mismatch)
