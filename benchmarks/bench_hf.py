@@ -1,12 +1,16 @@
 """tpcore.hf against plain transformers on the same saved model, in the same run.
 
     python benchmarks/bench_hf.py [--hidden 1024 --layers 8 --vocab 32000] [--model PATH] [--device cpu|cuda]
+                                  [--tp 1 2] [--cpu-backends tpcore gloo]
 
 The model (default: a Llama of 159M parameters, 636 MB in fp32, random weights, built
 from a config and saved with save_pretrained) is run
 - by plain transformers in a fresh process (all cores, and 1 thread),
 - by tpcore.hf at TP=1 and TP=2, each rank a fresh worker started by tpcore.hf.launch
-  (cores / TP threads each, so every contender uses the same cores).
+  (cores / TP threads each, so every contender uses the same cores); on CPU each TP size
+  once per backend of `--cpu-backends` for the tensor-parallel group: `tpcore` (shared
+  memory) and `gloo` (TPCORE_CPU_BACKEND set for the launch; each worker checks with
+  tpcore.shm.shm_backend_of that its group uses the intended backend and reports it).
 Reported:
 1. Resident memory per rank (VmHWM above VmRSS before loading, after the imports): the
    peak while loading, and the peak through loading plus a first forward (transformers
@@ -17,6 +21,13 @@ Reported:
    logits are gathered) and `tpcore.hf.generate` (the LM head stays vocab-parallel: a
    global argmax over the shards); top-k=50 sampling likewise (tpcore gathers each shard's
    50 candidates; `top_k=None` gathers all logits). Ratios against plain transformers.
+3. At TP>1, the collectives' share of a token's time: collectives per generated token
+   (the shm backend's fast + fallback op counts over a generation of `--new` tokens minus
+   those of 1 token, / (new - 1); a gloo row takes the count of the tpcore row of its TP
+   size, the model being the same) x the median latency of one all-reduce of one token's
+   hidden state (`tpcore.comm.all_reduce` on the TP group, measured in the same workers),
+   against the mode's ms/token. An estimate: the head's gather or argmax exchange moves
+   other sizes than the hidden state.
 """
 
 from __future__ import annotations
@@ -53,8 +64,10 @@ def _timed(fn, repeats: int, sync) -> float:
     return min(times)  # the least disturbed run: the machine may be shared
 
 
-def _timings(model, prompt: torch.Tensor, new: int, repeats: int, modes: list[str]) -> dict[str, dict[str, float]]:
-    """Per-token latency (s) and tokens/s of each generation mode, measured in this process."""
+def _timings(model, prompt: torch.Tensor, new: int, repeats: int, modes: list[str], ops=None) -> dict[str, dict[str, float]]:
+    """Per-token latency (s) and tokens/s of each generation mode, measured in this process;
+    with `ops` (a function giving the collectives issued so far, (fast, fallback)), also
+    the collectives per generated token."""
     import tpcore.hf
 
     device = next(model.parameters()).device
@@ -73,6 +86,13 @@ def _timings(model, prompt: torch.Tensor, new: int, repeats: int, modes: list[st
             runs[mode](2)  # warm-up
             one, full = _timed(lambda: runs[mode](1), repeats, sync), _timed(lambda: runs[mode](new), repeats, sync)
             out[mode] = {"latency_s": (full - one) / (new - 1), "tokens_per_s": new / full}
+            if ops is not None:  # (ops of `new` tokens - ops of 1 token) / (new - 1), like the latency
+                a = ops()
+                runs[mode](1)
+                b = ops()
+                runs[mode](new)
+                c = ops()
+                out[mode]["collectives_per_token"] = [((c[i] - b[i]) - (b[i] - a[i])) / (new - 1) for i in range(2)]
     return out
 
 
@@ -104,19 +124,81 @@ def _forward(model, prompt):
         model(prompt.to(next(model.parameters()).device))
 
 
-def _bench_tp(path: str, tp: int, device: str, prompt, new: int, repeats: int) -> dict:
+def _tp_backend(model) -> str:
+    """Which backend carries the tensor-parallel group's CPU collectives in this worker."""
+    import torch.distributed as dist
+    import tpcore
+
+    group = tpcore.parallel_state.get_tensor_model_parallel_group()
+    return "tpcore" if tpcore.shm.shm_backend_of(group) is not None else dist.get_backend(group)
+
+
+def _op_counter():
+    """(fast, fallback) ops issued so far on the TP group's shm backend, or None under gloo."""
+    import tpcore
+
+    shm = tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
+    return None if shm is None else (lambda: (shm.fast_ops, shm.fallback_ops))
+
+
+def _tp_timings(model, prompt, new: int, repeats: int, modes: list[str]):
+    return _timings(model, prompt, new, repeats, modes, ops=_op_counter())
+
+
+def _all_reduce_latency(model, calls: int = 300) -> float | None:
+    """Median seconds of one `tpcore.comm.all_reduce` of one token's hidden state
+    ([1, hidden], the model's dtype) on the TP group; None at TP=1."""
+    import torch.distributed as dist
+    import tpcore
+
+    group = tpcore.parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return None
+    param = next(model.parameters())
+    x = torch.randn(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    times = []
+    for i in range(calls + 20):  # 20 warm-up calls
+        sync()
+        start = time.perf_counter()
+        tpcore.comm.all_reduce(x, group=group)
+        sync()
+        if i >= 20:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _bench_tp(path: str, tp: int, device: str, prompt, new: int, repeats: int, cpu_backend: str | None) -> dict:
     import tpcore.hf
 
-    with tpcore.hf.launch(path, tp, device=device, timeout=1800) as handle:
+    saved = os.environ.get("TPCORE_CPU_BACKEND")
+    if cpu_backend is not None:  # the workers inherit the environment when they start (in launch)
+        os.environ["TPCORE_CPU_BACKEND"] = cpu_backend
+    try:
+        handle = tpcore.hf.launch(path, tp, device=device, timeout=1800)
+    finally:
+        if saved is None:
+            os.environ.pop("TPCORE_CPU_BACKEND", None)
+        else:
+            os.environ["TPCORE_CPU_BACKEND"] = saved
+    with handle:
+        backends = handle.run(_all_ranks, _tp_backend)
+        if cpu_backend is not None and any(b != cpu_backend for b in backends):
+            raise RuntimeError(f"TP={tp}: asked for the {cpu_backend} backend, the ranks' TP groups use {backends}")
+        print(f"tpcore.hf TP={tp}: the TP group uses {', '.join(backends)} (ranks 0..{tp - 1})", flush=True)
         handle.run(_forward, prompt)
         peaks = handle.run(_all_ranks, _peak_since_load)
         stats = handle.load_stats
         modes = ["hf greedy", "tpcore greedy", "hf top-k 50", "tpcore top-k 50", "tpcore full-vocab sample"]
-        timings = handle.run(_timings, prompt, new, repeats, modes)
+        timings = handle.run(_tp_timings, prompt, new, repeats, modes)
+        all_reduce_s = handle.run(_all_reduce_latency)
     return {
         "load_mib": [(s["peak_rss_kib"] - s["rss_before_kib"]) / 1024 for s in stats],
         "forward_mib": [(p - s["rss_before_kib"]) / 1024 for p, s in zip(peaks, stats)],
         "timings": timings,
+        "tp": tp,
+        "backend": backends[0],
+        "all_reduce_s": all_reduce_s,
     }
 
 
@@ -143,8 +225,8 @@ def _save_model(args, path: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model and generation options (shared with bench_hf_tp_plan.py)."""
     parser.add_argument("--model", help="a save_pretrained folder (default: a Llama built from the sizes below)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -155,9 +237,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cpu-backends", nargs="+", default=["tpcore", "gloo"], choices=["tpcore", "gloo"],
+                        help="backends of the tensor-parallel group on CPU, each TP size run once per backend")
     args = parser.parse_args()
+    if args.new < 2:
+        parser.error("--new must be at least 2 (the per-token latency is (t(new) - t(1)) / (new - 1))")
 
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:
@@ -176,7 +267,11 @@ def main() -> None:
             rows[f"transformers, {threads} thr"] = results.get(timeout=3600)
             proc.join()
         for tp in args.tp:
-            rows[f"tpcore.hf TP={tp}"] = _bench_tp(path, tp, args.device, prompt, args.new, args.repeats)
+            if args.device == "cuda":  # NCCL: the CPU backend does not apply
+                rows[f"tpcore.hf TP={tp}"] = _bench_tp(path, tp, args.device, prompt, args.new, args.repeats, None)
+                continue
+            for backend in args.cpu_backends:
+                rows[f"tpcore.hf TP={tp}, {backend}"] = _bench_tp(path, tp, args.device, prompt, args.new, args.repeats, backend)
 
     print(f"\n1. resident memory per rank, MiB above the process before loading ({os.cpu_count()} cores)")
     print(f"{'contender':<24} {'peak while loading':<28} {'peak through first forward':<28}")
@@ -192,6 +287,26 @@ def main() -> None:
             ref = base["hf top-k 50" if "top-k" in mode or "sample" in mode else "hf greedy"]
             print(f"{name:<24} {mode:<26} {t['latency_s'] * 1e3:>9.1f} {t['tokens_per_s']:>9.2f} "
                   f"{t['tokens_per_s'] / ref['tokens_per_s']:>24.2f}x")
+
+    tp_rows = {name: row for name, row in rows.items() if row.get("tp", 1) > 1}
+    if tp_rows:
+        print("\n3. collectives' share of a token's time at TP>1: collectives per generated token x the median "
+              "latency of one all-reduce of one token's hidden state, measured in the same workers")
+        print(f"{'contender':<24} {'mode':<26} {'colls/token':>11} {'all-reduce':>11}   share")
+    for name, row in tp_rows.items():
+        counted = next((r for r in tp_rows.values() if r["tp"] == row["tp"] and r["backend"] == "tpcore"), None)
+        for mode, t in row["timings"].items():
+            counts = (counted or {}).get("timings", {}).get(mode, {}).get("collectives_per_token")
+            per_token_us, all_reduce_us = t["latency_s"] * 1e6, row["all_reduce_s"] * 1e6
+            if counts is None:
+                print(f"{name:<24} {mode:<26} {'n/a':>11} {all_reduce_us:>8.1f} us   "
+                      "(no count: only the tpcore backend counts its ops)")
+                continue
+            n = sum(counts)
+            share = n * all_reduce_us
+            note = f" ({counts[1]:.1f} of them through the gloo fallback)" if counts[1] else ""
+            print(f"{name:<24} {mode:<26} {n:>11.1f} {all_reduce_us:>8.1f} us   collectives ~ {share:.0f} us of "
+                  f"{per_token_us:.0f} us per token ({100 * share / per_token_us:.1f}%){note}")
 
 
 if __name__ == "__main__":
