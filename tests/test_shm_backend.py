@@ -281,8 +281,9 @@ def test_point_to_point(cpu_ranks):
 
 def _hosts_and_opt_out(rank, world):
     # Ranks posing as two hosts: a group across them is plain gloo; groups within one host
-    # use shared memory. tpcore's own groups follow the same rule.
-    with _env(TPCORE_HOST_ID=f"host{rank // 2}"):
+    # use shared memory. tpcore's own groups follow the same rule. (TPCORE_CPU_BACKEND is
+    # set here, since the suite also runs with it set to gloo.)
+    with _env(TPCORE_HOST_ID=f"host{rank // 2}", TPCORE_CPU_BACKEND="tpcore"):
         across = dist.new_group(list(range(world)), backend="tpcore")
         assert tpcore.shm.shm_backend_of(across) is None
         x = torch.full((3,), float(rank))
@@ -297,7 +298,8 @@ def _hosts_and_opt_out(rank, world):
         tpcore.initialize_model_parallel(tensor_parallel_size=2)
         assert tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group()) is None
         tpcore.destroy_model_parallel()
-    tpcore.initialize_model_parallel(tensor_parallel_size=4)
+    with _env(TPCORE_CPU_BACKEND="tpcore"):
+        tpcore.initialize_model_parallel(tensor_parallel_size=4)
     assert tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group()) is not None
     return True
 
@@ -315,7 +317,8 @@ def test_bad_opt_out_value_is_named(monkeypatch):
 def _layer_batch_mismatch(rank, world):
     # Issue 22 item 8: a different batch size per rank into RowParallelLinear aborted the
     # process inside gloo; on the shared-memory backend the step header names the mismatch.
-    tpcore.initialize_model_parallel(tensor_parallel_size=world)
+    with _env(TPCORE_CPU_BACKEND="tpcore"):  # the suite also runs with gloo as the default
+        tpcore.initialize_model_parallel(tensor_parallel_size=world)
     layer = tpcore.RowParallelLinear(8 * world, 4, input_is_parallel=True)
     expect_error(ValueError, "mismatched collectives", layer, torch.randn(2 + rank % 2, 8))
     # Same shapes afterwards: the group is still usable.
