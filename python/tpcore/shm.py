@@ -14,10 +14,11 @@ host is plain gloo. tpcore's own groups (`initialize_model_parallel`) use this b
 default on CPU; ``TPCORE_CPU_BACKEND=gloo`` opts out.
 
 Tuning (environment, read when a group is created; the same on every rank):
-``TPCORE_SHM_SLOT_BYTES`` (1 MiB: bytes per rank and step; larger messages go in chunks),
+``TPCORE_SHM_SLOT_BYTES`` (256 KiB: bytes per rank and step; larger messages go in chunks),
 ``TPCORE_SHM_CELL_BYTES`` (256 KiB) and ``TPCORE_SHM_CELLS`` (4) for point-to-point links,
-``TPCORE_SHM_TWO_STEP_BYTES`` (256 KiB: from this size groups of 3+ ranks all-reduce by
-reduce-scatter + all-gather). ``TPCORE_HOST_ID`` overrides the host identity (tests use it
+``TPCORE_SHM_TWO_STEP_BYTES`` (32 KiB: from this size groups of 3+ ranks all-reduce by
+reduce-scatter + all-gather). The defaults were measured on a 2-core machine
+(benchmarks/RESULTS.md). ``TPCORE_HOST_ID`` overrides the host identity (tests use it
 to pose ranks of one machine as several hosts).
 """
 
@@ -85,10 +86,10 @@ def _create(opts, backend_options=None):
         rank,
         size,
         timeout.total_seconds(),
-        slot_bytes=_env_int("TPCORE_SHM_SLOT_BYTES", 1 << 20),
+        slot_bytes=_env_int("TPCORE_SHM_SLOT_BYTES", 256 << 10),
         cell_bytes=_env_int("TPCORE_SHM_CELL_BYTES", 256 << 10),
         cells=max(2, _env_int("TPCORE_SHM_CELLS", 4)),
-        two_step_bytes=_env_int("TPCORE_SHM_TWO_STEP_BYTES", 256 << 10),
+        two_step_bytes=_env_int("TPCORE_SHM_TWO_STEP_BYTES", 32 << 10),
         make_fallback=make_gloo,
     )
 

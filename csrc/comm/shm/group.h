@@ -38,12 +38,15 @@ enum class OpCode : uint32_t {
 };
 
 struct Config {
-  size_t slot_bytes = 1 << 20;    // per rank and parity; larger messages go in chunks
+  // Per rank and parity; larger messages go in chunks. 256 KiB was best here for 1-16 MiB
+  // all-reduces (a step's slots stay in cache; benchmarks/RESULTS.md).
+  size_t slot_bytes = 256 << 10;
   size_t cell_bytes = 256 << 10;  // per point-to-point cell
   int cells = 4;                  // cells per one-way link
   // At or above this many bytes, groups of more than two ranks all-reduce by
-  // reduce-scatter + all-gather (each rank reduces 1/world) instead of one shot.
-  size_t two_step_bytes = 256 << 10;
+  // reduce-scatter + all-gather (each rank reduces 1/world) instead of one shot; it pays
+  // from 32-64 KiB at 3 and 4 ranks here.
+  size_t two_step_bytes = 32 << 10;
   std::chrono::milliseconds timeout{600000};
 };
 
