@@ -4,6 +4,7 @@ measured in the same run.
 
     python benchmarks/bench_comm.py                    # 2 and 4 ranks, 4 B to 64 MiB
     python benchmarks/bench_comm.py --worlds 2 --max-bytes 1048576
+    python benchmarks/bench_comm.py --tune             # slot size and two-step threshold sweep
 
 Contenders, fp32, one thread per rank:
 - `tpcore.comm`: what tpcore's layers call (C++; the backend is called directly),
@@ -158,6 +159,49 @@ def _case(rank, world, store, sizes, ops, results):
     results.put((rank, (table, copy, ds_note)))
 
 
+def _tune_case(rank, world, store, slots, two_steps, sizes, results):
+    """The transport alone (C++ loop, best of 3) per slot size and two-step threshold."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import tpcore  # noqa: F401 - registers the backend
+    from tpcore import _C
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    rows = {}
+    for slot in slots:
+        for two_step in two_steps:
+            os.environ.update(TPCORE_SHM_SLOT_BYTES=str(slot), TPCORE_SHM_TWO_STEP_BYTES=str(two_step))
+            group = dist.new_group(list(range(world)), backend="tpcore")
+            for nbytes in sizes:
+                x = torch.ones(nbytes // 4)
+                iters = max(5, int(0.3e9 / nbytes / 4))
+                _C._shm_all_reduce_loop(group, x, 3)
+                rows[(slot, two_step, nbytes)] = min(_C._shm_all_reduce_loop(group, x, iters) / iters for _ in range(3))
+    dist.destroy_process_group()
+    results.put((rank, rows))
+
+
+def tune(worlds: list[int]) -> None:
+    """Sweep of the slot size and of the two-step threshold (the defaults come from it)."""
+    slots = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    sizes = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    for world in worlds:
+        two_steps = [32 << 10, 1 << 40] if world > 2 else [1 << 40]
+        rows = run_on_ranks(_tune_case, world, slots, two_steps, sizes)[0]
+        print(f"\n### all-reduce, {world} ranks, transport alone (us per call)\n")
+        print("| slot | two-step from | " + " | ".join(_fmt_bytes(n) for n in sizes) + " |")
+        print("|---|---|" + "---|" * len(sizes))
+        for slot in slots:
+            for two_step in two_steps:
+                label = _fmt_bytes(two_step) if two_step < (1 << 40) else "never"
+                print(f"| {_fmt_bytes(slot)} | {label} | " + " | ".join(_fmt_us(rows[(slot, two_step, n)]) for n in sizes) + " |")
+
+
 def _bus_factor(op: str, world: int) -> float:
     if op == "all_reduce":
         return 2 * (world - 1) / world
@@ -182,7 +226,11 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    parser.add_argument("--tune", action="store_true", help="sweep slot sizes and the two-step threshold instead")
     args = parser.parse_args()
+    if args.tune:
+        tune(args.worlds)
+        return
     sizes = [s for s in SIZES if s <= args.max_bytes]
     print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
     for world in args.worlds:

@@ -45,22 +45,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import environment  # noqa: E402
+
 _SHM_PREFIX = "deepspeed_allreduce_buffer"
 _ready: tuple[Callable[[torch.Tensor], None] | None, str] | None = None
-
-
-@contextlib.contextmanager
-def _env(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _all_ok(ok: bool) -> bool:
@@ -118,7 +107,7 @@ def setup(rank: int, world: int) -> tuple[Callable[[torch.Tensor], None] | None,
     try:
         import deepspeed.comm as ds_comm
 
-        with _env(LOCAL_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=port), contextlib.redirect_stdout(io.StringIO()):
+        with environment(dict(LOCAL_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=port)), contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(verbose=False)
         cdb = ds_comm.comm.cdb
         if getattr(cdb, "shm_comm_op", None) is None or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
