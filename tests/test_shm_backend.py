@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import threading
 
 import pytest
@@ -255,6 +256,26 @@ def _p2p(rank, world):
         req.wait()
     assert torch.equal(got_big, torch.arange(50_000, dtype=torch.float32) + prv)
     assert torch.equal(got_small, torch.arange(7) * (nxt + 1))
+    # The same ring with the ops issued and waited on in random orders (different on each
+    # rank): a rank waiting for one peer must drain the others (this deadlocked once).
+    rng = random.Random(rank)
+    for it in range(40):
+        n = (1, 100, 5000, 50_000)[it % 4]
+        big, small = torch.arange(n, dtype=torch.float32) + rank + it, torch.arange(7) * (rank + 1) + it
+        got_big, got_small = torch.empty(n), torch.empty(7, dtype=torch.int64)
+        ops = [
+            dist.P2POp(dist.isend, big, nxt, group=group, tag=1),
+            dist.P2POp(dist.isend, small, prv, group=group, tag=2),
+            dist.P2POp(dist.irecv, got_big, prv, group=group, tag=1),
+            dist.P2POp(dist.irecv, got_small, nxt, group=group, tag=2),
+        ]
+        rng.shuffle(ops)
+        reqs = dist.batch_isend_irecv(ops)
+        rng.shuffle(reqs)
+        for req in reqs:
+            req.wait()
+        assert torch.equal(got_big, torch.arange(n, dtype=torch.float32) + prv + it), it
+        assert torch.equal(got_small, torch.arange(7) * (nxt + 1) + it), it
     # Tags match out of order; a non-contiguous receive buffer is filled.
     if rank == 0:
         dist.send(torch.full((3,), 5.0), 1, group=group, tag=5)

@@ -37,6 +37,7 @@ struct OpHeader {
 
 struct alignas(64) RankControl {
   WaitWord step;   // the last step this rank has published
+  WaitWord inbox;  // bumped by every cell sent to this rank: a receiver sleeps on it
   OpHeader op[2];  // its header for the step of each parity
   int32_t pid;
 };

@@ -133,6 +133,7 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
     cell->message = sent_messages_[dst];
     std::memcpy(layout_.cell_data(cell), data + off, bytes);
     link->head.publish(++head);
+    control(dst)->inbox.bump();
     off += bytes;
   } while (off < total);
 }
@@ -167,18 +168,24 @@ std::shared_ptr<Group::Recv> Group::post_recv(const at::Tensor& t, int src, int6
 }
 
 void Group::wait_recv(const std::shared_ptr<Recv>& r) {
-  Channel* link = layout_.channel(base(), r->src, rank_);
   const std::string what = "receiving " + std::to_string(r->bytes) + " bytes with tag " +
                            std::to_string(r->tag) + " from rank " + std::to_string(r->src);
+  // Drains the other incoming links too: a peer blocked sending to this rank (its link
+  // full) may be what the awaited sender waits for, in a cycle of ranks (a ring of large
+  // messages deadlocked without this). Messages with a posted receive go straight into it.
   auto poll = [&](uint32_t) {
     std::lock_guard<std::mutex> lock(p2p_mu_);
     drain(r->src, r.get());
+    if (!r->done)
+      for (int other = 0; other < world_; ++other)
+        if (other != rank_ && other != r->src) drain(other, nullptr);
     return r->done;
   };
+
   if (!poll(0)) {
     check_usable();
-    // Wakes on the link's head: each new cell from `src` re-runs the poll.
-    wait_until(link->head, poll, policy_,
+    // Wakes on this rank's inbox: each new cell from any rank re-runs the poll.
+    wait_until(control(rank_)->inbox, poll, policy_,
                [&](Clock::duration elapsed) { check_peer(r->src, elapsed, what); });
   }
   TORCH_CHECK_VALUE(r->error.empty(), r->error);

@@ -42,6 +42,11 @@ struct alignas(64) WaitWord {
     value.store(v, std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
   }
+  // For a word several ranks write (a doorbell): any change wakes the sleepers.
+  void bump() {
+    value.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
+  }
 };
 
 struct WaitPolicy {
