@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2,3", help="which parts to run")
     args = parser.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
-    backend = "gloo" if os.environ.get("TPCORE_CPU_BACKEND", "tpcore").lower() == "gloo" else "tpcore shared memory"
+    backend = "gloo" if tpcore.shm.opted_out() else "tpcore shared memory"
     print(f"torch {torch.__version__}, CPU, {os.cpu_count()} cores, pipeline groups on {backend} (TPCORE_CPU_BACKEND), fp32")
 
     if 1 in parts:

@@ -87,6 +87,11 @@ at::Tensor chunks_to_front(const at::Tensor& input, int64_t dim, int world) {
   return at::stack(input.chunk(world, dim), 0).contiguous();
 }
 
+// A [world, ...] gather buffer as every rank's piece concatenated along `dim`.
+at::Tensor concat_gathered(const at::Tensor& buffer, int64_t dim) {
+  return dim == 0 ? buffer.flatten(0, 1) : at::cat(buffer.unbind(0), dim);
+}
+
 }  // namespace
 
 at::Tensor PendingCollective::wait() {
@@ -144,7 +149,7 @@ PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const G
 
   if (auto* shm = shm::ShmBackend::of(group, local)) {
     shm->all_gather(buffer.view({-1}), local.view({-1}));
-    return PendingCollective(dim == 0 ? buffer.flatten(0, 1) : at::cat(buffer.unbind(0), dim));
+    return PendingCollective(concat_gathered(buffer, dim));
   }
   c10::intrusive_ptr<c10d::Work> work;
   if (!missing_ops().lacks(group, "allgather_base", input)) {
@@ -162,10 +167,7 @@ PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const G
     std::vector<at::Tensor> inputs{local};
     work = group->allgather(outputs, inputs);
   }
-  return PendingCollective(work, [buffer, dim, world]() {
-    if (dim == 0) return buffer.flatten(0, 1);
-    return at::cat(buffer.unbind(0), dim);
-  });
+  return PendingCollective(work, [buffer, dim]() { return concat_gathered(buffer, dim); });
 }
 
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group) {

@@ -15,7 +15,6 @@ fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -133,7 +132,7 @@ def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None)
 def _hosts() -> list[str] | None:
     """Every rank's host identity (one gather on the default group), or None where the
     shared-memory backend cannot apply (opted out, or a default group without gloo)."""
-    if os.environ.get("TPCORE_CPU_BACKEND", shm.BACKEND_NAME).lower() == "gloo":
+    if shm.opted_out():
         return None
     default = dist.get_backend()
     if default not in ("gloo", shm.BACKEND_NAME) and "cpu:gloo" not in default:

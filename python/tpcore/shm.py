@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["BACKEND_NAME", "host_id", "register", "shm_backend_of", "cpu_backend_for"]
+__all__ = ["BACKEND_NAME", "host_id", "register", "shm_backend_of", "opted_out", "cpu_backend_for"]
 
 BACKEND_NAME = "tpcore"
 
@@ -113,14 +113,20 @@ def shm_backend_of(group: dist.ProcessGroup):
     return backend if isinstance(backend, _C.ShmBackend) else None
 
 
+def opted_out() -> bool:
+    """Whether ``TPCORE_CPU_BACKEND=gloo`` asks tpcore's groups to stay on gloo (any value
+    but ``tpcore`` or ``gloo`` is an error naming the variable)."""
+    choice = os.environ.get("TPCORE_CPU_BACKEND", BACKEND_NAME).lower()
+    if choice not in (BACKEND_NAME, "gloo"):
+        raise ValueError(f"tpcore: TPCORE_CPU_BACKEND={choice!r}: expected 'tpcore' or 'gloo'")
+    return choice == "gloo"
+
+
 def cpu_backend_for(ranks: list[int], hosts: list[str] | None) -> str | None:
     """The backend string for a tpcore group of `ranks` (global ranks): the default group's,
     with ``tpcore`` for CPU when the ranks share a host and ``TPCORE_CPU_BACKEND`` is not
     ``gloo``; None keeps the default group's backend."""
-    choice = os.environ.get("TPCORE_CPU_BACKEND", BACKEND_NAME).lower()
-    if choice not in (BACKEND_NAME, "gloo"):
-        raise ValueError(f"tpcore: TPCORE_CPU_BACKEND={choice!r}: expected 'tpcore' or 'gloo'")
-    if choice == "gloo" or hosts is None or len({hosts[r] for r in ranks}) > 1:
+    if opted_out() or hosts is None or len({hosts[r] for r in ranks}) > 1:
         return None
     default = dist.get_backend()
     if default in ("gloo", BACKEND_NAME):

@@ -135,12 +135,11 @@ class Group {
   Segment segment_;
   WaitPolicy policy_;
   uint32_t step_ = 0;
-  std::string op_name_;  // the collective in progress, for errors
   std::string broken_;
   std::mutex mu_;      // one collective at a time
   std::mutex p2p_mu_;  // incoming links' state
   std::vector<std::unique_ptr<std::mutex>> send_mu_;
-  std::vector<uint32_t> sent_cells_, sent_messages_;
+  std::vector<uint32_t> sent_cells_;
   std::vector<std::unique_ptr<Incoming>> incoming_;
 };
 

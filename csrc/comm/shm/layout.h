@@ -50,10 +50,9 @@ struct alignas(64) Channel {
 
 struct alignas(64) Cell {
   int64_t tag;
-  uint64_t total;    // bytes of the whole message
-  uint64_t offset;   // of this cell's bytes within it
-  uint64_t bytes;    // in this cell
-  uint32_t message;  // the sender's message counter on this link (checks ordering)
+  uint64_t total;   // bytes of the whole message
+  uint64_t offset;  // of this cell's bytes within it
+  uint64_t bytes;   // in this cell
 };
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }

@@ -101,7 +101,6 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
   const uint32_t cells = static_cast<uint32_t>(layout_.cells());
   const std::string what = "sending " + std::to_string(total) + " bytes with tag " +
                            std::to_string(tag) + " to rank " + std::to_string(dst);
-  ++sent_messages_[dst];
   uint64_t off = 0;
   do {
     uint32_t& head = sent_cells_[dst];
@@ -130,7 +129,6 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
     cell->total = total;
     cell->offset = off;
     cell->bytes = bytes;
-    cell->message = sent_messages_[dst];
     std::memcpy(layout_.cell_data(cell), data + off, bytes);
     link->head.publish(++head);
     control(dst)->inbox.bump();
