@@ -8,7 +8,6 @@
 #include "comm/shm/backend.h"
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
-#include "tensor_parallel/ops.h"
 
 namespace py = pybind11;
 using tpcore::Group;
@@ -36,54 +35,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         "A collective in flight; wait() returns its result.")
       .def("wait", &tpcore::PendingCollective::wait, release_gil());
 
-  // Collectives (no autograd).
-  m.def("all_reduce", &tpcore::all_reduce, py::arg("input"), py::arg("group"), release_gil());
+  // Collectives in flight (eager only); the synchronous collectives, the mappings and the
+  // layers are custom operators: torch.ops.tpcore.* (ops/schemas.cpp).
   m.def("all_reduce_inplace_async", &tpcore::all_reduce_inplace_async, py::arg("tensor"),
         py::arg("group"), release_gil());
-  m.def("all_gather", &tpcore::all_gather, py::arg("input"), py::arg("dim"), py::arg("group"),
-        release_gil());
   m.def("all_gather_async", &tpcore::all_gather_async, py::arg("input"), py::arg("dim"),
-        py::arg("group"), release_gil());
-  m.def("reduce_scatter", &tpcore::reduce_scatter, py::arg("input"), py::arg("dim"),
         py::arg("group"), release_gil());
   m.def("reduce_scatter_async", &tpcore::reduce_scatter_async, py::arg("input"), py::arg("dim"),
         py::arg("group"), release_gil());
   m.def("reduce_scatter_via_all_reduce", &tpcore::reduce_scatter_via_all_reduce, py::arg("input"),
         py::arg("dim"), py::arg("group"), release_gil());
-  m.def("broadcast", &tpcore::broadcast, py::arg("input"), py::arg("src_rank"), py::arg("group"),
-        release_gil());
 
-  // Autograd mappings.
-  m.def("copy_to_tensor_parallel", &tpcore::copy_to_tensor_parallel, release_gil());
-  m.def("reduce_from_tensor_parallel", &tpcore::reduce_from_tensor_parallel, release_gil());
-  m.def("scatter_to_tensor_parallel", &tpcore::scatter_to_tensor_parallel, release_gil());
-  m.def("gather_from_tensor_parallel", &tpcore::gather_from_tensor_parallel, release_gil());
-  m.def("scatter_to_sequence_parallel", &tpcore::scatter_to_sequence_parallel, release_gil());
-  m.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, py::arg("input"),
-        py::arg("group"), py::arg("reduce_scatter_grad") = true, release_gil());
-  m.def("reduce_scatter_to_sequence_parallel", &tpcore::reduce_scatter_to_sequence_parallel,
-        release_gil());
-
-  // Layers.
-  m.def("column_parallel_linear", &tpcore::column_parallel_linear, py::arg("input"),
-        py::arg("weight"), py::arg("bias"), py::arg("group"), py::arg("gather_output"),
-        py::arg("sequence_parallel"), release_gil());
-  m.def("row_parallel_linear", &tpcore::row_parallel_linear, py::arg("input"), py::arg("weight"),
-        py::arg("bias"), py::arg("group"), py::arg("input_is_parallel"),
-        py::arg("sequence_parallel"), release_gil());
-
-  // Vocab-parallel embedding and cross-entropy.
-  m.def("vocab_parallel_embedding", &tpcore::vocab_parallel_embedding, py::arg("ids"),
-        py::arg("weight"), py::arg("group"), py::arg("num_embeddings"), py::arg("padding_idx"),
-        py::arg("sequence_parallel"), release_gil());
-  m.def("vocab_parallel_cross_entropy", &tpcore::vocab_parallel_cross_entropy, py::arg("logits"),
-        py::arg("target"), py::arg("group"), py::arg("vocab_size"), py::arg("label_smoothing"),
-        py::arg("ignore_index"), py::arg("reduction"), py::arg("z_loss"),
-        py::arg("inplace_backward"), release_gil());
-  m.def("vocab_parallel_linear_cross_entropy", &tpcore::vocab_parallel_linear_cross_entropy,
-        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("group"),
-        py::arg("vocab_size"), py::arg("label_smoothing"), py::arg("ignore_index"),
-        py::arg("reduction"), py::arg("z_loss"), py::arg("chunk_size"), release_gil());
   // Test hooks: stand in for a backend without a collective; cap CUDA grids to exercise
   // the grid-stride loops on small inputs.
   m.def("_collective_fallbacks", &tpcore::collective_fallbacks);

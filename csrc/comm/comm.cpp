@@ -6,6 +6,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "comm/shm/backend.h"
 
@@ -103,6 +104,17 @@ at::Tensor PendingCollective::wait() {
     waited_ = true;
   }
   return result_;
+}
+
+Group group_by_name(c10::string_view name) {
+  const std::string key(name);
+  try {
+    return c10d::resolve_process_group(key);
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, "tpcore: no process group is registered under the name '", key,
+                      "' (pass group.group_name of a torch.distributed group, after "
+                      "init_process_group / new_group)");
+  }
 }
 
 int group_size(const Group& group) {

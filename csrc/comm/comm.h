@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include <functional>
 #include <string>
@@ -34,6 +35,10 @@ class PendingCollective {
   at::Tensor result_;
   bool waited_ = false;
 };
+
+// The group registered under `name` (torch.distributed registers every group it creates;
+// Python passes `group.group_name`). A clear error when there is none.
+Group group_by_name(c10::string_view name);
 
 int group_size(const Group& group);
 int group_rank(const Group& group);

@@ -53,6 +53,9 @@ void check_cross_entropy_args(const char* what, const at::Tensor& target,
                     target.sizes(), " does not match the logits' leading shape ", expected_shape);
   TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
                     " but the logits are on ", device);
+}
+
+void check_target_values(const char* what, const at::Tensor& target, const CrossEntropyOptions& o) {
   if (target.numel() == 0) return;
   const at::Tensor bad = (target != o.ignore_index) & ((target < 0) | (target >= o.vocab_size));
   if (bad.any().item<bool>()) {
@@ -147,46 +150,81 @@ void save_options(AutogradContext* ctx, const CrossEntropyOptions& o) {
   d["z_loss"] = o.z_loss;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_kernel(
+    const at::Tensor& logits, const at::Tensor& target_, GroupName name, int64_t vocab_size,
+    double label_smoothing, int64_t ignore_index, double z_loss) {
+  const Group group = group_by_name(name);
+  const CrossEntropyOptions options{vocab_size, label_smoothing, ignore_index, Reduction::None,
+                                    z_loss};
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = target_.to(at::kLong).contiguous();
+  // Reads the targets' values (a host sync): here, where the tensors are real, on every rank
+  // before the collective.
+  check_target_values("vocab_parallel_cross_entropy", t, options);
+  const VocabShard shard = vocab_shard(group, x.size(1), vocab_size);
+  TokenLoss token =
+      combine_cross_entropy_stats(cross_entropy_stats(x, t, shard), t, group, options);
+  return {token.loss, token.lse, token.mask};
+}
+
+at::Tensor cross_entropy_backward_kernel(const at::Tensor& logits, const at::Tensor& target,
+                                         const at::Tensor& lse, const at::Tensor& scale,
+                                         GroupName name, int64_t vocab_size, double label_smoothing,
+                                         double z_loss) {
+  const CrossEntropyOptions options{vocab_size, label_smoothing, -100, Reduction::None, z_loss};
+  const at::Tensor x = logits.contiguous();
+  const VocabShard shard = vocab_shard(group_by_name(name), x.size(1), vocab_size);
+  at::Tensor out = x.is_cpu() ? empty_cached_cpu(x.sizes(), x.scalar_type()) : at::empty_like(x);
+  cross_entropy_grad(x, target.to(at::kLong).contiguous(), lse, scale, out, shard, options);
+  return out;
+}
+
 namespace {
 
 struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParallelCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
-                            const at::Tensor& target, const Group& group,
-                            CrossEntropyOptions options, bool inplace_backward,
-                            at::ScalarType loss_dtype) {
+                            const at::Tensor& target, GroupName group, CrossEntropyOptions options,
+                            bool inplace_backward, at::ScalarType loss_dtype) {
     const int64_t local_vocab = logits.size(-1);
     // The logits themselves are saved (not a view made here), so autograd's version check
     // guards them; a non-contiguous input is saved as its contiguous copy.
     const at::Tensor saved_logits = logits.contiguous();
     const at::Tensor x = saved_logits.view({-1, local_vocab});
     const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
-    const VocabShard shard = vocab_shard(group, local_vocab, options.vocab_size);
-    const TokenLoss token =
-        combine_cross_entropy_stats(cross_entropy_stats(x, t, shard), t, group, options);
+    auto [loss, lse, mask] =
+        op::cross_entropy_forward(x, t, group, options.vocab_size, options.label_smoothing,
+                                  options.ignore_index, options.z_loss);
     save_group(ctx, group);
     save_options(ctx, options);
     ctx->saved_data["inplace_backward"] = inplace_backward;
     ctx->saved_data["logits_shape"] = logits.sizes();
     // Nothing [tokens, vocab]-sized is saved beyond the logits themselves.
-    ctx->save_for_backward({saved_logits, t, token.lse, token.mask});
-    return reduce_loss(token, options, target, loss_dtype);
+    ctx->save_for_backward({saved_logits, t, lse, mask});
+    return reduce_loss({loss, lse, mask}, options, target, loss_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const CrossEntropyOptions options = load_options(ctx);
+    const std::string group = load_group(ctx);
     auto saved = ctx->get_saved_variables();
     const at::Tensor x = saved[0].view({-1, saved[0].size(-1)});
     const at::Tensor &t = saved[1], &lse = saved[2], &mask = saved[3];
-    const VocabShard shard = vocab_shard(load_group(ctx), x.size(1), options.vocab_size);
-    at::Tensor out = x;
-    if (!ctx->saved_data["inplace_backward"].toBool()) {
-      out = x.is_cpu() ? empty_cached_cpu(x.sizes(), x.scalar_type()) : at::empty_like(x);
+    const at::Tensor scale = loss_grad_scale(grads[0], mask, options);
+    at::Tensor out;
+    if (ctx->saved_data["inplace_backward"].toBool()) {
+      // Eager only (vocab_parallel_cross_entropy turns it off when traced): the kernel
+      // itself, writing into the logits.
+      out = x;
+      const VocabShard shard = vocab_shard(group_by_name(group), x.size(1), options.vocab_size);
+      cross_entropy_grad(x, t, lse, scale, out, shard, options);
+      // The logits now hold their gradient: whoever saved them (another node, or this one
+      // under retain_graph=True) must get autograd's "modified by an inplace operation"
+      // error instead of a silently wrong gradient.
+      torch::autograd::impl::bump_version(x);
+    } else {
+      out = op::cross_entropy_backward(x, t, lse, scale, group, options.vocab_size,
+                                       options.label_smoothing, options.z_loss);
     }
-    cross_entropy_grad(x, t, lse, loss_grad_scale(grads[0], mask, options), out, shard, options);
-    // The logits now hold their gradient: whoever saved them (another node, or this one
-    // under retain_graph=True) must get autograd's "modified by an inplace operation"
-    // error instead of a silently wrong gradient.
-    if (out.is_same(x)) torch::autograd::impl::bump_version(x);
     const auto shape = ctx->saved_data["logits_shape"].toIntVector();
     // Not a view (a view would stop autograd from stealing the buffer into .grad: a copy).
     return {at::_unsafe_view(out, shape),
@@ -201,11 +239,12 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
-                                        const Group& group, int64_t vocab_size,
-                                        double label_smoothing, int64_t ignore_index,
-                                        int64_t reduction, double z_loss, bool inplace_backward) {
+                                        GroupName group, int64_t vocab_size, double label_smoothing,
+                                        int64_t ignore_index, int64_t reduction, double z_loss,
+                                        bool inplace_backward) {
   const char* what = "vocab_parallel_cross_entropy";
-  const int world = group_size(group);
+  check_static_shapes(what, {logits, target});
+  const int world = group_size(group_by_name(group));
   check_loss_dtype(what, "logits", logits.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() >= 1, "tpcore: ", what, ": logits must have a vocab dim");
   const CrossEntropyOptions options = make_cross_entropy_options(
@@ -220,6 +259,9 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                     "tpcore: ", what,
                     ": inplace_backward=True would overwrite a leaf tensor's data with its ",
                     "gradient; pass logits computed by an operation (e.g. the LM head's output)");
+  // Traced (torch.compile, export): the out-of-place backward, the same numbers; a graph
+  // cannot overwrite a tensor it saved.
+  if (is_traced(logits)) inplace_backward = false;
   // The math is fp32 whatever the logits; the loss comes back in the logits' dtype, or in
   // fp32 under autocast, as F.cross_entropy's would.
   const at::ScalarType loss_dtype = autocast_dtype(logits) ? at::kFloat : logits.scalar_type();

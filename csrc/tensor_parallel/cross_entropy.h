@@ -41,12 +41,16 @@ CrossEntropyOptions make_cross_entropy_options(const char* what, int64_t vocab_s
 // Raises a TypeError unless `dtype` is float32, bfloat16 or float16 (`name` says of what).
 void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype);
 
-// Validates the options, the target (shape `expected_shape`, integer, in range or ignored)
-// and its device; raises before any collective.
+// Validates the options, the target (shape `expected_shape`, integer) and its device;
+// raises before any collective. Reads no values: fake (traced) tensors pass through.
 void check_cross_entropy_args(const char* what, const at::Tensor& target,
                               at::IntArrayRef expected_shape, const at::Device& device,
                               int64_t local_vocab, int64_t world,
                               const CrossEntropyOptions& options);
+// Raises an IndexError naming the first target that is neither in range nor ignored (one
+// host sync; call it where the tensors are real, before the collective).
+void check_target_values(const char* what, const at::Tensor& target,
+                         const CrossEntropyOptions& options);
 
 // Per-token (max, sum exp, target logit, sum logits) of this rank's shard [N, V_local].
 at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,

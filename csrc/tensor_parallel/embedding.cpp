@@ -30,31 +30,23 @@ at::Tensor lookup_backward(const at::Tensor& ids, const at::Tensor& grad, int64_
 
 struct VocabParallelEmbeddingFn : public torch::autograd::Function<VocabParallelEmbeddingFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& weight,
-                            const Group& group, int64_t padding_idx, bool sequence_parallel) {
-    const int64_t vocab_start = group_rank(group) * weight.size(0);
+                            GroupName group, int64_t num_embeddings, int64_t padding_idx,
+                            bool sequence_parallel) {
     save_group(ctx, group);
     ctx->saved_data["rows"] = weight.size(0);
     ctx->saved_data["padding_idx"] = padding_idx;
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
-    const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
-    ctx->save_for_backward({flat_ids});
-    auto shape = ids.sizes().vec();
-    shape.push_back(weight.size(1));
-    at::Tensor local = lookup(flat_ids, weight.contiguous(), vocab_start).view(shape);
-    if (sequence_parallel) return reduce_scatter(local, 0, group);
-    return all_reduce_inplace_async(local, group).wait();
+    ctx->save_for_backward({ids.reshape({-1}).to(at::kLong).contiguous()});
+    return op::vocab_parallel_embedding_forward(ids, weight, group, num_embeddings,
+                                                sequence_parallel);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group = load_group(ctx);
-    const int64_t rows = ctx->saved_data["rows"].toInt();
-    at::Tensor grad = grads[0];
-    if (ctx->saved_data["sequence_parallel"].toBool()) grad = all_gather(grad, 0, group);
-    grad = grad.reshape({-1, grad.size(-1)}).contiguous();
-    at::Tensor grad_weight =
-        lookup_backward(ctx->get_saved_variables()[0], grad, rows, group_rank(group) * rows,
-                        ctx->saved_data["padding_idx"].toInt());
-    return {at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+    auto& d = ctx->saved_data;
+    at::Tensor grad_weight = op::vocab_parallel_embedding_backward(
+        grads[0], ctx->get_saved_variables()[0], d["rows"].toInt(), d["padding_idx"].toInt(),
+        load_group(ctx), d["sequence_parallel"].toBool());
+    return {at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -75,11 +67,37 @@ void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size
                     min_id < 0 ? min_id : max_id, " is out of range [0, ", vocab_size, ")");
 }
 
-at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight,
-                                    const Group& group, int64_t num_embeddings, int64_t padding_idx,
+at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const at::Tensor& weight,
+                                                   GroupName name, int64_t num_embeddings,
+                                                   bool sequence_parallel) {
+  const Group group = group_by_name(name);
+  // Here, not in vocab_parallel_embedding: it reads the ids' values (a host sync), which a
+  // traced (fake) tensor does not have. Every rank checks before the collective.
+  check_token_ids("VocabParallelEmbedding", ids, num_embeddings);
+  const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
+  auto shape = ids.sizes().vec();
+  shape.push_back(weight.size(1));
+  at::Tensor local =
+      lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)).view(shape);
+  if (sequence_parallel) return reduce_scatter(local, 0, group).contiguous();
+  return all_reduce_inplace_async(local, group).wait();
+}
+
+at::Tensor vocab_parallel_embedding_backward_kernel(const at::Tensor& grad_, const at::Tensor& ids,
+                                                    int64_t rows, int64_t padding_idx,
+                                                    GroupName name, bool sequence_parallel) {
+  const Group group = group_by_name(name);
+  at::Tensor grad = sequence_parallel ? all_gather(grad_, 0, group) : grad_;
+  grad = grad.reshape({-1, grad.size(-1)}).contiguous();
+  return lookup_backward(ids, grad, rows, group_rank(group) * rows, padding_idx);
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, GroupName name,
+                                    int64_t num_embeddings, int64_t padding_idx,
                                     bool sequence_parallel) {
   const char* what = "VocabParallelEmbedding";
-  const int world = group_size(group);
+  check_static_shapes(what, {ids, weight});
+  const int world = group_size(group_by_name(name));
   TORCH_CHECK_VALUE(weight.dim() == 2, "tpcore: ", what, ": weight must be 2-D, got ",
                     weight.sizes());
   TORCH_CHECK_VALUE(num_embeddings <= weight.size(0) * world, "tpcore: ", what, ": num_embeddings ",
@@ -87,13 +105,17 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
                     world, " ranks)");
   TORCH_CHECK_VALUE(ids.device() == weight.device(), "tpcore: ", what, ": token ids are on ",
                     ids.device(), " but the weight is on ", weight.device());
-  check_token_ids(what, ids, num_embeddings);
+  TORCH_CHECK_TYPE(!at::isFloatingType(ids.scalar_type()) &&
+                       !at::isComplexType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+                   "tpcore: ", what, ": token ids must be an integer tensor, got ",
+                   ids.scalar_type());
   if (sequence_parallel) {
     TORCH_CHECK_VALUE(ids.dim() >= 1 && ids.size(0) % world == 0, "tpcore: ", what,
                       ": with sequence parallelism dim 0 (sequence) of the ids, shape ",
                       ids.sizes(), ", must be divisible by the tensor-parallel size ", world);
   }
-  return VocabParallelEmbeddingFn::apply(ids, weight, group, padding_idx, sequence_parallel);
+  return VocabParallelEmbeddingFn::apply(ids, weight, name, num_embeddings, padding_idx,
+                                         sequence_parallel);
 }
 
 }  // namespace tpcore

@@ -54,7 +54,7 @@ void check_sequence_dim(const char* layer, const at::Tensor& t, const Group& gro
 
 struct ColumnParallelLinearFn : public torch::autograd::Function<ColumnParallelLinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, const Group& group,
+                            const std::optional<at::Tensor>& bias, GroupName group,
                             bool sequence_parallel) {
     save_group(ctx, group);
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
@@ -62,61 +62,40 @@ struct ColumnParallelLinearFn : public torch::autograd::Function<ColumnParallelL
     // With sequence parallelism only the local sequence shard is saved; backward
     // gathers it again rather than keeping the full [seq, batch, in] activation.
     ctx->save_for_backward({input, weight});
-    at::Tensor total_input = sequence_parallel ? all_gather(input, 0, group) : input;
+    at::Tensor total_input = sequence_parallel ? op::all_gather(input, 0, group) : input;
     return at::linear(total_input, weight, bias);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group = load_group(ctx);
-    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
     auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor grad_output = grads[0].contiguous();
-
-    PendingCollective gathered_input =
-        sequence_parallel ? all_gather_async(input, 0, group) : PendingCollective(input);
-
-    // Issue the input-gradient reduction first, then compute the weight
-    // gradient while it is in flight.
-    PendingCollective grad_input;
-    const bool need_input_grad = ctx->needs_input_grad(0);
-    if (need_input_grad) {
-      at::Tensor partial = grad_output.matmul(weight);
-      grad_input = sequence_parallel ? reduce_scatter_async(partial, 0, group)
-                                     : all_reduce_inplace_async(partial, group);
-    }
-    at::Tensor grad_weight, grad_bias;
-    at::Tensor total_input = gathered_input.wait();
-    const at::Tensor grad_2d = as_2d(grad_output);
-    if (ctx->needs_input_grad(1)) grad_weight = grad_2d.t().mm(as_2d(total_input));
-    if (has_bias && ctx->needs_input_grad(2)) grad_bias = grad_2d.sum(0);
-    return {need_input_grad ? grad_input.wait() : at::Tensor(), grad_weight, grad_bias,
-            at::Tensor(), at::Tensor()};
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                   has_bias && ctx->needs_input_grad(2)};
+    auto [grad_input, grad_weight, grad_bias] =
+        op::column_parallel_linear_backward(grads[0], saved[0], saved[1], load_group(ctx),
+                                            ctx->saved_data["sequence_parallel"].toBool(), mask);
+    return {mask[0] ? grad_input : at::Tensor(), mask[1] ? grad_weight : at::Tensor(),
+            mask[2] ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 struct RowParallelLinearFn : public torch::autograd::Function<RowParallelLinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const Group& group, bool sequence_parallel) {
+                            GroupName group, bool sequence_parallel) {
     save_group(ctx, group);
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
     ctx->save_for_backward({input, weight});
-    at::Tensor partial = at::matmul(input, weight.t());
-    if (sequence_parallel) return reduce_scatter(partial, 0, group);
-    // `partial` is a fresh temporary: sum it in place, no extra copy.
-    return all_reduce_inplace_async(partial, group).wait();
+    return op::row_parallel_linear_forward(input, weight, group, sequence_parallel);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group = load_group(ctx);
-    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
+    const std::string group = load_group(ctx);
     auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     at::Tensor grad_output = grads[0].contiguous();
-    if (sequence_parallel) grad_output = all_gather(grad_output, 0, group);
+    if (ctx->saved_data["sequence_parallel"].toBool())
+      grad_output = op::all_gather(grad_output, 0, group);
     at::Tensor grad_input, grad_weight;
     if (ctx->needs_input_grad(0)) grad_input = grad_output.matmul(weight);
     if (ctx->needs_input_grad(1)) grad_weight = as_2d(grad_output).t().mm(as_2d(input));
@@ -141,13 +120,48 @@ LinearInputs autocast_linear_inputs(const at::Tensor& input, const at::Tensor& w
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, GroupName name,
+    bool sequence_parallel, std::array<bool, 3> mask) {
+  const Group group = group_by_name(name);
+  const at::Tensor grad_output = grad.contiguous();
+  PendingCollective gathered_input =
+      sequence_parallel ? all_gather_async(input, 0, group) : PendingCollective(input);
+  // Issue the input-gradient reduction first, then compute the weight gradient while it
+  // is in flight.
+  PendingCollective grad_input;
+  if (mask[0]) {
+    at::Tensor partial = grad_output.matmul(weight);
+    grad_input = sequence_parallel ? reduce_scatter_async(partial, 0, group)
+                                   : all_reduce_inplace_async(partial, group);
+  }
+  // A masked-off gradient is an empty tensor of its own (outputs must not alias each other).
+  const auto none = [&] { return at::empty({0}, grad.options()); };
+  at::Tensor grad_weight = none(), grad_bias = none();
+  const at::Tensor total_input = gathered_input.wait();
+  const at::Tensor grad_2d = as_2d(grad_output);
+  if (mask[1]) grad_weight = grad_2d.t().mm(as_2d(total_input));
+  if (mask[2]) grad_bias = grad_2d.sum(0);
+  return {mask[0] ? grad_input.wait() : none(), grad_weight, grad_bias};
+}
+
+at::Tensor row_parallel_linear_forward_kernel(const at::Tensor& input, const at::Tensor& weight,
+                                              GroupName name, bool sequence_parallel) {
+  const Group group = group_by_name(name);
+  at::Tensor partial = at::matmul(input, weight.t());
+  if (sequence_parallel) return reduce_scatter(partial, 0, group).contiguous();
+  // `partial` is a fresh temporary: sum it in place, no extra copy.
+  return all_reduce_inplace_async(partial, group).wait().contiguous();
+}
+
 at::Tensor column_parallel_linear(const at::Tensor& input_, const at::Tensor& weight_,
-                                  const std::optional<at::Tensor>& bias_, const Group& group,
+                                  const std::optional<at::Tensor>& bias_, GroupName group,
                                   bool gather_output, bool sequence_parallel) {
   const char* layer = "ColumnParallelLinear";
+  check_static_shapes(layer, {input_, weight_, bias_.value_or(at::Tensor())});
   const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
   const NoAutocast no_autocast;
-  check_linear_args(layer, input, weight, bias, weight.size(0), group);
+  check_linear_args(layer, input, weight, bias, weight.size(0), group_by_name(group));
   TORCH_CHECK_VALUE(!(gather_output && sequence_parallel), "tpcore: ", layer,
                     ": gather_output=True cannot be combined with sequence_parallel=True");
   if (sequence_parallel)
@@ -160,11 +174,13 @@ at::Tensor column_parallel_linear(const at::Tensor& input_, const at::Tensor& we
 }
 
 at::Tensor row_parallel_linear(const at::Tensor& input_, const at::Tensor& weight_,
-                               const std::optional<at::Tensor>& bias_, const Group& group,
+                               const std::optional<at::Tensor>& bias_, GroupName name,
                                bool input_is_parallel, bool sequence_parallel) {
   const char* layer = "RowParallelLinear";
+  check_static_shapes(layer, {input_, weight_, bias_.value_or(at::Tensor())});
   const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
   const NoAutocast no_autocast;
+  const Group group = group_by_name(name);
   const int world = group_size(group);
   TORCH_CHECK_VALUE(input_is_parallel || !sequence_parallel, "tpcore: ", layer,
                     ": sequence_parallel=True needs input_is_parallel=True");
@@ -174,14 +190,14 @@ at::Tensor row_parallel_linear(const at::Tensor& input_, const at::Tensor& weigh
                       "tpcore: ", layer, ": input has last dim ", input.size(-1),
                       " but in_features is ", weight.size(1) * world, " (input_is_parallel=False)");
   }
-  at::Tensor x = input_is_parallel ? input : scatter_to_tensor_parallel(input, group);
+  at::Tensor x = input_is_parallel ? input : scatter_to_tensor_parallel(input, name);
   check_linear_args(layer, x, weight, bias, weight.size(0), group);
   if (sequence_parallel) check_sequence_dim(layer, x, group);
-  at::Tensor out = RowParallelLinearFn::apply(x, weight, group, sequence_parallel);
+  at::Tensor out = RowParallelLinearFn::apply(x, weight, name, sequence_parallel);
   if (bias && bias->defined()) {
     // The replicated bias is added to this rank's rows only: with sequence parallelism each
     // rank sees its sequence shard, so the bias gradient is summed over TP (f's backward).
-    out = out + (sequence_parallel ? copy_to_tensor_parallel(*bias, group) : *bias);
+    out = out + (sequence_parallel ? copy_to_tensor_parallel(*bias, name) : *bias);
   }
   return out;
 }

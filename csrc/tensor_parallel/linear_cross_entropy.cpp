@@ -43,64 +43,34 @@ void accumulate_weight_grad(at::Tensor& grad_weight, const at::Tensor& g, const 
 
 struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& weight, const at::Tensor& target, const Group& group,
+                            const at::Tensor& weight, const at::Tensor& target, GroupName group,
                             CrossEntropyOptions options, int64_t chunk_size,
                             at::ScalarType loss_dtype) {
     const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
     const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
-    const VocabShard shard = vocab_shard(group, weight.size(0), options.vocab_size);
-    const int64_t tokens = h.size(0);
-    at::Tensor stats = at::empty({tokens, 4}, h.options().dtype(at::kFloat));
-    for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
-      const int64_t n = std::min(chunk_size, tokens - c0);
-      const at::Tensor logits = chunk_logits(h.narrow(0, c0, n), weight);
-      stats.narrow(0, c0, n).copy_(cross_entropy_stats(logits, t.narrow(0, c0, n), shard));
-    }
-    const TokenLoss token = combine_cross_entropy_stats(stats, t, group, options);
+    auto [loss, lse, mask] = op::linear_cross_entropy_forward(
+        h, weight, t, group, options.vocab_size, options.label_smoothing, options.ignore_index,
+        options.z_loss, chunk_size);
     save_group(ctx, group);
     save_options(ctx, options);
     ctx->saved_data["chunk_size"] = chunk_size;
     ctx->saved_data["hidden_shape"] = hidden.sizes();
-    ctx->save_for_backward({h, weight, t, token.lse, token.mask});
-    return reduce_loss(token, options, target, loss_dtype);
+    ctx->save_for_backward({h, weight, t, lse, mask});
+    return reduce_loss({loss, lse, mask}, options, target, loss_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
     const CrossEntropyOptions options = load_options(ctx);
-    const int64_t chunk_size = d["chunk_size"].toInt();
-    const Group group = load_group(ctx);
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &h = saved[0], &weight = saved[1], &t = saved[2], &lse = saved[3];
-    const at::Tensor scale = loss_grad_scale(grads[0], saved[4], options);
-    const VocabShard shard = vocab_shard(group, weight.size(0), options.vocab_size);
-    const bool need_hidden = ctx->needs_input_grad(0), need_weight = ctx->needs_input_grad(1);
-    const int64_t tokens = h.size(0);
-
-    at::Tensor grad_hidden = need_hidden ? at::empty_like(h) : at::Tensor();
-    // Accumulated over chunks in fp32 so low-precision weights lose nothing to it.
-    at::Tensor grad_weight =
-        need_weight ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
-    std::vector<PendingCollective> pending;
-    for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
-      const int64_t n = std::min(chunk_size, tokens - c0);
-      const at::Tensor h_c = h.narrow(0, c0, n);
-      at::Tensor logits = chunk_logits(h_c, weight);
-      cross_entropy_grad(logits, t.narrow(0, c0, n), lse.narrow(0, c0, n), scale.narrow(0, c0, n),
-                         logits, shard, options);
-      if (need_hidden) {
-        // hidden is replicated over TP: its gradient is the sum of every shard's part.
-        // Each chunk's all-reduce runs while the next chunk is computed.
-        at::Tensor part = grad_hidden.narrow(0, c0, n);
-        at::mm_out(part, logits, weight);
-        pending.push_back(all_reduce_inplace_async(part, group));
-      }
-      if (need_weight) accumulate_weight_grad(grad_weight, logits, h_c);
-    }
-    for (auto& p : pending) p.wait();
+    const std::array<bool, 2> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
+    auto [grad_hidden, grad_weight] = op::linear_cross_entropy_backward(
+        saved[0], saved[1], saved[2], saved[3], loss_grad_scale(grads[0], saved[4], options),
+        load_group(ctx), options.vocab_size, options.label_smoothing, options.z_loss,
+        d["chunk_size"].toInt(), mask);
     const auto shape = d["hidden_shape"].toIntVector();
-    return {need_hidden ? at::_unsafe_view(grad_hidden, shape) : at::Tensor(),
-            need_weight ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
+    return {mask[0] ? at::_unsafe_view(grad_hidden, shape) : at::Tensor(),
+            mask[1] ? grad_weight : at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -111,19 +81,78 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_kernel(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target, GroupName name,
+    int64_t vocab_size, double label_smoothing, int64_t ignore_index, double z_loss,
+    int64_t chunk_size) {
+  const Group group = group_by_name(name);
+  const CrossEntropyOptions options{vocab_size, label_smoothing, ignore_index, Reduction::None,
+                                    z_loss};
+  const at::Tensor h = hidden.contiguous();
+  const at::Tensor t = target.to(at::kLong).contiguous();
+  check_target_values("vocab_parallel_linear_cross_entropy", t, options);
+  const VocabShard shard = vocab_shard(group, weight.size(0), vocab_size);
+  const int64_t tokens = h.size(0);
+  at::Tensor stats = at::empty({tokens, 4}, h.options().dtype(at::kFloat));
+  for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
+    const int64_t n = std::min(chunk_size, tokens - c0);
+    const at::Tensor logits = chunk_logits(h.narrow(0, c0, n), weight);
+    stats.narrow(0, c0, n).copy_(cross_entropy_stats(logits, t.narrow(0, c0, n), shard));
+  }
+  TokenLoss token = combine_cross_entropy_stats(stats, t, group, options);
+  return {token.loss, token.lse, token.mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_backward_kernel(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+    const at::Tensor& lse, const at::Tensor& scale, GroupName name, int64_t vocab_size,
+    double label_smoothing, double z_loss, int64_t chunk_size, std::array<bool, 2> mask) {
+  const Group group = group_by_name(name);
+  const CrossEntropyOptions options{vocab_size, label_smoothing, -100, Reduction::None, z_loss};
+  const at::Tensor h = hidden.contiguous();
+  const at::Tensor t = target.to(at::kLong).contiguous();
+  const VocabShard shard = vocab_shard(group, weight.size(0), vocab_size);
+  const int64_t tokens = h.size(0);
+  // A masked-off gradient is an empty tensor of its own (outputs must not alias each other).
+  const auto none = [&] { return at::empty({0}, h.options()); };
+  at::Tensor grad_hidden = mask[0] ? at::empty_like(h) : none();
+  // Accumulated over chunks in fp32 so low-precision weights lose nothing to it.
+  at::Tensor grad_weight =
+      mask[1] ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : none();
+  std::vector<PendingCollective> pending;
+  for (int64_t c0 = 0; c0 < tokens; c0 += chunk_size) {
+    const int64_t n = std::min(chunk_size, tokens - c0);
+    const at::Tensor h_c = h.narrow(0, c0, n);
+    at::Tensor logits = chunk_logits(h_c, weight);
+    cross_entropy_grad(logits, t.narrow(0, c0, n), lse.narrow(0, c0, n), scale.narrow(0, c0, n),
+                       logits, shard, options);
+    if (mask[0]) {
+      // hidden is replicated over TP: its gradient is the sum of every shard's part.
+      // Each chunk's all-reduce runs while the next chunk is computed.
+      at::Tensor part = grad_hidden.narrow(0, c0, n);
+      at::mm_out(part, logits, weight);
+      pending.push_back(all_reduce_inplace_async(part, group));
+    }
+    if (mask[1]) accumulate_weight_grad(grad_weight, logits, h_c);
+  }
+  for (auto& p : pending) p.wait();
+  return {grad_hidden, mask[1] ? grad_weight.to(weight.scalar_type()) : none()};
+}
+
 at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden_, const at::Tensor& weight_,
-                                               const at::Tensor& target, const Group& group,
+                                               const at::Tensor& target, GroupName group,
                                                int64_t vocab_size, double label_smoothing,
                                                int64_t ignore_index, int64_t reduction,
                                                double z_loss, int64_t chunk_size) {
   const char* what = "vocab_parallel_linear_cross_entropy";
+  check_static_shapes(what, {hidden_, weight_, target});
   // Under autocast: the head's GEMMs in the autocast dtype (as F.linear), the loss in fp32
   // (as F.cross_entropy).
   const auto autocast = autocast_dtype(hidden_);
   const at::Tensor hidden = autocast ? autocast_input(hidden_, *autocast) : hidden_;
   const at::Tensor weight = autocast ? autocast_input(weight_, *autocast) : weight_;
   const NoAutocast no_autocast;
-  const int world = group_size(group);
+  const int world = group_size(group_by_name(group));
   const auto dtype = hidden.scalar_type();
   check_loss_dtype(what, "hidden", dtype);
   TORCH_CHECK_TYPE(weight.scalar_type() == dtype, "tpcore: ", what, ": weight dtype ",

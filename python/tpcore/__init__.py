@@ -15,7 +15,7 @@ Typical use, on every rank of a `torchrun` job:
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-from . import _C, comm, parallel_state, shm, tensor_parallel
+from . import _C, _fake_ops, comm, parallel_state, shm, tensor_parallel
 from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized, shutdown
 
 # The `tpcore` c10d backend (shared memory among ranks of one host) for any torch.distributed user.

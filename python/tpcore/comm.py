@@ -1,8 +1,10 @@
 """Collectives issued from C++ on a torch.distributed process group (no autograd).
 
-`*_async` variants return a `PendingCollective`; call `.wait()` for the result, as
-late as correctness allows, to overlap communication with computation. With a
-group of size 1 every collective returns its input unchanged (possibly the same tensor).
+The synchronous ones are custom operators (`torch.ops.tpcore.*`): torch.compile traces
+them. `*_async` variants return a `PendingCollective` (eager only); call `.wait()` for the
+result, as late as correctness allows, to overlap communication with computation. With a
+group of size 1 the async variants return their input unchanged (possibly the same tensor),
+the synchronous ones a copy.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ __all__ = [
 ]
 
 PendingCollective = _C.PendingCollective
+_ops = torch.ops.tpcore
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum of `x` over the group, out of place."""
-    return _C.all_reduce(x, resolve_tensor_group(group))
+    return _ops.all_reduce.default(x, resolve_tensor_group(group).group_name)
 
 
 def all_reduce_inplace_async(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -39,7 +42,7 @@ def all_reduce_inplace_async(x: torch.Tensor, group: dist.ProcessGroup | None = 
 
 def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim` in rank order: `[..., n, ...] -> [..., n*world, ...]`."""
-    return _C.all_gather(x, dim, resolve_tensor_group(group))
+    return _ops.all_gather.default(x, dim, resolve_tensor_group(group).group_name)
 
 
 def all_gather_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -49,7 +52,7 @@ def all_gather_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | N
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum over the group, keep this rank's chunk of `dim`: `[..., n*world, ...] -> [..., n, ...]`."""
-    return _C.reduce_scatter(x, dim, resolve_tensor_group(group))
+    return _ops.reduce_scatter.default(x, dim, resolve_tensor_group(group).group_name)
 
 
 def reduce_scatter_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -59,4 +62,4 @@ def reduce_scatter_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup
 
 def broadcast(x: torch.Tensor, src_rank: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy of group-rank `src_rank`'s `x` on every rank, out of place."""
-    return _C.broadcast(x, src_rank, resolve_tensor_group(group))
+    return _ops.broadcast.default(x, src_rank, resolve_tensor_group(group).group_name)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _C, comm
+from .. import comm
 from .._module_utils import to_empty_keeping_attributes
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
@@ -301,7 +301,7 @@ class GPTModel(nn.Module):
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:
             # f (or the sequence all-gather) then the vocab-sharded GEMM: [s, b, V/tp].
-            logits = _C.column_parallel_linear(x, weight, None, self.group, False, c.sequence_parallel)
+            logits = torch.ops.tpcore.column_parallel_linear.default(x, weight, None, self.group.group_name, False, c.sequence_parallel)
             if target is None:
                 return logits.transpose(0, 1)
             # The logits never leave forward: the loss may write its gradient into them.

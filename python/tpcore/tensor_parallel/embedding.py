@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _C, comm
+from .. import comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
@@ -138,7 +138,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        return _C.vocab_parallel_embedding(ids, self.weight, self.group, self.num_embeddings, padding_idx, self.sequence_parallel)
+        return torch.ops.tpcore.vocab_parallel_embedding.default(
+            ids, self.weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -1,6 +1,7 @@
 """Tensor-parallel linear layers (Megatron-LM's column- and row-parallel linear).
 
-Forward and backward run in C++ autograd functions (`tpcore._C`). Weights are
+Forward and backward run in C++ autograd functions behind custom operators
+(`torch.ops.tpcore.column_parallel_linear`, ...: torch.compile traces them). Weights are
 initialised TP-size invariant and sharded: a layer takes one seed from the default
 generator and each rank draws only the tiles of its own slice (`initialization.py`),
 so a layer made after `torch.manual_seed(s)` at TP=N holds exactly the slices of the
@@ -18,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _C, comm
+_ops = torch.ops.tpcore
+
+from .. import comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
@@ -224,8 +227,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        out = _C.column_parallel_linear(
-            x, self.weight, self._forward_bias(), self.group, self.gather_output, self.sequence_parallel
+        out = _ops.column_parallel_linear.default(
+            x, self.weight, self._forward_bias(), self.group.group_name, self.gather_output, self.sequence_parallel
         )
         return self._result(out)
 
@@ -274,11 +277,11 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        out = _C.row_parallel_linear(
-            x, self.weight, self._forward_bias(), self.group, self.input_is_parallel, self.sequence_parallel
+        out = _ops.row_parallel_linear.default(
+            x, self.weight, self._forward_bias(), self.group.group_name, self.input_is_parallel, self.sequence_parallel
         )
         if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
             # The caller adds the bias to a sequence shard: hand it over through f, whose
             # backward sums its gradient over TP, so the bias stays correct on its own.
-            return out, _C.copy_to_tensor_parallel(self.bias, self.group)
+            return out, _ops.copy_to_tensor_parallel.default(self.bias, self.group.group_name)
         return self._result(out)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _C
 from ..parallel_state import resolve_tensor_group
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"]
@@ -25,7 +24,7 @@ def _loss_args(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"tpcore: reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
     vocab = -1 if vocab_size is None else vocab_size
-    return resolve_tensor_group(group), vocab, label_smoothing, ignore_index, _REDUCTIONS[reduction], z_loss
+    return resolve_tensor_group(group).group_name, vocab, label_smoothing, ignore_index, _REDUCTIONS[reduction], z_loss
 
 
 def vocab_parallel_cross_entropy(
@@ -56,7 +55,7 @@ def vocab_parallel_cross_entropy(
     buffer as well (do not reuse the logits after backward then).
     """
     shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
-    return _C.vocab_parallel_cross_entropy(logits, target, *shared, inplace_backward)
+    return torch.ops.tpcore.vocab_parallel_cross_entropy.default(logits, target, *shared, inplace_backward)
 
 
 # Auto chunk size: this many bytes of logits per chunk (big enough for efficient GEMMs,
@@ -92,4 +91,4 @@ def vocab_parallel_linear_cross_entropy(
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
     shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
-    return _C.vocab_parallel_linear_cross_entropy(hidden, weight, target, *shared, chunk_size)
+    return torch.ops.tpcore.vocab_parallel_linear_cross_entropy.default(hidden, weight, target, *shared, chunk_size)

@@ -46,4 +46,9 @@ def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.A
 
 def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` whose intermediate activations are recomputed in the backward, not stored."""
+    if torch.compiler.is_compiling():
+        # Compiled, the recompute is planned by AOTAutograd, which keeps random ops' results
+        # rather than redrawing them; the tracker's forks do not trace (they swap generator
+        # states), so there is nothing of its to replay.
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_tracker_contexts)

@@ -1,0 +1,212 @@
+"""tpcore's ops under torch.compile / fake tensors / torch.export, against eager in the same rank.
+
+Every op is a custom operator: opcheck verifies its schema, fake implementation, autograd
+registration and AOT dispatch at TP 1, 2 and 4; a compiled GPTModel (fullgraph) gives the
+eager loss and gradients with no graph break; the layers compile inside a user's model;
+a TP=1 GPT exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import tpcore
+from checks import GPT_VARIANTS, assert_close, per_rank_tensor, setup_tp
+from tpcore.models import GPTModel, finalize_sequence_parallel_grads
+
+ops = torch.ops.tpcore
+# The layer ops specialise shapes (dynamic shapes raise a clear error, tested below).
+STATIC_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
+ALL_CHECKS = STATIC_CHECKS + ("test_aot_dispatch_dynamic",)
+
+
+def _check(op, args, checks=STATIC_CHECKS) -> None:
+    result = opcheck(op, args, test_utils=checks)
+    failed = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not failed, f"{op}: {failed}"
+
+
+def _opcheck_every_op(rank, world, tp):
+    tp_rank, tp = setup_tp(tp)
+    g = tpcore.parallel_state.get_tensor_model_parallel_group().group_name
+
+    def leaf(shape, seed, dtype=torch.float32):
+        return per_rank_tensor(shape, tp_rank, dtype, seed).requires_grad_()
+
+    s, b, h, v = 2 * tp, 3, 8, 5  # sequence, batch, hidden, vocab rows per rank
+    x = per_rank_tensor((s, b, h), tp_rank, seed=1)
+    # Primitives (no autograd of their own: inputs without grad).
+    for op, args in [
+        (ops.all_reduce, (x, g)),
+        (ops.all_gather, (x, 1, g)),
+        (ops.all_gather, (x[0, 0, 0], 0, g)),
+        (ops.reduce_scatter, (x, 0, g)),
+        (ops.broadcast, (x, 0, g)),
+        (ops.split, (x, -1, g)),
+    ]:
+        _check(op, args, ALL_CHECKS)
+    w = per_rank_tensor((4, h), tp_rank, seed=2)
+    ids = torch.randint(0, v * tp - 1, (s, b), generator=torch.Generator().manual_seed(3))
+    flat_logits = per_rank_tensor((s * b, v), tp_rank, seed=4)
+    target = torch.randint(0, v * tp - 1, (s * b,), generator=torch.Generator().manual_seed(5))
+    stats = ops.cross_entropy_forward(flat_logits, target, g, v * tp, 0.1, -100, 0.0)
+    table = per_rank_tensor((v, h), tp_rank, seed=6)
+    flat_h = per_rank_tensor((s * b, h), tp_rank, seed=7)
+    for sp in (False, True):
+        for mask in ([True, True, True], [True, False, False]):
+            _check(ops.column_parallel_linear_backward, (per_rank_tensor((s * (tp if sp else 1), b, 4), tp_rank, seed=8), x, w, g, sp, mask), ALL_CHECKS)
+        _check(ops.row_parallel_linear_forward, (x, w, g, sp), ALL_CHECKS)
+        _check(ops.vocab_parallel_embedding_forward, (ids, table, g, v * tp, sp), ALL_CHECKS)
+        grad = per_rank_tensor((s // (tp if sp else 1), b, h), tp_rank, seed=9)
+        _check(ops.vocab_parallel_embedding_backward, (grad, ids.reshape(-1), v, 0, g, sp), ALL_CHECKS)
+    _check(ops.cross_entropy_forward, (flat_logits, target, g, v * tp, 0.1, -100, 1e-3), ALL_CHECKS)
+    _check(ops.cross_entropy_backward, (flat_logits, target, stats[1], stats[2], g, v * tp, 0.1, 1e-3), ALL_CHECKS)
+    _check(ops.linear_cross_entropy_forward, (flat_h, table, target, g, v * tp, 0.0, -100, 0.0, 4), ALL_CHECKS)
+    _check(ops.linear_cross_entropy_backward, (flat_h, table, target, stats[1], stats[2], g, v * tp, 0.0, 0.0, 4, [True, True]), ALL_CHECKS)
+
+    # Layer ops, with autograd.
+    for op in (ops.copy_to_tensor_parallel, ops.reduce_from_tensor_parallel, ops.scatter_to_tensor_parallel,
+               ops.gather_from_tensor_parallel, ops.scatter_to_sequence_parallel, ops.reduce_scatter_to_sequence_parallel):
+        _check(op, (leaf((s, b, h), 10), g))
+    _check(ops.gather_from_sequence_parallel, (leaf((s, b, h), 11), g, True))
+    _check(ops.gather_from_sequence_parallel, (leaf((s, b, h), 11), g, False))
+    for sp in (False, True):
+        _check(ops.column_parallel_linear, (leaf((s, b, h), 12), leaf((4, h), 13), leaf((4,), 14), g, False, sp))
+        _check(ops.row_parallel_linear, (leaf((s, b, h), 15), leaf((4, h), 16), leaf((4,), 17), g, True, sp))
+        _check(ops.vocab_parallel_embedding, (ids, leaf((v, h), 18), g, v * tp - 1, 1, sp))
+    _check(ops.column_parallel_linear, (leaf((s, b, h), 12), leaf((4, h), 13), None, g, True, False))
+    _check(ops.row_parallel_linear, (leaf((s, b, h * tp), 15), leaf((4, h), 16), None, g, False, False))
+    logits = leaf((s, b, v), 19)
+    target2 = target.view(s, b).clone()
+    target2[0, 0] = -100
+    for reduction in (0, 1, 2):
+        _check(ops.vocab_parallel_cross_entropy, (logits, target2, g, v * tp - 1, 0.1, -100, reduction, 1e-3, False))
+        _check(ops.vocab_parallel_linear_cross_entropy, (leaf((s, b, h), 20), leaf((v, h), 21), target2, g, v * tp - 1, 0.1, -100, reduction, 1e-3, 4))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_opcheck_every_op(cpu_ranks, tp):
+    cpu_ranks.run(_opcheck_every_op, tp, timeout=600)
+
+
+BATCH, SEQ = 2, 8
+
+
+def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute):
+    setup_tp(tp)
+    torch._dynamo.reset()
+    config = dataclasses.replace(GPT_VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPTModel(config))
+    eager, model = models
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):  # the second step runs the cached graphs
+        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+        target = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+        target[0, 0] = -100
+        want, got = eager(ids, target), compiled(ids, target)
+        assert_close(got, want.detach(), f"step {step}: loss")
+        want.backward()
+        got.backward()
+        if sequence_parallel:
+            finalize_sequence_parallel_grads(eager)
+            finalize_sequence_parallel_grads(model)
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            assert_close(q.grad, p.grad, f"step {step}: grad of {name}")
+            p.grad = q.grad = None
+    explained = torch._dynamo.explain(model)(ids, target)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+# A covering set: every TP size, tied (gpt2) and untied (llama) heads, sequence parallelism
+# on and off, the fused head + loss and the plain one, selective recompute and none.
+GPT_CASES = [
+    (1, "gpt2", False, False, "none"),
+    (1, "llama", False, True, "selective"),
+    (2, "gpt2", True, True, "selective"),
+    (2, "llama", False, False, "none"),
+    (2, "llama", True, False, "selective"),
+    (4, "gpt2", False, True, "none"),
+    (4, "llama", True, True, "none"),
+]
+
+
+@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute", GPT_CASES)
+def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, timeout=900)
+
+
+class _UserModel(torch.nn.Module):
+    """A user's own model with tpcore layers in it: embedding, MLP, loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = tpcore.VocabParallelEmbedding(30, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.up = tpcore.ColumnParallelLinear(16, 32)
+        self.down = tpcore.RowParallelLinear(32, 16, input_is_parallel=True)
+        self.head = tpcore.ColumnParallelLinear(16, 32, bias=False)
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.embedding(ids))
+        x = x + self.down(F.gelu(self.up(x)))
+        return tpcore.vocab_parallel_cross_entropy(self.head(x), target, vocab_size=30)
+
+
+def _layers_in_user_model(rank, world, tp):
+    setup_tp(tp)
+    torch._dynamo.reset()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_UserModel())
+    eager, model = models
+    compiled = torch.compile(model, fullgraph=True)
+    ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(2))
+    want, got = eager(ids, target), compiled(ids, target)
+    assert_close(got, want.detach(), "loss")
+    want.backward()
+    got.backward()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert_close(q.grad, p.grad, f"grad of {name}")
+    # The functional collectives compile too.
+    x = per_rank_tensor((4, 2 * tp), dist.get_rank(), seed=3)
+    fn = torch.compile(lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1, fullgraph=True)
+    assert_close(fn(x), tpcore.comm.all_gather(tpcore.comm.reduce_scatter(x * 2, 1), 0) + 1, "compiled collectives")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_layers_compile_inside_a_user_model(cpu_ranks, tp):
+    cpu_ranks.run(_layers_in_user_model, tp, timeout=600)
+
+
+def _export_and_dynamic(rank, world):
+    setup_tp(1)
+    torch.manual_seed(0)
+    model = GPTModel(GPT_VARIANTS["llama"]).eval()
+    ids = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    exported = torch.export.export(model, (ids,))
+    nodes = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert any("tpcore" in t for t in nodes), nodes
+    other = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    assert_close(exported.module()(other), model(other).detach(), "exported logits")
+    # Symbolic shapes are refused with a message that says what to do (without fullgraph
+    # the op runs eagerly behind a graph break).
+    torch._dynamo.reset()
+    dynamic = torch.compile(model, dynamic=True, fullgraph=True)
+    with pytest.raises(Exception, match="dynamic=False"):
+        dynamic(ids)
+
+
+def test_export_and_dynamic_shapes(cpu_ranks):
+    cpu_ranks.run(_export_and_dynamic, timeout=600)
