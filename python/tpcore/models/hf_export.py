@@ -42,7 +42,7 @@ TOKENIZER_FILES = (
     "tokenizer.model", "added_tokens.json", "chat_template.jinja",
 )
 """The files of a Hugging Face tokenizer copied with the export, where the source has them."""
-_TAG = 1 << 16  # point-to-point tags of the export: one per parameter, far above the schedules'
+_TAG = 1 << 15  # point-to-point tags of the export (below the 2**16 the backend allows), above the schedules'
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,8 @@ def export_hf(
     skip = duplicate_parameter_names(chunks)
     mine = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters() if name not in skip}
     param = next(first.parameters())
-    tags = {name: _TAG + i for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
+    # One message in flight at a time, so tags may repeat; distinct ones name the tensor in errors.
+    tags = {name: _TAG + i % _TAG for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
 
     def fetch(name: str) -> torch.Tensor | None:
