@@ -218,7 +218,7 @@ def pretrain(args: TrainArgs) -> dict:
         f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp}"
         + (f" x PP {pp} ({schedule}, {chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
         + f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
-        + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
+        + (f"resumed from {resume_from} at iteration {start}" if resume_from else f"from the Hugging Face model {args.load_hf}" if args.load_hf else "from scratch")
         + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
     )
 
