@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,30 @@ def test_generate_example_same_text_at_every_tp(ckpt, dense_file, tmp_path, caps
     assert tp2 == expected, f"TP=2: {tp2!r} != {expected!r}"  # printed once (rank 0 only)
     assert tp1 == expected, f"TP=1: {tp1!r} != {expected!r}"
     assert from_dense == expected, f"dense: {from_dense!r} != {expected!r}"
+
+
+def test_to_hf_native_checkpoint_loads_in_transformers(ckpt, tmp_path):
+    """A natively built GPT (LayerNorm, tanh GeLU, learned positions, tied head) exports as
+    GPT-2: transformers gives the checkpoint's logits; the byte tokenizer's end of document
+    is the eos id; an architecture no family has is refused before anything is written."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert convert.main(["--load", str(ckpt), "--to-hf", str(out)]) == 0
+    config, state = load_dense_state_dict(str(ckpt))
+    reference = ReferenceGPT(config, device="meta")
+    reference.load_state_dict(state, assign=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.eos_token_id == load_tokenizer("byte").eod
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, reference.eval()(ids), rtol=1e-5, atol=1e-5)
+    assert not (out / "tokenizer.json").exists()  # the byte tokenizer has no files
+    # RMSNorm with GeLU: no Hugging Face family.
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    meta_path = bad / (bad / "latest").read_text().strip() / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model_config"]["norm"] = "rmsnorm"
+    meta_path.write_text(json.dumps(meta))
+    assert convert.main(["--load", str(bad), "--to-hf", str(tmp_path / "bad_hf"), "--no-verify"]) == 1
+    assert not (tmp_path / "bad_hf").exists()

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--format", choices=["auto", "jsonl", "text"], default="auto", help="auto: by the file's ending")
     parser.add_argument("--json-key", default="text", help="field holding the text in each JSON line")
-    parser.add_argument("--tokenizer", default="byte", help='"byte" or the path of a tokenizer.json')
+    parser.add_argument("--tokenizer", default="byte", help='"byte", the path of a tokenizer.json, or a Hugging Face model folder holding one')
     parser.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="malformed lines: skip and count, or stop")

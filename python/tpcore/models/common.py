@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
@@ -27,9 +30,29 @@ def make_norm(config: GPTConfig, dtype=None, device=None) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias, dtype=dtype, device=device)
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[seq, 1, 1, head_dim/2]` for positions 0..seq-1 (computed in fp32)."""
+def rotary_frequencies(head_dim: int, base: float, scaling: dict | None, device=None) -> torch.Tensor:
+    """The `head_dim/2` rotary frequencies (fp32), scaled as `GPTConfig.rotary_scaling` says."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":  # = positions divided by factor
+        return inv_freq / factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by
+    # `factor`, shorter than context / high_freq_factor kept, and the band between blended.
+    context = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, stretched)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[seq, 1, 1, head_dim/2]` for positions 0..seq-1 (computed in fp32)."""
+    inv_freq = rotary_frequencies(head_dim, base, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos().to(dtype)[:, None, None, :], angles.sin().to(dtype)[:, None, None, :]
 
@@ -38,6 +61,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the two halves of x `[seq, batch, heads, head_dim]` by the position angles."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def mlp_activation(config: GPTConfig, h: torch.Tensor) -> torch.Tensor:
+    """The MLP's nonlinearity on fc1's output `[..., f]` (SwiGLU: `[..., 2f]`, gate then up)."""
+    if config.activation == "swiglu":  # a TP shard holds this rank's rows of both gate and up
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if config.activation == "gelu" else "none")
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:

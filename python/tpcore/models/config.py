@@ -8,9 +8,16 @@ from .._validation import check_positive_ints
 
 __all__ = ["GPTConfig"]
 
+# Rotary scalings: "linear" divides every frequency by `factor` (positions interpolated);
+# "llama3" divides only the low frequencies, blending in between (Llama 3.1's long context).
+ROTARY_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "swiglu"),
+    "activation": ("gelu", "gelu_exact", "swiglu"),
     "position_embedding": ("learned", "rotary"),
     "recompute": ("none", "selective", "full"),
 }
@@ -43,15 +50,27 @@ class GPTConfig:
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     activation: str = "gelu"
-    """"gelu" (tanh approximation as GPT-2) or "swiglu"."""
+    """"gelu" (tanh approximation, GPT-2's "gelu_new"), "gelu_exact" (erf) or "swiglu" (SiLU-gated, Llama)."""
     position_embedding: str = "learned"
     """"learned" absolute positions or "rotary" (RoPE on queries and keys)."""
     rotary_base: float = 10000.0
     """Base of the rotary frequencies."""
+    rotary_scaling: dict | None = None
+    """Rotary frequency scaling: None, {"rope_type": "linear", "factor": f} or {"rope_type":
+    "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}."""
+    sliding_window: int | None = None
+    """Attention window (Mistral): GPTModel attends to every earlier token, so it refuses
+    sequences longer than this, where the window would change the result. None: no window."""
     tie_embeddings: bool = True
     """LM head shares the word-embedding weight."""
     bias: bool = True
-    """Biases in the linear layers and norms (RMSNorm has none)."""
+    """Biases in the linear layers and norms (RMSNorm has none); the default of the three below."""
+    qkv_bias: bool | None = None
+    """Biases on the query / key / value projection (None: `bias`; Qwen2 has only these)."""
+    proj_bias: bool | None = None
+    """Bias on the attention output projection (None: `bias`)."""
+    mlp_bias: bool | None = None
+    """Biases on the MLP's linear layers (None: `bias`)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     make_vocab_size_divisible_by: int = 128
@@ -68,6 +87,9 @@ class GPTConfig:
             self.num_kv_heads = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        for name in ("qkv_bias", "proj_bias", "mlp_bias"):  # resolved, so checkpoints record what was built
+            if getattr(self, name) is None:
+                setattr(self, name, self.bias)
         check_positive_ints(
             "GPTConfig",
             vocab_size=self.vocab_size,
@@ -92,13 +114,51 @@ class GPTConfig:
             )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ValueError(f"tpcore: GPTConfig: rotary embeddings need an even head dim, got {self.head_dim}")
+        if self.sliding_window is not None:
+            check_positive_ints("GPTConfig", sliding_window=self.sliding_window)
+        self._check_rotary_scaling()
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"tpcore: GPTConfig: {name} must be in [0, 1), got {getattr(self, name)}")
 
+    def _check_rotary_scaling(self) -> None:
+        scaling = self.rotary_scaling
+        if scaling is None:
+            return
+        kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+        if kind not in ROTARY_SCALING_KEYS:
+            raise ValueError(
+                f"tpcore: GPTConfig: rotary_scaling must be None or a dict whose rope_type is one of {sorted(ROTARY_SCALING_KEYS)}, got {scaling!r}"
+            )
+        if self.position_embedding != "rotary":
+            raise ValueError("tpcore: GPTConfig: rotary_scaling needs position_embedding='rotary'")
+        wanted = ROTARY_SCALING_KEYS[kind]
+        missing, extra = [k for k in wanted if k not in scaling], sorted(set(scaling) - set(wanted) - {"rope_type"})
+        if missing or extra:
+            raise ValueError(f"tpcore: GPTConfig: rotary_scaling {kind!r} needs exactly the keys {list(wanted)} (missing {missing}, unknown {extra})")
+        if not all(isinstance(scaling[k], (int, float)) and not isinstance(scaling[k], bool) and scaling[k] > 0 for k in wanted):
+            raise ValueError(f"tpcore: GPTConfig: rotary_scaling values must be positive numbers, got {scaling!r}")
+        if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise ValueError(f"tpcore: GPTConfig: rotary_scaling llama3 needs high_freq_factor > low_freq_factor, got {scaling!r}")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, path_or_config, **overrides) -> "GPTConfig":
+        """The GPTConfig of a Hugging Face model: a folder with `config.json`, that file, its
+        dict, or a transformers config (`gpt2`, `llama`, `mistral`, `qwen2`); `overrides`
+        set run-time fields (sequence_parallel, recompute, dropout, ...). See `hf_config`."""
+        from .hf_config import config_from_hf
+
+        return config_from_hf(path_or_config, **overrides)
+
+    def to_hf(self, base: dict | None = None) -> dict:
+        """The `config.json` dict transformers builds this architecture from (see `hf_config`)."""
+        from .hf_config import config_to_hf
+
+        return config_to_hf(self, base)
 
     def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming what does not split over `tp` tensor-parallel ranks."""
@@ -106,4 +166,6 @@ class GPTConfig:
             if getattr(self, name) % tp:
                 raise ValueError(
                     f"tpcore: GPTConfig: {name} ({getattr(self, name)}) is not divisible by the tensor-parallel size ({tp})"
+                    + (" (GPTModel gives each rank whole key/value heads and does not replicate them; tpcore.hf.from_pretrained does, for inference and fine-tuning)"
+                       if name == "num_kv_heads" else "")
                 )

@@ -17,7 +17,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
@@ -30,7 +29,7 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel
 from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
-from .common import apply_rotary, attention_core, make_norm, rotary_tables
+from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
 from .config import GPTConfig
 from .initialization import initialize_gpt_parameters
 from .reference_gpt import ReferenceGPT
@@ -63,9 +62,9 @@ class ParallelAttention(nn.Module):
         c, tp = config, dist.get_world_size(group)
         self.config = c
         self.heads, self.kv_heads = c.num_attention_heads // tp, c.num_kv_heads // tp
-        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, **common)
-        self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, **common)
+        common = dict(sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
+        self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, **common)
+        self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (h + 2 kv) d / tp], the full sequence
@@ -91,18 +90,13 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
-        c = config
-        self.swiglu = c.activation == "swiglu"
-        common = dict(bias=c.bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if self.swiglu else 1), **common)
+        c = self.config = config
+        common = dict(bias=c.mlp_bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
+        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1), **common)
         self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:  # the shard holds this rank's rows of both gate and up
-            gate, up = h.chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(h, approximate="tanh"))
+        return self.fc2(mlp_activation(self.config, self.fc1(x)))
 
 
 class ParallelBlock(nn.Module):
@@ -284,6 +278,8 @@ class GPTModel(nn.Module):
         batch, seq = (ids.shape[0], ids.shape[1]) if self.pre_process else (ids.shape[1], ids.shape[0] * (self.tp_size if c.sequence_parallel else 1))
         if seq > c.max_position_embeddings:
             raise ValueError(f"tpcore: GPTModel: sequence length {seq} exceeds max_position_embeddings {c.max_position_embeddings}")
+        if c.sliding_window is not None and seq > c.sliding_window:
+            raise ValueError(f"tpcore: GPTModel: sequence length {seq} exceeds sliding_window {c.sliding_window} (sliding-window attention is not implemented)")
         if target is not None and tuple(target.shape) != (batch, seq):
             raise ValueError(f"tpcore: GPTModel: target shape {list(target.shape)} does not match the input's [batch, seq] = {[batch, seq]}")
         if target is not None and not self.post_process:
@@ -291,7 +287,7 @@ class GPTModel(nn.Module):
         x = self.embedding(ids) if self.pre_process else ids
         rope = None
         if c.position_embedding == "rotary":
-            rope = rotary_tables(seq, c.head_dim, c.rotary_base, x.device, x.dtype)
+            rope = rotary_tables(seq, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling)
         for layer in self.layers:
             # Full recompute keeps only each block's input.
             x = checkpoint(partial(layer, rope=rope), x) if c.recompute == "full" else layer(x, rope)

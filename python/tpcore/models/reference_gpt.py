@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_rotary, attention_core, make_norm, rotary_tables
+from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
 from .config import GPTConfig
 from .initialization import initialize_gpt_parameters
 from ..tensor_parallel.initialization import draw_seed
@@ -24,8 +24,8 @@ class DenseAttention(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.bias, dtype=dtype, device=device)
-        self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.bias, dtype=dtype, device=device)
+        self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, dtype=dtype, device=device)
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.proj_bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c, (s, b) = self.config, x.shape[:2]
@@ -40,18 +40,13 @@ class DenseAttention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
         super().__init__()
-        c = config
-        self.swiglu = c.activation == "swiglu"
-        width = c.ffn_hidden_size * (2 if self.swiglu else 1)  # SwiGLU: [gate; up]
-        self.fc1 = nn.Linear(c.hidden_size, width, bias=c.bias, dtype=dtype, device=device)
-        self.fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.bias, dtype=dtype, device=device)
+        c = self.config = config
+        width = c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1)  # SwiGLU: [gate; up]
+        self.fc1 = nn.Linear(c.hidden_size, width, bias=c.mlp_bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(h, approximate="tanh"))
+        return self.fc2(mlp_activation(self.config, self.fc1(x)))
 
 
 class DenseBlock(nn.Module):
@@ -117,7 +112,8 @@ class ReferenceGPT(nn.Module):
         x = self.embedding(ids)
         rope = None
         if self.config.position_embedding == "rotary":
-            rope = rotary_tables(ids.shape[1], self.config.head_dim, self.config.rotary_base, x.device, x.dtype)
+            c = self.config
+            rope = rotary_tables(ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling)
         for layer in self.layers:
             x = layer(x, rope)
         logits = F.linear(self.final_norm(x), self.head_weight()).transpose(0, 1)  # [b, s, V]

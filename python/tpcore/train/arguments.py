@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..models import GPTConfig
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
+from .hf_bridge import apply_hf_architecture, check_given_flags, hf_model_config
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
 
@@ -38,13 +39,15 @@ class TrainArgs:
     seq_length: int = _arg(128, "tokens per sample")
     max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
     norm: str = _arg("layernorm", "normalisation", ("layernorm", "rmsnorm"))
-    activation: str = _arg("gelu", "MLP activation", ("gelu", "swiglu"))
+    activation: str = _arg("gelu", "MLP activation (gelu: tanh approximation)", ("gelu", "gelu_exact", "swiglu"))
     position_embedding: str = _arg("learned", "positions", ("learned", "rotary"))
     dropout: float = _arg(0.0, "hidden dropout")
     attention_dropout: float = _arg(0.0, "attention-probability dropout")
     untie_embeddings: bool = _arg(False, "separate LM head instead of the tied word embedding")
     disable_bias: bool = _arg(False, "no biases in linear layers and norms")
     fused_lm_head_loss: bool = _arg(False, "LM head + loss chunk by chunk (logits never materialised)")
+    load_hf: str | None = _arg(None, "start from a Hugging Face model folder: its architecture (a contradicting model flag raises), weights and tokenizer.json")
+    save_hf: str | None = _arg(None, "at the end, export the model as a Hugging Face folder here")
     # Parallelism and memory
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
     pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
@@ -99,6 +102,8 @@ class TrainArgs:
             if not cond:
                 raise ValueError(f"tpcore: training arguments: {what}")
 
+        if self.load_hf:  # first: the model flags below are checked as the folder sets them
+            apply_hf_architecture(self, {name: f.default for name, f in _FIELDS.items()}, need)
         for name in ("tensor_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length", "loss_scale_window"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
@@ -120,7 +125,12 @@ class TrainArgs:
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
             need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
-        self.model_config()  # validates the model shape now, with the GPTConfig message
+        config = self.model_config()  # validates the model shape now, with the GPTConfig message
+        if self.save_hf:
+            try:
+                config.to_hf()
+            except ValueError as e:
+                need(False, f"--save-hf: {str(e).removeprefix('tpcore: ')}")
         self._check_pipeline(need)
 
     def _check_pipeline(self, need) -> None:
@@ -149,7 +159,10 @@ class TrainArgs:
         return split_layers(self.num_layers, stages, counts)
 
     def model_config(self, vocab_size: int = 1) -> GPTConfig:
-        """The GPTConfig these arguments describe, for a tokenizer of `vocab_size` ids."""
+        """The GPTConfig these arguments describe, for a tokenizer of `vocab_size` ids
+        (with --load-hf: the folder's, whose vocabulary may be padded past the tokenizer's)."""
+        if self.load_hf:
+            return hf_model_config(self)
         return GPTConfig(
             vocab_size=vocab_size,
             num_layers=self.num_layers,
@@ -283,4 +296,5 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     given = vars(_parser().parse_args(argv))
     values = load_config_file(given.pop("config")) if "config" in given else {}
     values.update(given)
+    check_given_flags(values)  # an explicit flag contradicting --load-hf, even at its default value
     return TrainArgs(**values)

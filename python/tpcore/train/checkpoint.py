@@ -54,7 +54,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metada
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
-    "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias",
+    "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
 )
 
 
@@ -180,7 +180,7 @@ def _load(path: str, mmap: bool = False) -> dict:
 
 
 def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
-    saved = meta["model_config"]
+    saved = dataclasses.asdict(GPTConfig(**meta["model_config"]))  # fields older checkpoints lack take their defaults
     diff = [f"{k}: checkpoint {saved.get(k)!r}, model {getattr(config, k)!r}" for k in _SHAPE_FIELDS if saved.get(k) != getattr(config, k)]
     if diff:
         raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")

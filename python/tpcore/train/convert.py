@@ -1,6 +1,8 @@
-"""Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file, and load it back.
+"""Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file, and load it back;
+or to a Hugging Face folder (`checkpoint_to_hf`).
 
     tpcore-convert --load checkpoints/gpt --output gpt.safetensors
+    tpcore-convert --load checkpoints/gpt --to-hf gpt-hf/ [--dtype bfloat16]
 
 The file holds the `ReferenceGPT` state dict (the shards of every stage merged; the tied
 embedding from the first stage's files) plus metadata:
@@ -91,11 +93,26 @@ def load_dense_gpt(path: str, *, dtype: torch.dtype | None = None, device="cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file")
+    p = argparse.ArgumentParser(prog="tpcore-convert", description="Export a tpcore checkpoint (any TP x PP layout) to one dense safetensors file or a Hugging Face folder")
     p.add_argument("--load", required=True, help="checkpoint: a save directory (its 'latest') or an iter_N directory")
-    p.add_argument("--output", required=True, help="the .safetensors file to write")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--output", help="the .safetensors file to write (tpcore's dense format)")
+    out.add_argument("--to-hf", metavar="OUT_DIR", help="write a Hugging Face folder (config.json, safetensors, tokenizer) that transformers loads")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="with --to-hf: the weights' dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checking each file's CRC-32 against the checkpoint's metadata")
     args = p.parse_args(argv)
+    if args.dtype and not args.to_hf:
+        p.error("--dtype needs --to-hf")
+    if args.to_hf:
+        from .checkpoint_to_hf import checkpoint_to_hf
+
+        try:
+            checkpoint_to_hf(args.load, args.to_hf, dtype=getattr(torch, args.dtype) if args.dtype else None, verify=args.verify)
+        except (CheckpointError, ValueError, ImportError, OSError) as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"tpcore: wrote the Hugging Face model {args.to_hf}")
+        return 0
     try:
         path = export_safetensors(args.load, args.output, verify=args.verify)
         with _safetensors().safe_open(path, framework="pt") as f:

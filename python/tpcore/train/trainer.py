@@ -14,6 +14,7 @@ from .. import parallel_state
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..models import ReferenceGPT
+from ..models.hf_config import read_hf_config
 from ..models.generate import generate
 from ..models.sharding import rule_for
 from ..pipeline_parallel import (
@@ -28,6 +29,7 @@ from .checkpoint_index import read_latest
 from .checkpoint_integrity import random_id
 from .errors import CheckpointError, TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
+from .hf_bridge import check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler, ParallelAdamW
 from .sampling import gather_model_on_first_stage
@@ -154,6 +156,8 @@ def pretrain(args: TrainArgs) -> dict:
 
     tokenizer = load_tokenizer(args.tokenizer)
     config = args.model_config(tokenizer.vocab_size)
+    if args.load_hf:
+        check_tokenizer_fits(tokenizer, config, args.load_hf)
     config.check_tp(dist.get_world_size(tp_group))
     indexed = IndexedDataset(args.data_path)
     _check_tokens(indexed, tokenizer.vocab_size, device)
@@ -164,15 +168,17 @@ def pretrain(args: TrainArgs) -> dict:
     valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
 
     dtype, autocast_dtype = precision(args)
-    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
+    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir), ("--save-hf", args.save_hf)):
         if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
             check_output_folder(folder, flag, device)
     run_id = random_id(device)  # recorded in every checkpoint of this run and in each of its shards
     torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
     chunks = build_gpt_stages(
         config, num_model_chunks=chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=tp_group, pp_group=pp_group,
-        dtype=dtype, device=device, _init=resume_from is None,
+        dtype=dtype, device=device, _init=resume_from is None and not args.load_hf,
     )
+    if args.load_hf and resume_from is None:  # before the optimizer takes its fp32 copies
+        load_initial_hf_weights(chunks, args.load_hf, device)
     sync_tied_embeddings(chunks)
     model_parallel_manual_seed(args.seed, tp_group)
     optimizer = ParallelAdamW(
@@ -212,7 +218,7 @@ def pretrain(args: TrainArgs) -> dict:
         f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp}"
         + (f" x PP {pp} ({schedule}, {chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
         + f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
-        + (f"resumed from {resume_from} at iteration {start}" if resume_from else "from scratch")
+        + (f"resumed from {resume_from} at iteration {start}" if resume_from else f"from the Hugging Face model {args.load_hf}" if args.load_hf else "from scratch")
         + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
     )
 
@@ -242,7 +248,8 @@ def pretrain(args: TrainArgs) -> dict:
     def save(iteration: int) -> None:
         path = save_checkpoint(
             args.save, iteration, chunks, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
-            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer)},
+            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer),
+                   "hf_config": read_hf_config(args.load_hf) if args.load_hf else None},
             run_id=run_id,
         )
         logger.print(f"tpcore: saved checkpoint {path}")
@@ -277,6 +284,9 @@ def pretrain(args: TrainArgs) -> dict:
         if stop:
             break
 
+    if args.save_hf:
+        with phase(f"exporting the model to --save-hf {args.save_hf}", minutes):
+            logger.print(f"tpcore: exported the Hugging Face model {save_hf(chunks, args, tokenizer, pp_group=pp_group, dp_group=dp_group)}")
     logger.close()
     if rank0 and log_dir and logger.csv_path and os.path.isfile(logger.csv_path):
         png = os.path.join(log_dir, "loss_curve.png")

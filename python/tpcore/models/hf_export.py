@@ -1,0 +1,240 @@
+"""A GPT out to a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+    export_hf(model_or_chunks, "out/")        # every rank of a TP x PP (x DP) run: a collective
+
+The folder holds `config.json` (`GPTConfig.to_hf`), `generation_config.json`, the weights
+(`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
+above `max_shard_size`) and the tokenizer files when given. `write_hf_folder` is the
+streaming core: the file layout is planned from the config alone, then each full
+GPTModel tensor is asked for in order (`fetch(name)`), cut into its Hugging Face tensors
+(q / k / v, gate / up, GPT-2's transposed Conv1D weights), converted and written, and
+dropped: the writer holds about one tensor at a time. `export_hf` fetches by gathering a
+parameter over its stage's TP group and sending it to the first stage, one at a time;
+`tpcore.train.checkpoint_to_hf` fetches from a checkpoint's memory-mapped shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._atomic import atomic_output
+from ..safetensors_io import SafetensorsWriter
+from .config import GPTConfig
+from .hf_config import config_to_hf, hf_family
+from .hf_weights import _source_shapes, hf_sources
+from .reference_gpt import ReferenceGPT
+from .sharding import rule_for, unshard
+
+__all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+"""Bytes per weights file above which the export is sharded (transformers' default, 5 GB)."""
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+)
+"""The files of a Hugging Face tokenizer copied with the export, where the source has them."""
+_TAG = 1 << 15  # point-to-point tags of the export (below the 2**16 the backend allows), above the schedules'
+
+
+@dataclass(frozen=True)
+class HFEntry:
+    """One Hugging Face tensor: its key, where it comes from (GPTModel parameter, part
+    index along the split dim, stored transposed) and its stored shape."""
+
+    key: str
+    param: str
+    part: int
+    transposed: bool
+    shape: tuple[int, ...]
+
+
+def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[tuple[str, list[HFEntry]]]:
+    """The weights files (name, entries in writing order) of `config`'s export: GPTModel
+    parameters in the dense model's order, each's Hugging Face tensors consecutively;
+    a new file starts where one would pass `max_shard_size` bytes."""
+    family = hf_family(config.to_hf()["model_type"])
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    entries = []
+    for name, param in ReferenceGPT(config, device="meta").state_dict().items():
+        sources = hf_sources(name, family)
+        for part, ((key, transposed), shape) in enumerate(zip(sources, _source_shapes(name, param.shape, config, len(sources)))):
+            entries.append(HFEntry(key, name, part, transposed and len(shape) == 2, tuple(shape[::-1] if transposed else shape)))
+    files: list[list[HFEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = itemsize * int(torch.Size(entry.shape).numel())
+        if files[-1] and size + nbytes > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    if len(files) == 1:
+        return [("model.safetensors", files[0])]
+    return [(f"model-{i + 1:05d}-of-{len(files):05d}.safetensors", f) for i, f in enumerate(files)]
+
+
+def _hf_piece(full: torch.Tensor, entry: HFEntry, config: GPTConfig, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Entry's Hugging Face tensor cut out of the full GPTModel parameter `full`."""
+    piece = full
+    if count > 1:
+        _, dim, sizes = rule_for(entry.param, config)
+        piece = full.split(sizes, dim)[entry.part]
+    if entry.transposed:
+        piece = piece.t()
+    return piece.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files of `tokenizer` (a folder, or one tokenizer.json) into `out_dir`."""
+    if os.path.isfile(tokenizer):
+        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+        return ["tokenizer.json"]
+    if not os.path.isdir(tokenizer):
+        raise FileNotFoundError(f"tpcore: tokenizer {tokenizer} to copy into the export does not exist")
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(tokenizer, name), os.path.join(out_dir, name))
+    return copied
+
+
+def _write_json(path: str, value: dict) -> None:
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_hf_folder(
+    out_dir: str, config: GPTConfig, fetch: Callable[[str], torch.Tensor | None], *, dtype: torch.dtype, write: bool = True,
+    hf_config: dict | None = None, tokenizer: str | None = None, eos_token_id: int | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> BaseException | None:
+    """Stream `config`'s export into `out_dir`. `fetch(name)` gives the full GPTModel
+    parameter `name` (called once per parameter, in order, also where `write` is False:
+    it may be a collective); only where `write` is it used. `hf_config` is the source
+    model's config.json (token ids and other non-architecture fields are kept). Returns
+    the error that stopped the writing (fetching goes on to the end regardless, so the
+    peers of a collective `fetch` never wait in vain), or None."""
+    error: BaseException | None = None
+    out = config_to_hf(config, hf_config)  # raises alike everywhere, before any fetch, when no family fits
+    files = plan_hf_files(config, dtype, max_shard_size)
+    counts: dict[str, int] = {}  # Hugging Face tensors per GPTModel parameter
+    for _, entries in files:
+        for e in entries:
+            counts[e.param] = counts.get(e.param, 0) + 1
+    if write:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            # Weights of an earlier export here would be mixed with these: they go.
+            for name in os.listdir(out_dir):
+                if name.startswith("model") and ".safetensors" in name:
+                    os.remove(os.path.join(out_dir, name))
+        except OSError as e:
+            error = e
+    weight_map, total, cached = {}, 0, (None, None)
+    for file_name, entries in files:
+        writer = None
+        if write and error is None:
+            try:
+                writer = SafetensorsWriter(os.path.join(out_dir, file_name + ".tmp"), [(e.key, dtype, e.shape) for e in entries], {"format": "pt"})
+            except OSError as e:
+                error = e
+        for entry in entries:
+            if cached[0] != entry.param:  # each parameter fetched once, its parts written consecutively
+                cached = (entry.param, fetch(entry.param))
+            if writer is not None and error is None:
+                try:
+                    writer.add(_hf_piece(cached[1], entry, config, counts[entry.param], dtype))
+                    weight_map[entry.key] = file_name
+                except (OSError, ValueError) as e:
+                    error = e
+        if writer is not None:
+            try:
+                writer.close()
+                total += writer.bytes
+                if error is None:
+                    os.replace(writer.path, os.path.join(out_dir, file_name))
+            except (OSError, ValueError) as e:
+                error = error or e
+    del cached
+    if not write or error is not None:
+        return error
+    try:
+        if len(files) > 1:
+            _write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if eos_token_id is not None and out.get("eos_token_id") is None:
+            out["eos_token_id"] = eos_token_id
+        name = str(dtype).removeprefix("torch.")
+        _write_json(os.path.join(out_dir, "config.json"), {**out, "torch_dtype": name, "dtype": name})
+        generation = {k: out[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if out.get(k) is not None}
+        _write_json(os.path.join(out_dir, "generation_config.json"), {"_from_model_config": True, **generation})
+        if tokenizer is not None:
+            _copy_tokenizer(tokenizer, out_dir)
+    except OSError as e:
+        return e
+    return None
+
+
+def export_hf(
+    model_or_chunks: nn.Module | Sequence[nn.Module], out_dir: str, *, dtype: torch.dtype | None = None, hf_config: dict | None = None,
+    tokenizer: str | None = None, eos_token_id: int | None = None, pp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> str:
+    """Write a running GPTModel (or this rank's pipeline chunks) as a Hugging Face folder.
+    A collective: call on every rank (TP, PP and DP; the groups default to `parallel_state`'s). The first
+    stage's TP rank 0 of DP replica 0 writes, receiving one full tensor at a time; its
+    host memory peaks near the largest tensor. `dtype`: default the parameters'. Raises on
+    every rank when writing failed on the writer. Returns `out_dir`."""
+    from ..parallel_state import get_data_parallel_group, get_pipeline_model_parallel_group, is_initialized
+    from ..pipeline_parallel import duplicate_parameter_names, p2p
+    from ..train.layout import current_layout
+
+    chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
+    first = chunks[0]
+    config, tp_group, tp_rank = first.config, first.group, first.tp_rank
+    if is_initialized():  # DP replicas hold the same weights: only replica 0 writes
+        pp_group = pp_group or get_pipeline_model_parallel_group()
+        dp_group = dp_group or get_data_parallel_group()
+    pp = 1 if pp_group is None else dist.get_world_size(pp_group)
+    layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group if pp > 1 else None)
+    pp_rank = 0 if pp == 1 else dist.get_rank(pp_group)
+    writer = pp_rank == 0 and tp_rank == 0 and (dp_group is None or dist.get_rank(dp_group) == 0)
+    skip = duplicate_parameter_names(chunks)
+    mine = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters() if name not in skip}
+    param = next(first.parameters())
+    # One message in flight at a time, so tags may repeat; distinct ones name the tensor in errors.
+    tags = {name: _TAG + i % _TAG for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
+    shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
+
+    def fetch(name: str) -> torch.Tensor | None:
+        owner = layout.pipeline_rank_of(name)
+        full = unshard(mine[name], rule_for(name, config), tp_group, config.vocab_size) if pp_rank == owner else None
+        if owner == 0 or tp_rank != 0:
+            return full
+        if pp_rank == owner:  # this stage's TP rank 0 sends the gathered tensor to the first stage's
+            p2p.batch_send_recv([(full.contiguous(), 0, tags[name], name)], [], dtype=param.dtype, device=param.device, group=pp_group)
+            return None
+        if pp_rank == 0:
+            return p2p.batch_send_recv([], [(list(shapes[name]), owner, tags[name], name)], dtype=param.dtype, device=param.device, group=pp_group)[0]
+        return None
+
+    error = write_hf_folder(
+        out_dir, config, fetch, dtype=dtype or param.dtype, write=writer, hf_config=hf_config, tokenizer=tokenizer,
+        eos_token_id=eos_token_id, max_shard_size=max_shard_size,
+    )
+    # Every rank learns whether the writer failed (one all-reduce), and raises alike.
+    failed = torch.tensor([float(error is not None)], device=param.device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise RuntimeError(f"tpcore: exporting to {out_dir} failed: {type(error).__name__}: {error}") from error
+    if failed.item():
+        raise RuntimeError(f"tpcore: exporting to {out_dir} failed on the writing rank (global rank of the first stage's TP rank 0)")
+    return out_dir

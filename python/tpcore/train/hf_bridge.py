@@ -1,0 +1,109 @@
+"""The trainer's `--load-hf PATH` and `--save-hf DIR`.
+
+`--load-hf`: the model's architecture comes from PATH/config.json. A model flag given on
+the command line or in `--config` that contradicts the folder raises, naming both (built
+in Python, a TrainArgs field set away from its default does); the others take the folder's. Run-time choices (dropout, sequence parallelism, recompute,
+the fused head + loss) stay with the flags. The tokenizer is the folder's tokenizer.json
+unless `--tokenizer` names another; the first step starts from the folder's weights
+(each rank reads its slices) unless `--load` resumes a checkpoint.
+`--save-hf`: at the end, the model is exported there (`models.export_hf`); the architecture
+is checked to fit a Hugging Face family before training starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+from ..models import GPTConfig
+from ..models.hf_config import read_hf_config
+
+__all__ = ["check_given_flags", "apply_hf_architecture", "hf_model_config", "check_tokenizer_fits", "load_initial_hf_weights", "save_hf"]
+
+# TrainArgs model flag -> its value for a GPTConfig.
+_FLAGS: dict[str, Callable[[GPTConfig], object]] = {
+    "num_layers": lambda c: c.num_layers,
+    "hidden_size": lambda c: c.hidden_size,
+    "num_attention_heads": lambda c: c.num_attention_heads,
+    "num_kv_heads": lambda c: c.num_kv_heads,
+    "ffn_hidden_size": lambda c: c.ffn_hidden_size,
+    "max_position_embeddings": lambda c: c.max_position_embeddings,
+    "norm": lambda c: c.norm,
+    "activation": lambda c: c.activation,
+    "position_embedding": lambda c: c.position_embedding,
+    "untie_embeddings": lambda c: not c.tie_embeddings,
+    "disable_bias": lambda c: not c.bias,
+}
+
+
+def check_given_flags(values: dict[str, object]) -> None:
+    """Raise when a model flag given on the command line or in a config file (`values`, by
+    field name) contradicts `--load-hf`, even one given at its default value."""
+    path = values.get("load_hf")
+    if not path or not os.path.isdir(path):
+        return  # TrainArgs names a missing folder
+    config = GPTConfig.from_hf(path)
+    for flag, value_of in _FLAGS.items():
+        if flag in values and values[flag] != value_of(config):
+            raise ValueError(
+                f"tpcore: training arguments: --{flag.replace('_', '-')} {values[flag]!r} contradicts --load-hf {path}/config.json, which gives {value_of(config)!r}"
+            )
+
+
+def apply_hf_architecture(args, defaults: dict[str, object], need: Callable[[bool, str], None]) -> None:
+    """Set `args`' model flags from `args.load_hf` (and its tokenizer), `need`-ing that no
+    flag set away from its default (`defaults`) contradicts the folder."""
+    path = args.load_hf
+    if not os.path.isdir(path):
+        need(False, f"--load-hf {path} is not a folder (a Hugging Face model saved with save_pretrained)")
+    try:
+        config = GPTConfig.from_hf(path)
+    except (ValueError, OSError) as e:
+        need(False, f"--load-hf {path}: {str(e).removeprefix('tpcore: ')}")
+    for flag, value_of in _FLAGS.items():
+        mine, theirs = getattr(args, flag), value_of(config)
+        need(mine == defaults[flag] or mine == theirs,
+             f"--{flag.replace('_', '-')} {mine!r} contradicts --load-hf {path}/config.json, which gives {theirs!r}")
+        setattr(args, flag, theirs)
+    need(args.seq_length <= config.max_position_embeddings,
+         f"--seq-length {args.seq_length} exceeds max_position_embeddings {config.max_position_embeddings} of --load-hf {path}")
+    need(config.sliding_window is None or args.seq_length <= config.sliding_window,
+         f"--seq-length {args.seq_length} exceeds the sliding_window {config.sliding_window} of --load-hf {path} (sliding-window attention is not implemented)")
+    if args.tokenizer == "byte":
+        need(os.path.isfile(os.path.join(path, "tokenizer.json")),
+             f"--load-hf {path} has no tokenizer.json: pass the model's tokenizer with --tokenizer")
+        args.tokenizer = path
+
+
+def hf_model_config(args) -> GPTConfig:
+    """The GPTConfig of `--load-hf` with the run-time flags applied."""
+    return GPTConfig.from_hf(
+        args.load_hf, dropout=args.dropout, attention_dropout=args.attention_dropout, sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute, fused_lm_head_loss=args.fused_lm_head_loss,
+    )
+
+
+def check_tokenizer_fits(tokenizer, config: GPTConfig, path: str) -> None:
+    """The tokenizer's ids must index the folder's embedding (which may be padded past them)."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"tpcore: the tokenizer has {tokenizer.vocab_size} ids but --load-hf {path} embeds only {config.vocab_size}: not this model's tokenizer"
+        )
+
+
+def load_initial_hf_weights(chunks: Sequence, path: str, device) -> None:
+    """Fill this rank's chunks from the folder; every rank raises if any rank failed."""
+    from ..models import load_hf_weights
+    from .agreement import all_or_none
+
+    all_or_none(lambda: load_hf_weights(chunks, path), f"loading --load-hf {path}", device, error_type=ValueError)
+
+
+def save_hf(chunks: Sequence, args, tokenizer, *, pp_group, dp_group) -> str:
+    """Export the trained model to `args.save_hf` (a collective over every rank)."""
+    from ..models import export_hf
+
+    return export_hf(
+        chunks, args.save_hf, hf_config=read_hf_config(args.load_hf) if args.load_hf else None,
+        tokenizer=None if args.tokenizer == "byte" else args.tokenizer, eos_token_id=tokenizer.eod, pp_group=pp_group, dp_group=dp_group,
+    )

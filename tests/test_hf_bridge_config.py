@@ -1,0 +1,154 @@
+"""GPTConfig.from_hf / to_hf against transformers' own config classes (no process group):
+each family both ways, both spellings of the rope settings, the rotary frequencies against
+transformers', refusals that name the option, and the trainer's --load-hf flag checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tpcore.models import GPTConfig  # noqa: E402
+from tpcore.models.common import rotary_frequencies  # noqa: E402
+from tpcore.train.arguments import parse_args  # noqa: E402
+
+SMALL = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, max_position_embeddings=256)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _families():
+    return {
+        "llama": transformers.LlamaConfig(**SMALL, rope_theta=5e5, rope_scaling=dict(LLAMA3), attention_bias=True),  # a copy: transformers edits the dict
+        "qwen2": transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, rms_norm_eps=1e-5),
+        "mistral": transformers.MistralConfig(**SMALL, sliding_window=128),
+        "gpt2": transformers.GPT2Config(vocab_size=99, n_embd=64, n_layer=3, n_head=4, n_positions=128, activation_function="gelu"),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_from_hf_to_hf_round_trip(family):
+    hf = _families()[family]
+    config = GPTConfig.from_hf(hf)
+    exported = config.to_hf(hf.to_dict())
+    assert exported["model_type"] == family
+    back = transformers.AutoConfig.for_model(**exported)  # transformers reads what to_hf writes
+    assert type(back) is type(hf)
+    assert GPTConfig.from_hf(back) == config
+    assert GPTConfig.from_hf(config.to_hf()) == config  # without the source config too
+    if family == "gpt2":
+        assert (config.norm, config.activation, config.position_embedding, config.bias) == ("layernorm", "gelu_exact", "learned", True)
+        assert config.ffn_hidden_size == 256 and config.tie_embeddings
+    else:
+        assert (config.norm, config.activation, config.position_embedding) == ("rmsnorm", "swiglu", "rotary")
+        assert config.num_kv_heads == 4 and config.ffn_hidden_size == 96 and config.norm_eps == hf.rms_norm_eps
+    if family == "llama":
+        assert config.rotary_base == 5e5 and config.rotary_scaling == LLAMA3
+        assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, True, False, False)
+    if family == "qwen2":
+        assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, False, False, True)
+    if family == "mistral":
+        assert config.sliding_window == 128  # shorter than the context: GPTModel refuses longer sequences
+
+
+def test_both_rope_spellings():
+    """4.x wrote rope_theta + rope_scaling ("type" or "rope_type"); 5.x writes rope_parameters."""
+    base = dict(model_type="llama", vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96)
+    old = GPTConfig.from_hf({**base, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    new = GPTConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+    assert old == new and old.rotary_base == 1e6 and old.rotary_scaling == {"rope_type": "linear", "factor": 2.0}
+    plain = GPTConfig.from_hf({**base, "rope_theta": 3e4, "rope_scaling": None})
+    assert plain.rotary_base == 3e4 and plain.rotary_scaling is None
+    written = old.to_hf()
+    assert written["rope_theta"] == 1e6 and written["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert written["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3])
+def test_rotary_frequencies_match_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.LlamaConfig(**SMALL, rope_theta=5e5, rope_scaling=dict(scaling) if scaling else None)
+    if scaling is None:
+        expected = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf).inv_freq
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    config = GPTConfig.from_hf(hf)
+    got = rotary_frequencies(config.head_dim, config.rotary_base, config.rotary_scaling)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
+    if scaling is not None:  # the scaling changed something, so the comparison could fail
+        assert not torch.allclose(got, rotary_frequencies(config.head_dim, config.rotary_base, None))
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"model_type": "gpt_neox"}, ["'gpt_neox'", "parallel residual", "supported: gpt2, llama, mistral, qwen2"]),
+        ({"model_type": "bert"}, ["'bert'", "not supported"]),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, ["rope_type='dynamic'"]),
+        ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
+        ({"head_dim": 16}, ["head_dim"]),
+        ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
+        ({"num_hidden_layers": None}, ["num_hidden_layers"]),
+    ],
+)
+def test_unsupported_types_and_options_are_named(change, words):
+    config = {**transformers.LlamaConfig(**SMALL).to_dict(), **change}
+    if "rope_scaling" in change:  # the 4.x spelling alone
+        del config["rope_parameters"]
+    if config.get("num_hidden_layers", 1) is None:
+        del config["num_hidden_layers"]
+    with pytest.raises(ValueError) as info:
+        GPTConfig.from_hf(config)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_gpt2_options_and_to_hf_refusals():
+    for option, value in (("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False), ("activation_function", "relu")):
+        with pytest.raises(ValueError, match=option):
+            GPTConfig.from_hf({**transformers.GPT2Config().to_dict(), option: value})
+    with pytest.raises(ValueError, match="no supported Hugging Face family"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, norm="rmsnorm").to_hf()
+    with pytest.raises(ValueError, match="grouped-query"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, num_kv_heads=1).to_hf()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        GPTConfig.from_hf("/nonexistent/model")
+
+
+def test_new_fields_default_to_todays_model():
+    """A config saved before these fields existed builds the same model."""
+    c = GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, bias=False)
+    assert (c.qkv_bias, c.proj_bias, c.mlp_bias, c.rotary_scaling, c.sliding_window) == (False, False, False, None, None)
+    with pytest.raises(ValueError, match="rope_type"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, position_embedding="rotary", rotary_scaling={"factor": 2})
+    with pytest.raises(ValueError, match="tpcore.hf.from_pretrained"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=4, num_kv_heads=2).check_tp(4)
+
+
+def test_trainer_flags_against_load_hf(tmp_path):
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(transformers.LlamaConfig(**SMALL).to_dict()))
+    (folder / "tokenizer.json").write_text("{}")
+    args = parse_args(["--load-hf", str(folder), "--seq-length", "32"])
+    assert (args.num_layers, args.hidden_size, args.num_kv_heads, args.norm, args.activation, args.disable_bias) == (2, 64, 4, "rmsnorm", "swiglu", True)
+    assert args.tokenizer == str(folder)  # the folder's tokenizer.json
+    config = args.model_config()
+    assert config.vocab_size == 99 and config.position_embedding == "rotary"
+    assert parse_args(["--load-hf", str(folder), "--num-layers", "2"]).num_layers == 2  # agreeing flags pass
+    for flags, words in (
+        (["--num-layers", "3"], ["--num-layers 3", "gives 2"]),
+        (["--norm", "layernorm"], ["--norm 'layernorm'"]),
+        (["--position-embedding", "learned"], ["--position-embedding"]),
+        (["--seq-length", "512"], ["--seq-length 512", "max_position_embeddings 256"]),
+    ):
+        with pytest.raises(ValueError) as info:
+            parse_args(["--load-hf", str(folder), *flags])
+        assert all(w in str(info.value) for w in words), str(info.value)
+    with pytest.raises(ValueError, match="is not a folder"):
+        parse_args(["--load-hf", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--save-hf: .*no supported Hugging Face family"):
+        parse_args(["--norm", "rmsnorm", "--save-hf", str(tmp_path / "out")])
