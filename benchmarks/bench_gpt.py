@@ -14,6 +14,8 @@
    The defaults are a toy model; on a GPU try e.g. --layers 12 --hidden 2048 --heads 16
    --seq 2048 --batch 8 --vocab 50304 for numbers near real training.
 The summary table (1, 2, 4) is printed last.
+With --compile, only the torch.compile comparison instead (compile_gpt.py): eager vs
+compiled GPTModel at TP=1 and TP=2 beside compiled ReferenceGPT, with compile times.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import torch
 
 import tpcore
+from compile_gpt import compile_worker, print_compile_table
 from mfu import datasheet_peak_tflops, matmul_parameters, measured_matmul_flops, training_flops
 from ranks import init_ranks, run_on_ranks
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
@@ -137,9 +140,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compare eager with torch.compile'd steps instead")
     args = parser.parse_args()
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.compile:
+        batch = _batch(args, "cpu")
+        print(f"torch {torch.__version__}, {args.device}, {os.cpu_count()} CPU cores, {args.dtype}")
+        print(f"GPT: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, batch {args.batch} x seq {args.seq}")
+        one = run_on_ranks(compile_worker, 1, args, _config(args), batch)[0]
+        two = None
+        if args.device == "cpu" or torch.cuda.device_count() >= 2:
+            rows = run_on_ranks(compile_worker, 2, args, _config(args), batch)
+            two = {name: (max(r[name][0] for r in rows), max(r[name][1] for r in rows), rows[0][name][2]) for name in rows[0]}
+        print_compile_table(one, two)
+        return
     dtype = getattr(torch, args.dtype)
     tokens = args.batch * args.seq
     config = _config(args)
