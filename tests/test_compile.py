@@ -21,7 +21,6 @@ from checks import GPT_VARIANTS, assert_close, per_rank_tensor, setup_tp
 from tpcore.models import GPTModel, finalize_sequence_parallel_grads
 
 ops = torch.ops.tpcore
-# The layer ops specialise shapes (dynamic shapes raise a clear error, tested below).
 STATIC_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
 ALL_CHECKS = STATIC_CHECKS + ("test_aot_dispatch_dynamic",)
 
@@ -98,7 +97,7 @@ def test_opcheck_every_op(cpu_ranks, tp):
 BATCH, SEQ = 2, 8
 
 
-def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute):
+def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic):
     setup_tp(tp)
     torch._dynamo.reset()
     config = dataclasses.replace(GPT_VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute)
@@ -107,11 +106,13 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
         torch.manual_seed(0)
         models.append(GPTModel(config))
     eager, model = models
-    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
     g = torch.Generator().manual_seed(1)
-    for step in range(2):  # the second step runs the cached graphs
-        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
-        target = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+    # Static: the second step runs the cached graphs. Dynamic: one graph, three shapes.
+    shapes = [(BATCH, SEQ), (BATCH + 1, SEQ // 2), (1, 2 * SEQ)] if dynamic else [(BATCH, SEQ)] * 2
+    for step, shape in enumerate(shapes):
+        ids = torch.randint(0, config.vocab_size, shape, generator=g)
+        target = torch.randint(0, config.vocab_size, shape, generator=g)
         target[0, 0] = -100
         want, got = eager(ids, target), compiled(ids, target)
         assert_close(got, want.detach(), f"step {step}: loss")
@@ -128,21 +129,24 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
 
 
 # A covering set: every TP size, tied (gpt2) and untied (llama) heads, sequence parallelism
-# on and off, the fused head + loss and the plain one, selective recompute and none.
+# on and off, the fused head + loss and the plain one, selective recompute and none, static
+# and dynamic shapes.
 GPT_CASES = [
-    (1, "gpt2", False, False, "none"),
-    (1, "llama", False, True, "selective"),
-    (2, "gpt2", True, True, "selective"),
-    (2, "llama", False, False, "none"),
-    (2, "llama", True, False, "selective"),
-    (4, "gpt2", False, True, "none"),
-    (4, "llama", True, True, "none"),
+    (1, "gpt2", False, False, "none", False),
+    (1, "llama", False, True, "selective", False),
+    (2, "gpt2", True, True, "selective", False),
+    (2, "llama", False, False, "none", False),
+    (2, "llama", True, False, "selective", False),
+    (4, "gpt2", False, True, "none", False),
+    (4, "llama", True, True, "none", False),
+    (2, "gpt2", True, False, "none", True),
+    (2, "llama", False, True, "selective", True),
 ]
 
 
-@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute", GPT_CASES)
-def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
-    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, timeout=900)
+@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", GPT_CASES)
+def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
+    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, timeout=900)
 
 
 class _UserModel(torch.nn.Module):
@@ -200,12 +204,12 @@ def _export_and_dynamic(rank, world):
     assert any("tpcore" in t for t in nodes), nodes
     other = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     assert_close(exported.module()(other), model(other).detach(), "exported logits")
-    # Symbolic shapes are refused with a message that says what to do (without fullgraph
-    # the op runs eagerly behind a graph break).
+    # Dynamic shapes: one graph for every batch and sequence length, equal to eager.
     torch._dynamo.reset()
     dynamic = torch.compile(model, dynamic=True, fullgraph=True)
-    with pytest.raises(Exception, match="dynamic=False"):
-        dynamic(ids)
+    for batch, seq in ((2, 8), (3, 6), (1, 16)):
+        ids = torch.randint(0, 50, (batch, seq), generator=torch.Generator().manual_seed(seq))
+        assert_close(dynamic(ids), model(ids).detach(), f"dynamic shapes: logits of [{batch}, {seq}]")
 
 
 def test_export_and_dynamic_shapes(cpu_ranks):

@@ -55,10 +55,10 @@ at::Tensor vocab_parallel_embedding_forward(const at::Tensor& ids, const at::Ten
 }
 
 at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad, const at::Tensor& ids,
-                                             int64_t rows, int64_t padding_idx, GroupName group,
+                                             c10::SymInt rows, int64_t padding_idx, GroupName group,
                                              bool sequence_parallel) {
-  TPCORE_OP("vocab_parallel_embedding_backward",
-            at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, GroupName, bool));
+  TPCORE_OP("vocab_parallel_embedding_backward", at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                            c10::SymInt, int64_t, GroupName, bool));
   return op.call(grad, ids, rows, padding_idx, group, sequence_parallel);
 }
 

@@ -27,7 +27,7 @@ at::Tensor vocab_parallel_embedding_forward(const at::Tensor& ids, const at::Ten
                                             GroupName group, int64_t num_embeddings,
                                             bool sequence_parallel);
 at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad, const at::Tensor& ids,
-                                             int64_t rows, int64_t padding_idx, GroupName group,
+                                             c10::SymInt rows, int64_t padding_idx, GroupName group,
                                              bool sequence_parallel);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
     const at::Tensor& logits, const at::Tensor& target, GroupName group, int64_t vocab_size,

@@ -29,7 +29,7 @@ TORCH_LIBRARY(tpcore, m) {
       "vocab_parallel_embedding_forward(Tensor ids, Tensor weight, str group, int num_embeddings, "
       "bool sequence_parallel) -> Tensor");
   m.def(
-      "vocab_parallel_embedding_backward(Tensor grad, Tensor ids, int rows, int padding_idx, "
+      "vocab_parallel_embedding_backward(Tensor grad, Tensor ids, SymInt rows, int padding_idx, "
       "str group, bool sequence_parallel) -> Tensor");
   m.def(
       "cross_entropy_forward(Tensor logits, Tensor target, str group, int vocab_size, "

@@ -24,14 +24,25 @@ inline std::string load_group(AutogradContext* ctx) {
   return ctx->saved_data["group"].toStringRef();
 }
 
-// torch.compile traces tpcore's layer ops with static shapes only: their checks and saved
-// shapes read concrete sizes.
-inline void check_static_shapes(const char* what, std::initializer_list<at::Tensor> tensors) {
-  for (const auto& t : tensors) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        !t.defined() || !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(), "tpcore: ", what,
-        ": dynamic shapes are not supported; compile with torch.compile(..., dynamic=False)");
+// Shapes may be symbolic where the layer ops are traced with dynamic shapes
+// (torch.compile(dynamic=True), or dynamo's automatic dynamic shapes): the ops read sizes
+// through sym_size / sym_sizes, and a check on them guards the compiled graph.
+inline bool holds(bool condition) { return condition; }
+inline bool holds(const c10::SymBool& condition) {
+  return condition.guard_bool(__FILE__, __LINE__);
+}
+// A size an op needs as a plain int (a vocabulary size): specialised, where traced.
+inline int64_t concrete(const c10::SymInt& size) { return size.guard_int(__FILE__, __LINE__); }
+inline bool same_shape(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!holds(a[i] == b[i])) return false;
   }
+  return true;
+}
+// [..., last] -> [tokens, last]: the GEMMs' and kernels' 2-D view.
+inline at::Tensor as_2d(const at::Tensor& t) {
+  return t.reshape_symint({c10::SymInt(-1), t.sym_size(-1)});
 }
 
 // Whether `t` is being traced (torch.compile / export: a fake or functional tensor), not

@@ -38,7 +38,7 @@ void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype) 
 }
 
 void check_cross_entropy_args(const char* what, const at::Tensor& target,
-                              at::IntArrayRef expected_shape, const at::Device& device,
+                              c10::SymIntArrayRef expected_shape, const at::Device& device,
                               int64_t local_vocab, int64_t world, const CrossEntropyOptions& o) {
   TORCH_CHECK_VALUE(o.vocab_size >= 1 && o.vocab_size <= local_vocab * world, "tpcore: ", what,
                     ": vocab_size ", o.vocab_size, " must be in [1, ", local_vocab * world,
@@ -49,8 +49,9 @@ void check_cross_entropy_args(const char* what, const at::Tensor& target,
   TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && target.scalar_type() != at::kBool,
                    "tpcore: ", what, ": target must be an integer tensor, got ",
                    target.scalar_type());
-  TORCH_CHECK_VALUE(target.sizes() == expected_shape, "tpcore: ", what, ": target shape ",
-                    target.sizes(), " does not match the logits' leading shape ", expected_shape);
+  TORCH_CHECK_VALUE(same_shape(target.sym_sizes(), expected_shape), "tpcore: ", what,
+                    ": target shape ", target.sym_sizes(),
+                    " does not match the logits' leading shape ", expected_shape);
   TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
                     " but the logits are on ", device);
 }
@@ -109,7 +110,7 @@ at::Tensor reduce_loss(const TokenLoss& token, const CrossEntropyOptions& o,
                        const at::Tensor& target_shape_like, at::ScalarType dtype) {
   switch (o.reduction) {
     case Reduction::None:
-      return token.loss.view(target_shape_like.sizes()).to(dtype);
+      return token.loss.view_symint(target_shape_like.sym_sizes()).to(dtype);
     case Reduction::Sum:
       return token.loss.sum().to(dtype);
     case Reduction::Mean:
@@ -185,7 +186,7 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, GroupName group, CrossEntropyOptions options,
                             bool inplace_backward, at::ScalarType loss_dtype) {
-    const int64_t local_vocab = logits.size(-1);
+    const int64_t local_vocab = concrete(logits.sym_size(-1));
     // The logits themselves are saved (not a view made here), so autograd's version check
     // guards them; a non-contiguous input is saved as its contiguous copy.
     const at::Tensor saved_logits = logits.contiguous();
@@ -197,7 +198,7 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     save_group(ctx, group);
     save_options(ctx, options);
     ctx->saved_data["inplace_backward"] = inplace_backward;
-    ctx->saved_data["logits_shape"] = logits.sizes();
+    ctx->saved_data["logits_shape"] = c10::IValue(logits.sym_sizes());
     // Nothing [tokens, vocab]-sized is saved beyond the logits themselves.
     ctx->save_for_backward({saved_logits, t, lse, mask});
     return reduce_loss({loss, lse, mask}, options, target, loss_dtype);
@@ -207,7 +208,7 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
     const CrossEntropyOptions options = load_options(ctx);
     const std::string group = load_group(ctx);
     auto saved = ctx->get_saved_variables();
-    const at::Tensor x = saved[0].view({-1, saved[0].size(-1)});
+    const at::Tensor x = as_2d(saved[0]);
     const at::Tensor &t = saved[1], &lse = saved[2], &mask = saved[3];
     const at::Tensor scale = loss_grad_scale(grads[0], mask, options);
     at::Tensor out;
@@ -225,9 +226,9 @@ struct VocabParallelCrossEntropyFn : public torch::autograd::Function<VocabParal
       out = op::cross_entropy_backward(x, t, lse, scale, group, options.vocab_size,
                                        options.label_smoothing, options.z_loss);
     }
-    const auto shape = ctx->saved_data["logits_shape"].toIntVector();
+    const auto shape = ctx->saved_data["logits_shape"].toSymIntVector();
     // Not a view (a view would stop autograd from stealing the buffer into .grad: a copy).
-    return {at::_unsafe_view(out, shape),
+    return {at::_unsafe_view_symint(out, shape),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -243,14 +244,14 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                                         int64_t ignore_index, int64_t reduction, double z_loss,
                                         bool inplace_backward) {
   const char* what = "vocab_parallel_cross_entropy";
-  check_static_shapes(what, {logits, target});
   const int world = group_size(group_by_name(group));
   check_loss_dtype(what, "logits", logits.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() >= 1, "tpcore: ", what, ": logits must have a vocab dim");
+  const int64_t local_vocab = concrete(logits.sym_size(-1));
   const CrossEntropyOptions options = make_cross_entropy_options(
-      what, vocab_size, logits.size(-1), world, label_smoothing, ignore_index, reduction, z_loss);
-  check_cross_entropy_args(what, target, logits.sizes().slice(0, logits.dim() - 1), logits.device(),
-                           logits.size(-1), world, options);
+      what, vocab_size, local_vocab, world, label_smoothing, ignore_index, reduction, z_loss);
+  check_cross_entropy_args(what, target, logits.sym_sizes().slice(0, logits.dim() - 1),
+                           logits.device(), local_vocab, world, options);
   // Writing the gradient into a leaf (or into a view of one) would overwrite a parameter
   // or an input the caller still owns.
   const at::TensorBase& owner =

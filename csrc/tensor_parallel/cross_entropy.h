@@ -44,7 +44,7 @@ void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype);
 // Validates the options, the target (shape `expected_shape`, integer) and its device;
 // raises before any collective. Reads no values: fake (traced) tensors pass through.
 void check_cross_entropy_args(const char* what, const at::Tensor& target,
-                              at::IntArrayRef expected_shape, const at::Device& device,
+                              c10::SymIntArrayRef expected_shape, const at::Device& device,
                               int64_t local_vocab, int64_t world,
                               const CrossEntropyOptions& options);
 // Raises an IndexError naming the first target that is neither in range nor ignored (one

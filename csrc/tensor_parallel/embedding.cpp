@@ -33,7 +33,7 @@ struct VocabParallelEmbeddingFn : public torch::autograd::Function<VocabParallel
                             GroupName group, int64_t num_embeddings, int64_t padding_idx,
                             bool sequence_parallel) {
     save_group(ctx, group);
-    ctx->saved_data["rows"] = weight.size(0);
+    ctx->saved_data["rows"] = weight.sym_size(0);
     ctx->saved_data["padding_idx"] = padding_idx;
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
     ctx->save_for_backward({ids.reshape({-1}).to(at::kLong).contiguous()});
@@ -44,7 +44,7 @@ struct VocabParallelEmbeddingFn : public torch::autograd::Function<VocabParallel
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
     at::Tensor grad_weight = op::vocab_parallel_embedding_backward(
-        grads[0], ctx->get_saved_variables()[0], d["rows"].toInt(), d["padding_idx"].toInt(),
+        grads[0], ctx->get_saved_variables()[0], d["rows"].toSymInt(), d["padding_idx"].toInt(),
         load_group(ctx), d["sequence_parallel"].toBool());
     return {at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -84,25 +84,25 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
 }
 
 at::Tensor vocab_parallel_embedding_backward_kernel(const at::Tensor& grad_, const at::Tensor& ids,
-                                                    int64_t rows, int64_t padding_idx,
+                                                    c10::SymInt rows, int64_t padding_idx,
                                                     GroupName name, bool sequence_parallel) {
+  const int64_t table_rows = rows.expect_int();
   const Group group = group_by_name(name);
   at::Tensor grad = sequence_parallel ? all_gather(grad_, 0, group) : grad_;
   grad = grad.reshape({-1, grad.size(-1)}).contiguous();
-  return lookup_backward(ids, grad, rows, group_rank(group) * rows, padding_idx);
+  return lookup_backward(ids, grad, table_rows, group_rank(group) * table_rows, padding_idx);
 }
 
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, GroupName name,
                                     int64_t num_embeddings, int64_t padding_idx,
                                     bool sequence_parallel) {
   const char* what = "VocabParallelEmbedding";
-  check_static_shapes(what, {ids, weight});
   const int world = group_size(group_by_name(name));
   TORCH_CHECK_VALUE(weight.dim() == 2, "tpcore: ", what, ": weight must be 2-D, got ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(num_embeddings <= weight.size(0) * world, "tpcore: ", what, ": num_embeddings ",
-                    num_embeddings, " exceeds the sharded table (", weight.size(0), " rows x ",
-                    world, " ranks)");
+                    weight.sym_sizes());
+  TORCH_CHECK_VALUE(holds(weight.sym_size(0) * world >= num_embeddings), "tpcore: ", what,
+                    ": num_embeddings ", num_embeddings, " exceeds the sharded table (",
+                    weight.sym_size(0), " rows x ", world, " ranks)");
   TORCH_CHECK_VALUE(ids.device() == weight.device(), "tpcore: ", what, ": token ids are on ",
                     ids.device(), " but the weight is on ", weight.device());
   TORCH_CHECK_TYPE(!at::isFloatingType(ids.scalar_type()) &&
@@ -110,9 +110,9 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
                    "tpcore: ", what, ": token ids must be an integer tensor, got ",
                    ids.scalar_type());
   if (sequence_parallel) {
-    TORCH_CHECK_VALUE(ids.dim() >= 1 && ids.size(0) % world == 0, "tpcore: ", what,
+    TORCH_CHECK_VALUE(ids.dim() >= 1 && holds(ids.sym_size(0) % world == 0), "tpcore: ", what,
                       ": with sequence parallelism dim 0 (sequence) of the ids, shape ",
-                      ids.sizes(), ", must be divisible by the tensor-parallel size ", world);
+                      ids.sym_sizes(), ", must be divisible by the tensor-parallel size ", world);
   }
   return VocabParallelEmbeddingFn::apply(ids, weight, name, num_embeddings, padding_idx,
                                          sequence_parallel);

@@ -15,19 +15,17 @@
 namespace tpcore {
 namespace {
 
-// Leading dims flattened: GEMMs for the weight gradient want [tokens, features].
-at::Tensor as_2d(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
-
 void check_linear_args(const char* layer, const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias, int64_t expected_bias,
+                       const std::optional<at::Tensor>& bias, const c10::SymInt& expected_bias,
                        const Group& group) {
   TORCH_CHECK_VALUE(group, "tpcore: ", layer, ": process group is null");
   TORCH_CHECK_VALUE(weight.dim() == 2, "tpcore: ", layer, ": weight must be 2-D, got shape ",
-                    weight.sizes());
+                    weight.sym_sizes());
   TORCH_CHECK_VALUE(input.dim() >= 1, "tpcore: ", layer, ": input must have at least 1 dim");
-  TORCH_CHECK_VALUE(input.size(-1) == weight.size(1), "tpcore: ", layer, ": input has last dim ",
-                    input.size(-1), " but the layer's weight shard expects ", weight.size(1),
-                    " (input shape ", input.sizes(), ", weight shape ", weight.sizes(), ")");
+  TORCH_CHECK_VALUE(holds(input.sym_size(-1) == weight.sym_size(1)), "tpcore: ", layer,
+                    ": input has last dim ", input.sym_size(-1),
+                    " but the layer's weight shard expects ", weight.sym_size(1), " (input shape ",
+                    input.sym_sizes(), ", weight shape ", weight.sym_sizes(), ")");
   TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), "tpcore: ", layer,
                    ": input must be a floating-point tensor, got ", input.scalar_type());
   TORCH_CHECK_TYPE(input.scalar_type() == weight.scalar_type(), "tpcore: ", layer, ": input dtype ",
@@ -35,8 +33,9 @@ void check_linear_args(const char* layer, const at::Tensor& input, const at::Ten
   TORCH_CHECK_VALUE(input.device() == weight.device(), "tpcore: ", layer, ": input is on ",
                     input.device(), " but the weight is on ", weight.device());
   if (bias && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == expected_bias, "tpcore: ", layer,
-                      ": bias must have shape [", expected_bias, "], got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && holds(bias->sym_size(0) == expected_bias),
+                      "tpcore: ", layer, ": bias must have shape [", expected_bias, "], got ",
+                      bias->sym_sizes());
     TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), "tpcore: ", layer,
                      ": bias dtype ", bias->scalar_type(), " does not match weight dtype ",
                      weight.scalar_type());
@@ -47,8 +46,8 @@ void check_linear_args(const char* layer, const at::Tensor& input, const at::Ten
 
 void check_sequence_dim(const char* layer, const at::Tensor& t, const Group& group) {
   const int world = group_size(group);
-  TORCH_CHECK_VALUE(t.dim() >= 2 && t.size(0) % world == 0, "tpcore: ", layer,
-                    ": with sequence parallelism dim 0 (sequence) of shape ", t.sizes(),
+  TORCH_CHECK_VALUE(t.dim() >= 2 && holds(t.sym_size(0) % world == 0), "tpcore: ", layer,
+                    ": with sequence parallelism dim 0 (sequence) of shape ", t.sym_sizes(),
                     " must be divisible by the tensor-parallel size ", world);
 }
 
@@ -158,10 +157,9 @@ at::Tensor column_parallel_linear(const at::Tensor& input_, const at::Tensor& we
                                   const std::optional<at::Tensor>& bias_, GroupName group,
                                   bool gather_output, bool sequence_parallel) {
   const char* layer = "ColumnParallelLinear";
-  check_static_shapes(layer, {input_, weight_, bias_.value_or(at::Tensor())});
   const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
   const NoAutocast no_autocast;
-  check_linear_args(layer, input, weight, bias, weight.size(0), group_by_name(group));
+  check_linear_args(layer, input, weight, bias, weight.sym_size(0), group_by_name(group));
   TORCH_CHECK_VALUE(!(gather_output && sequence_parallel), "tpcore: ", layer,
                     ": gather_output=True cannot be combined with sequence_parallel=True");
   if (sequence_parallel)
@@ -177,7 +175,6 @@ at::Tensor row_parallel_linear(const at::Tensor& input_, const at::Tensor& weigh
                                const std::optional<at::Tensor>& bias_, GroupName name,
                                bool input_is_parallel, bool sequence_parallel) {
   const char* layer = "RowParallelLinear";
-  check_static_shapes(layer, {input_, weight_, bias_.value_or(at::Tensor())});
   const auto [input, weight, bias] = autocast_linear_inputs(input_, weight_, bias_);
   const NoAutocast no_autocast;
   const Group group = group_by_name(name);
@@ -186,12 +183,13 @@ at::Tensor row_parallel_linear(const at::Tensor& input_, const at::Tensor& weigh
                     ": sequence_parallel=True needs input_is_parallel=True");
   // A full (unsplit) input has world times the shard's features.
   if (!input_is_parallel) {
-    TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == weight.size(1) * world,
-                      "tpcore: ", layer, ": input has last dim ", input.size(-1),
-                      " but in_features is ", weight.size(1) * world, " (input_is_parallel=False)");
+    TORCH_CHECK_VALUE(input.dim() >= 1 && holds(input.sym_size(-1) == weight.sym_size(1) * world),
+                      "tpcore: ", layer, ": input has last dim ", input.sym_size(-1),
+                      " but in_features is ", weight.sym_size(1) * world,
+                      " (input_is_parallel=False)");
   }
   at::Tensor x = input_is_parallel ? input : scatter_to_tensor_parallel(input, name);
-  check_linear_args(layer, x, weight, bias, weight.size(0), group);
+  check_linear_args(layer, x, weight, bias, weight.sym_size(0), group);
   if (sequence_parallel) check_sequence_dim(layer, x, group);
   at::Tensor out = RowParallelLinearFn::apply(x, weight, name, sequence_parallel);
   if (bias && bias->defined()) {

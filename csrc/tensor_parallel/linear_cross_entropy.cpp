@@ -46,7 +46,7 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
                             const at::Tensor& weight, const at::Tensor& target, GroupName group,
                             CrossEntropyOptions options, int64_t chunk_size,
                             at::ScalarType loss_dtype) {
-    const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+    const at::Tensor h = as_2d(hidden).contiguous();
     const at::Tensor t = target.reshape({-1}).to(at::kLong).contiguous();
     auto [loss, lse, mask] = op::linear_cross_entropy_forward(
         h, weight, t, group, options.vocab_size, options.label_smoothing, options.ignore_index,
@@ -54,7 +54,7 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
     save_group(ctx, group);
     save_options(ctx, options);
     ctx->saved_data["chunk_size"] = chunk_size;
-    ctx->saved_data["hidden_shape"] = hidden.sizes();
+    ctx->saved_data["hidden_shape"] = c10::IValue(hidden.sym_sizes());
     ctx->save_for_backward({h, weight, t, lse, mask});
     return reduce_loss({loss, lse, mask}, options, target, loss_dtype);
   }
@@ -68,8 +68,8 @@ struct LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntrop
         saved[0], saved[1], saved[2], saved[3], loss_grad_scale(grads[0], saved[4], options),
         load_group(ctx), options.vocab_size, options.label_smoothing, options.z_loss,
         d["chunk_size"].toInt(), mask);
-    const auto shape = d["hidden_shape"].toIntVector();
-    return {mask[0] ? at::_unsafe_view(grad_hidden, shape) : at::Tensor(),
+    const auto shape = d["hidden_shape"].toSymIntVector();
+    return {mask[0] ? at::_unsafe_view_symint(grad_hidden, shape) : at::Tensor(),
             mask[1] ? grad_weight : at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -145,7 +145,6 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden_, const 
                                                int64_t ignore_index, int64_t reduction,
                                                double z_loss, int64_t chunk_size) {
   const char* what = "vocab_parallel_linear_cross_entropy";
-  check_static_shapes(what, {hidden_, weight_, target});
   // Under autocast: the head's GEMMs in the autocast dtype (as F.linear), the loss in fp32
   // (as F.cross_entropy).
   const auto autocast = autocast_dtype(hidden_);
@@ -157,18 +156,20 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden_, const 
   check_loss_dtype(what, "hidden", dtype);
   TORCH_CHECK_TYPE(weight.scalar_type() == dtype, "tpcore: ", what, ": weight dtype ",
                    weight.scalar_type(), " does not match hidden dtype ", dtype);
-  TORCH_CHECK_VALUE(weight.dim() == 2 && hidden.dim() >= 1 && hidden.size(-1) == weight.size(1),
-                    "tpcore: ", what,
-                    ": hidden [..., H] and weight [V_local, H] do not fit: ", hidden.sizes(),
-                    " vs ", weight.sizes());
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2 && hidden.dim() >= 1 && holds(hidden.sym_size(-1) == weight.sym_size(1)),
+      "tpcore: ", what,
+      ": hidden [..., H] and weight [V_local, H] do not fit: ", hidden.sym_sizes(), " vs ",
+      weight.sym_sizes());
   TORCH_CHECK_VALUE(weight.device() == hidden.device(), "tpcore: ", what, ": weight is on ",
                     weight.device(), " but hidden is on ", hidden.device());
   TORCH_CHECK_VALUE(chunk_size >= 1, "tpcore: ", what, ": chunk_size must be >= 1, got ",
                     chunk_size);
-  const CrossEntropyOptions options = make_cross_entropy_options(
-      what, vocab_size, weight.size(0), world, label_smoothing, ignore_index, reduction, z_loss);
-  check_cross_entropy_args(what, target, hidden.sizes().slice(0, hidden.dim() - 1), hidden.device(),
-                           weight.size(0), world, options);
+  const CrossEntropyOptions options =
+      make_cross_entropy_options(what, vocab_size, concrete(weight.sym_size(0)), world,
+                                 label_smoothing, ignore_index, reduction, z_loss);
+  check_cross_entropy_args(what, target, hidden.sym_sizes().slice(0, hidden.dim() - 1),
+                           hidden.device(), concrete(weight.sym_size(0)), world, options);
   return LinearCrossEntropyFn::apply(hidden, weight, target, group, options, chunk_size,
                                      autocast ? at::kFloat : dtype);
 }

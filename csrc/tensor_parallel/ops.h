@@ -72,7 +72,7 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
                                                    GroupName group, int64_t num_embeddings,
                                                    bool sequence_parallel);
 at::Tensor vocab_parallel_embedding_backward_kernel(const at::Tensor& grad, const at::Tensor& ids,
-                                                    int64_t rows, int64_t padding_idx,
+                                                    c10::SymInt rows, int64_t padding_idx,
                                                     GroupName group, bool sequence_parallel);
 // (loss, lse, mask) per token.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_kernel(
