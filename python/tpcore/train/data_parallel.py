@@ -75,6 +75,15 @@ class DataParallelGrads:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._reset()
 
+    @property
+    def num_buckets(self) -> int:
+        return sum(len(b.buckets) for b in self.buffers)
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets whose reduction has started this step (all of them after `finish_grad_sync`)."""
+        return sum(self._next)
+
     # -- per step -------------------------------------------------------------------------
 
     def _reset(self) -> None:
