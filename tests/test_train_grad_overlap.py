@@ -235,3 +235,30 @@ def test_a_rank_dying_mid_reduction_fails_the_other_within_the_timeout():
     assert rank == 0 and outcome != "finished", (rank, outcome)
     assert waited < TIMEOUT_S + 20, f"the survivor waited {waited:.1f} s for a dead peer (group timeout {TIMEOUT_S} s): {outcome}"
     assert procs[1].exitcode == 3
+
+
+def _bf16_reduction(rank, world):
+    """--grad-reduce-in-bf16: bf16 buffers (half the bytes), the update within bf16's rounding
+    of the fp32 one, and the fp32 masters' gradients still fp32."""
+    import dataclasses
+
+    setup(2)
+    config = config_for("gpt2", 2)
+    base = Run(config, BASELINE)
+    run = Run(config, dataclasses.replace(DISTRIBUTED_OVERLAP, grad_reduce_in_bf16=True))
+    assert all(b.grad_data.dtype == torch.bfloat16 for b in run.grads.buffers)
+    for step, lr in enumerate([1e-2, 5e-3]):
+        data = batches(config, 2, 2, seed=step)[dist.get_rank(groups()[1])]
+        (_, n0, _), (_, n1, _) = base.step(data, lr, CLIP), run.step(data, lr, CLIP)
+        assert math.isclose(n0, n1, rel_tol=2 * 2**-7), (n0, n1)
+        assert all(x.master.grad.dtype == torch.float32 for x in run.opt.pieces)
+    want, got = base.params(), run.params()
+    moved = Run(config, BASELINE).params()
+    for key, value in want.items():
+        # Within bf16 rounding of the step itself (lr x a relative error of 2**-7 at most per step).
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2 * 1e-2 * 2 * 2**-7 + 1e-6, msg=lambda m: f"{key}: {m}")
+    assert any(not torch.equal(a, b) for a, b in zip(want.values(), moved.values()))
+
+
+def test_grad_reduce_in_bf16(cpu_ranks):
+    cpu_ranks.run(_bf16_reduction)

@@ -8,6 +8,8 @@ Layout of a save directory (a shared file system when ranks span machines):
                               the layers of each pipeline stage, GPTConfig, arguments
       model_tp00_pp00.pt      {"model": the parameters of TP rank 0 on pipeline rank 0 (all
                               its model chunks, full-model names), "optimizer": their AdamW state}
+      optim_tp00_pp00_dp000.pt  with the distributed optimizer: the AdamW state slices of
+                              DP rank 0 (each DP rank writes its own; `checkpoint_optimizer`)
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
 A tied word embedding is stored once, in the first stage's files; the last stage's copy is
@@ -19,7 +21,8 @@ Loading at any (TP, PP, virtual) layout: each rank opens only the files holding 
 it shares (`ParallelLayout.pipeline_rank_of`, `sharding.shares_indices`), memory-maps them
 one at a time and copies into its parameters and AdamW state only the shared index ranges
 (`sharding.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
-Formats 1 (TP only, `model_tpRR.pt`) and 2 (no checksums, no shard identity) are still read.
+Formats 1 (TP only, `model_tpRR.pt`), 2 (no checksums, no shard identity) and 3 (no
+distributed-optimizer files) are still read. Saving lives in `checkpoint_save`.
 
 Integrity (format 3, `checkpoint_integrity`): metadata.json records every file's size and
 CRC-32, taken while the file is written; loaders check them before reading a file (opt out
