@@ -198,11 +198,11 @@ def test_unknown_format_version_is_refused(saved, tmp_path):
     import json
     import shutil
 
-    bad = str(tmp_path / "v4")
+    bad = str(tmp_path / "v5")
     shutil.copytree(os.path.join(saved, "llama-tp1", "iter_0000002"), bad)
     with open(os.path.join(bad, "metadata.json")) as f:
         meta = json.load(f)
     with open(os.path.join(bad, "metadata.json"), "w") as f:
-        json.dump({**meta, "version": 4}, f)
-    with pytest.raises(CheckpointError, match="of version 4; this tpcore reads versions 1, 2, 3"):
+        json.dump({**meta, "version": 5}, f)
+    with pytest.raises(CheckpointError, match="of version 5; this tpcore reads versions 1, 2, 3, 4"):
         load_dense_state_dict(bad)

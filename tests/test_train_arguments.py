@@ -90,3 +90,24 @@ def test_malformed_config_file_is_named(tmp_path, name, text, cause):
         parse_args(["--config", str(path)])
     message = str(info.value)
     assert str(path) in message and cause in message, message
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be an int >= 1"),
+    ],
+)
+def test_bad_data_parallel_flags_name_the_flag(argv, match):
+    expect_error(ValueError, match, parse_args, argv)
+
+
+def test_data_parallel_flags_parse():
+    args = parse_args(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000",
+                       "--grad-reduce-in-bf16"])
+    options = args.data_parallel_options()
+    assert (options.use_distributed_optimizer, options.overlap_grad_reduce, options.overlap_param_gather, options.bucket_size,
+            options.grad_reduce_in_bf16) == (True, True, True, 5000, True)
+    assert not parse_args([]).data_parallel_options().use_distributed_optimizer

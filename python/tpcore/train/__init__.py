@@ -5,6 +5,9 @@ from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_
 from .convert import export_safetensors, load_dense_gpt
 from .logger import MetricsLogger, plot_loss_curve, read_metrics
 from .optimizer import LossScaler, ParallelAdamW, average_data_parallel_grads, grad_norm
+from .data_parallel import DataParallelGrads
+from .distributed_optimizer import DistributedAdamW
+from .optimizer_setup import DataParallelOptions, make_optimizer
 from .sampling import gather_model_on_first_stage
 from .errors import TrainingError
 from .schedule import learning_rate
@@ -16,7 +19,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "find_checkpoint", "load_dense_state_dict", "CheckpointError", "TrainingError",
     "export_safetensors", "load_dense_gpt", "gather_model_on_first_stage",
     "MetricsLogger", "read_metrics", "plot_loss_curve",
-    "ParallelAdamW", "LossScaler", "average_data_parallel_grads", "grad_norm", "learning_rate", "main",
+    "ParallelAdamW", "DistributedAdamW", "DataParallelGrads", "DataParallelOptions", "make_optimizer", "LossScaler", "average_data_parallel_grads", "grad_norm", "learning_rate", "main",
 ]
 
 

@@ -18,6 +18,7 @@ from ..models import GPTConfig
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
 from .hf_bridge import apply_hf_architecture, check_given_flags, hf_model_config
+from .optimizer_setup import DataParallelOptions
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
 
@@ -51,11 +52,16 @@ class TrainArgs:
     # Parallelism and memory
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
     pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
-    virtual_pipeline_model_parallel_size: int | None = _arg(None, "model chunks per pipeline rank (needs --pipeline-schedule interleaved)")
-    pipeline_schedule: str = _arg("1f1b", "pipeline schedule", SCHEDULES)
+    virtual_pipeline_model_parallel_size: int | None = _arg(None, "model chunks per pipeline rank (N > 1 selects the interleaved schedule)")
+    pipeline_schedule: str | None = _arg(None, "pipeline schedule (default: interleaved with --virtual-pipeline-model-parallel-size > 1, else 1f1b)", SCHEDULES)
     pipeline_stage_layers: str | None = _arg(None, 'layers per (virtual) pipeline stage, e.g. "3,5" (default: an even split)')
     sequence_parallel: bool = _arg(False, "sequence parallelism in norm/dropout regions")
     recompute: str = _arg("none", "activation recomputation", ("none", "selective", "full"))
+    use_distributed_optimizer: bool = _arg(False, "shard fp32 master weights and AdamW moments over data parallelism (gradients reduce-scattered, parameters all-gathered)")
+    overlap_grad_reduce: bool = _arg(False, "reduce each gradient bucket over DP during the backward, as soon as it is complete")
+    overlap_param_gather: bool = _arg(False, "all-gather each parameter bucket during the next forward, just before its first use (needs --use-distributed-optimizer)")
+    ddp_bucket_size: int | None = _arg(None, "elements per gradient bucket (default 40M on GPU, 1M on CPU)")
+    grad_reduce_in_bf16: bool = _arg(False, "accumulate and reduce gradients in bf16 instead of fp32")
     # Data
     data_path: str | None = _arg(None, "prefix of the .bin/.idx dataset (tpcore-preprocess output)")
     tokenizer: str = _arg("byte", '"byte" or the path of a tokenizer.json (must match the data)')
@@ -122,9 +128,13 @@ class TrainArgs:
         need(type(self.max_skipped_steps) is int and self.max_skipped_steps >= 1, f"--max-skipped-steps must be an int >= 1, got {self.max_skipped_steps!r}")
         need(type(self.distributed_timeout_minutes) in (int, float) and 0 < self.distributed_timeout_minutes < float("inf"),
              f"--distributed-timeout-minutes must be a finite number > 0, got {self.distributed_timeout_minutes!r}")
+        try:
+            self.data_parallel_options()
+        except ValueError as e:
+            need(False, str(e).removeprefix("tpcore: "))
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
-            need(choices is None or getattr(self, name) in choices, f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
+            need(choices is None or getattr(self, name) in choices or (getattr(self, name) is None and "None" in str(f.type)), f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
         config = self.model_config()  # validates the model shape now, with the GPTConfig message
         if self.save_hf:
             try:
@@ -137,15 +147,30 @@ class TrainArgs:
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
         need(v is None or (isinstance(v, int) and v >= 1), f"--virtual-pipeline-model-parallel-size must be an int >= 1, got {v!r}")
         v = v or 1
-        if self.pipeline_schedule == "interleaved":
+        if self.schedule == "interleaved":
             need(v >= 2, "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
-            need(pp >= 2, "--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
+            need(pp >= 2, f"the interleaved schedule (--virtual-pipeline-model-parallel-size {v}) needs --pipeline-model-parallel-size >= 2")
         else:
-            need(v == 1, f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved")
+            need(v == 1, f"--virtual-pipeline-model-parallel-size {v} runs the interleaved schedule, not --pipeline-schedule {self.schedule}")
         try:
             self.stage_layers()
         except ValueError as e:
             need(False, str(e).removeprefix("tpcore: "))
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: --pipeline-schedule, else interleaved when
+        --virtual-pipeline-model-parallel-size > 1 (Megatron's convention), else 1f1b."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved" if (self.virtual_pipeline_model_parallel_size or 1) > 1 else "1f1b"
+
+    def data_parallel_options(self) -> DataParallelOptions:
+        """The gradient-buffer and optimizer choices (raises ValueError on a bad combination)."""
+        return DataParallelOptions(
+            overlap_grad_reduce=self.overlap_grad_reduce, use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_param_gather=self.overlap_param_gather, grad_reduce_in_bf16=self.grad_reduce_in_bf16, bucket_size=self.ddp_bucket_size,
+        )
 
     def stage_layers(self) -> list[list[int]]:
         """The layers of each (virtual) pipeline stage, from --pipeline-stage-layers or an even split."""

@@ -8,6 +8,8 @@ Layout of a save directory (a shared file system when ranks span machines):
                               the layers of each pipeline stage, GPTConfig, arguments
       model_tp00_pp00.pt      {"model": the parameters of TP rank 0 on pipeline rank 0 (all
                               its model chunks, full-model names), "optimizer": their AdamW state}
+      optim_tp00_pp00_dp000.pt  with the distributed optimizer: the AdamW state slices of
+                              DP rank 0 (each DP rank writes its own; `checkpoint_optimizer`)
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
 A tied word embedding is stored once, in the first stage's files; the last stage's copy is
@@ -19,7 +21,8 @@ Loading at any (TP, PP, virtual) layout: each rank opens only the files holding 
 it shares (`ParallelLayout.pipeline_rank_of`, `sharding.shares_indices`), memory-maps them
 one at a time and copies into its parameters and AdamW state only the shared index ranges
 (`sharding.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
-Formats 1 (TP only, `model_tpRR.pt`) and 2 (no checksums, no shard identity) are still read.
+Formats 1 (TP only, `model_tpRR.pt`), 2 (no checksums, no shard identity) and 3 (no
+distributed-optimizer files) are still read. Saving lives in `checkpoint_save`.
 
 Integrity (format 3, `checkpoint_integrity`): metadata.json records every file's size and
 CRC-32, taken while the file is written; loaders check them before reading a file (opt out
@@ -30,25 +33,25 @@ records against the metadata. Weights that are not finite are never saved.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._atomic import atomic_output
 from ..models import GPTConfig, ReferenceGPT
 from ..models.sharding import copy_overlap, rule_for, shares_indices
-from ..pipeline_parallel import duplicate_parameter_names
-from ..tensor_parallel.random import device_rng_states, get_rng_tracker, set_device_rng_states
+from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from .agreement import all_or_none
-from .checkpoint_index import FORMAT, READABLE_VERSIONS, VERSION, find_checkpoint, read_metadata
-from .checkpoint_integrity import check_identity, describe_os_error, random_id, save_checked, shard_identity, verify_file, write_text_checked
+from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, model_file as _model_file, read_metadata, rng_file as _rng_file
+from .checkpoint_optimizer import SavedSlices
+from .checkpoint_save import save_checkpoint
+from .checkpoint_integrity import check_identity, verify_file
 from .errors import CheckpointError
 from .layout import ParallelLayout, current_layout, model_chunks
+
+_ = save_checkpoint  # re-exported: tpcore.train.checkpoint.save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
 # GPTConfig fields that change the parameters; the others are run-time choices.
@@ -56,117 +59,6 @@ _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
     "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
 )
-
-
-def _model_file(directory: str, tp_rank: int, pp_rank: int, version: int = VERSION) -> str:
-    name = f"model_tp{tp_rank:02d}.pt" if version == 1 else f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
-    return os.path.join(directory, name)
-
-
-def _rng_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rng_rank{rank:05d}.pt")
-
-
-def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
-    """This rank's file: its chunks' parameters and AdamW state, without the last stage's
-    copy of a tied embedding (the first stage's copy is stored)."""
-    skip = duplicate_parameter_names(chunks)
-    model = {name: t for chunk in chunks for name, t in chunk.state_dict().items() if name not in skip}
-    state = optimizer.state_dict() if optimizer else None
-    if state is not None:
-        state = {**state, "params": {name: entry for name, entry in state["params"].items() if name not in skip}}
-    return {"model": model, "optimizer": state}
-
-
-def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse to save weights holding NaN or inf: a diverged run must not replace the last
-    good checkpoint (`latest`) with one that every resume and export would inherit."""
-    bad = [name for name, t in model.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise CheckpointError(f"tpcore: not saving {where}: parameter(s) {bad[:5]} hold NaN or inf values (the run has diverged)")
-
-
-def save_checkpoint(
-    save_dir: str, iteration: int, model: nn.Module | Sequence[nn.Module], optimizer, *, consumed_samples: int,
-    tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None, extra: dict | None = None,
-    run_id: str | None = None,
-) -> str:
-    """Write checkpoint `iter_{iteration}` (a collective: call on every rank). `model` is a
-    GPTModel or this rank's pipeline chunks (then pass `pp_group`). `run_id` (the same on
-    every rank; default: a fresh one) is recorded in the metadata and in every shard.
-    Returns its path. Fails on every rank alike, naming the file and the cause (ENOSPC,
-    EACCES, non-finite weights), and removes what it wrote, when any rank fails."""
-    chunks = model_chunks(model)
-    layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
-    rank, name = dist.get_rank(), f"iter_{iteration:07d}"
-    final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
-    device = next(chunks[0].parameters()).device
-    save_id = random_id(device)  # tells this save's shards from any other's, even of the same run
-    identity = {"run_id": run_id or save_id, "save_id": save_id, "iteration": iteration, **layout.to_metadata()}
-    records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
-
-    def prepare() -> None:
-        if rank == 0:
-            try:
-                os.makedirs(save_dir, exist_ok=True)
-                for entry in os.listdir(save_dir):  # leftovers of saves that were killed
-                    if entry.endswith(".tmp"):
-                        shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-                os.makedirs(tmp)
-            except OSError as e:
-                raise CheckpointError(describe_os_error(e, e.filename or save_dir, "creating")) from e
-
-    def write_files() -> None:
-        if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-            tp_rank, pp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group)
-            path = _model_file(tmp, tp_rank, pp_rank)
-            state = _shard_state(chunks, optimizer)
-            _check_finite(state["model"], f"{final} (TP rank {tp_rank}, PP rank {pp_rank})")
-            records[os.path.basename(path)] = save_checked({**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path)
-        cpu, cuda = device_rng_states()
-        path = _rng_file(tmp, rank)
-        records[os.path.basename(path)] = save_checked({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, path)
-
-    def publish() -> None:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, records)  # every rank joins: the write phase succeeded everywhere
-        if rank == 0:
-            metadata = {
-                "format": FORMAT,
-                "version": VERSION,
-                **identity,
-                "consumed_samples": consumed_samples,
-                "data_parallel_size": dist.get_world_size(dp_group),
-                "world_size": dist.get_world_size(),
-                "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
-                "model_config": dataclasses.asdict(chunks[0].config),
-                "files": {k: v for part in gathered for k, v in sorted(part.items())},
-                **(extra or {}),
-            }
-            write_text_checked(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1))
-            old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
-            try:
-                if os.path.exists(final):
-                    shutil.rmtree(old, ignore_errors=True)
-                    os.rename(final, old)
-                os.rename(tmp, final)
-                with atomic_output(os.path.join(save_dir, "latest")) as latest, open(latest, "w") as f:
-                    f.write(name + "\n")
-            except OSError as e:
-                raise CheckpointError(describe_os_error(e, e.filename or final, "publishing")) from e
-            shutil.rmtree(old, ignore_errors=True)
-
-    # Each phase ends with every rank learning which ranks failed and why (in place of a
-    # barrier): a rank whose disk is full raises its error, the others a CheckpointError
-    # quoting it, instead of waiting for it until the group timeout.
-    try:
-        for what, phase in (("preparing", prepare), ("writing", write_files), ("publishing", publish)):
-            all_or_none(phase, f"saving checkpoint {final}: {what}", device)
-    except Exception:
-        if rank == 0:  # what this save wrote goes; the previous checkpoint and `latest` stay
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def _load(path: str, mmap: bool = False) -> dict:
@@ -225,7 +117,7 @@ class _MappedFile:
     def check_names(self, stored: list[str]) -> None:
         """The file holds exactly the parameters (and their optimizer state) of `stored`."""
         sections = [("model parameters", self.state["model"])]
-        if self.state["optimizer"] is not None:
+        if self.state["optimizer"] is not None and not self.state["optimizer"].get("data_parallel_size"):  # DP-sharded: SavedSlices checks
             sections.append(("optimizer state", self.state["optimizer"]["params"]))
         for what, pieces in sections:
             missing, extra = sorted(set(stored) - set(pieces)), sorted(set(pieces) - set(stored))
@@ -313,22 +205,33 @@ def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTCon
 
 
 def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed: dict[tuple[int, int], list[str]], saved: ParallelLayout,
-                 params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool) -> dict | None:
+                 params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool,
+                 open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None) -> dict | None:
     """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
-    files `needed` names (`_plan`); returns the optimizer state to load (or None)."""
+    files `needed` names (`_plan`); returns the optimizer state to load (or None). A
+    distributed optimizer's state comes from the DP slices `open_slices` opens."""
     names = list(ReferenceGPT(config, device="meta").state_dict())
     state, flat = None, {}
     for (saved_rank, pp_rank), wanted in sorted(needed.items(), key=lambda item: (item[0][1], item[0][0])):
         file = open_shard((saved_rank, pp_rank))  # one file mapped at a time
-        file.check_names(saved.names_on(pp_rank, names))
+        stored = saved.names_on(pp_rank, names)
+        file.check_names(stored)
         targets = {name: params[name] for name in wanted}
         _copy_from(file, _model_pieces, targets, config, rank, tp, saved_rank, saved.tensor_parallel_size, "model parameter")
-        if with_optimizer and file.state["optimizer"] is not None:
+        saved_opt = file.state["optimizer"]
+        if with_optimizer and saved_opt is not None:
+            section = _optimizer_pieces
+            if saved_opt.get("data_parallel_size"):
+                slices = open_slices((saved_rank, pp_rank))
+                shapes = {name: file.state["model"][name].shape for name in stored}
+                slices.check_names(stored, {name: shape.numel() for name, shape in shapes.items()})
+                saved_opt = {"params": {name: slices.template(name) for name in wanted}}
+                section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
             if state is None:
                 state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
-            _add_optimizer_targets(state, flat, file.state["optimizer"], wanted, params)
+            _add_optimizer_targets(state, flat, saved_opt, wanted, params)
             pieces = {f"{name}/{key}": flat[f"{name}/{key}"] for name in wanted for key in state["params"][name] if key != "step"}
-            _copy_from(file, _optimizer_pieces, pieces, config, rank, tp, saved_rank, saved.tensor_parallel_size, "optimizer state")
+            _copy_from(file, section, pieces, config, rank, tp, saved_rank, saved.tensor_parallel_size, "optimizer state")
         del file
     if state is not None and len(state["params"]) != len(params):
         missing = sorted(set(params) - set(state["params"]))
@@ -367,17 +270,27 @@ def load_checkpoint(
     open_shard, rank, tp = _opener(meta, files, verify), dist.get_rank(tp_group), layout.tensor_parallel_size
     rng_path = _rng_file(directory, dist.get_rank()) if load_rng and same_layout else None
 
+    slices: dict[tuple[int, int], SavedSlices] = {}
+
+    def open_slices(key: tuple[int, int]) -> SavedSlices:
+        if key not in slices:
+            slices[key] = SavedSlices(directory, meta, *key, verify, _load)
+        return slices[key]
+
     def check() -> None:  # every file this rank reads, before any is copied from
         loaded["plan"] = _plan(saved, params, config, rank, tp)
         for key in sorted(loaded["plan"]):
             open_shard(key)
+            if optimizer is not None and meta.get("distributed_optimizer"):
+                open_slices(key)
         if rng_path is not None:
             if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
                 verify_file(rng_path, meta["files"])
             loaded["rng"] = _load(rng_path)  # a missing file is named here
 
     def read() -> None:
-        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, config, rank, tp, optimizer is not None)
+        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, config, rank, tp, optimizer is not None, open_slices)
+        slices.clear()  # unmapped
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
     # a damaged or foreign file fails every rank before any rank's model is written to.

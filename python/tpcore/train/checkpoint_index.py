@@ -9,14 +9,24 @@ import re
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "read_latest", "newest_complete", "read_metadata"]
+__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
 
 FORMAT = "tpcore-gpt-checkpoint"
-VERSION = 3
-# 1: TP only, files model_tpRR.pt; 2: + pipeline; 3: + file checksums and shard identity.
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+# 1: TP only, files model_tpRR.pt; 2: + pipeline; 3: + file checksums and shard identity;
+# 4: + the distributed optimizer's state, sharded over DP (optim_tpRR_ppSS_dpDDD.pt).
+READABLE_VERSIONS = (1, 2, 3, 4)
 _NAME = re.compile(r"iter_(\d{7,})")
 _FOLDER = re.compile(r"iter_(\d{7,})(\.old)?")
+
+
+def model_file(directory: str, tp_rank: int, pp_rank: int, version: int = VERSION) -> str:
+    name = f"model_tp{tp_rank:02d}.pt" if version == 1 else f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+    return os.path.join(directory, name)
+
+
+def rng_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rng_rank{rank:05d}.pt")
 
 
 def read_latest(save_dir: str) -> str | None:
@@ -111,6 +121,8 @@ def read_metadata(directory: str) -> dict:
         checks["consumed_samples"] = 0
     if meta["version"] >= 2:
         checks["pipeline_parallel_size"] = 1
+    if meta.get("distributed_optimizer"):
+        checks["data_parallel_size"] = 1
     for key, low in checks.items():
         if not _is_int(meta.get(key), low):
             raise CheckpointError(f"tpcore: {path}: {key!r} must be an integer >= {low}, got {meta.get(key)!r} (the file is damaged)")

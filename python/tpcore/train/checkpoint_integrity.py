@@ -127,26 +127,31 @@ def random_id(device: torch.device | str, group: dist.ProcessGroup | None = None
     return f"{int(value.item()):016x}"
 
 
-def shard_identity(meta: dict, tp_rank: int, pp_rank: int) -> dict:
-    """What a model shard records about itself: the ids and iteration of the save it belongs
-    to, its (TP, PP) rank and the layout; `meta` is (at least) the identity part of the
-    checkpoint's metadata."""
+def shard_identity(meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> dict:
+    """What a shard records about itself: the ids and iteration of the save it belongs to,
+    its (TP, PP) rank and the layout; a distributed-optimizer file (`dp_rank` given) also
+    its DP rank and the DP size. `meta` is (at least) the identity part of the checkpoint's
+    metadata (with "data_parallel_size" for optimizer files)."""
     keys = ("run_id", "save_id", "iteration", "tensor_parallel_size", "pipeline_parallel_size", "pipeline_stage_layers")
-    return {**{k: meta[k] for k in keys}, "tensor_parallel_rank": tp_rank, "pipeline_parallel_rank": pp_rank}
+    identity = {**{k: meta[k] for k in keys}, "tensor_parallel_rank": tp_rank, "pipeline_parallel_rank": pp_rank}
+    if dp_rank is not None:
+        identity.update(data_parallel_rank=dp_rank, data_parallel_size=meta["data_parallel_size"])
+    return identity
 
 
-def check_identity(path: str, state: dict, meta: dict, tp_rank: int, pp_rank: int) -> None:
+def check_identity(path: str, state: dict, meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> None:
     """Raise CheckpointError naming `path` and both values when the shard's recorded
     identity is not the one this checkpoint's metadata expects of the file at (TP rank,
-    PP rank)."""
-    want = shard_identity(meta, tp_rank, pp_rank)
+    PP rank[, DP rank])."""
+    want = shard_identity(meta, tp_rank, pp_rank, dp_rank)
     got = state.get("identity") if isinstance(state, dict) else None
     if not isinstance(got, dict):
         raise CheckpointError(f"tpcore: {path} records no shard identity, which a version-{meta['version']} checkpoint's shards all do (a file of another format put here?)")
     diff = [f"{k}: file {got.get(k)!r}, metadata {v!r}" for k, v in want.items() if _plain(got.get(k)) != _plain(v)]
     if diff:
         raise CheckpointError(
-            f"tpcore: {path} is not the shard this checkpoint expects at TP rank {tp_rank}, PP rank {pp_rank} "
+            f"tpcore: {path} is not the shard this checkpoint expects at TP rank {tp_rank}, PP rank {pp_rank}"
+            f"{'' if dp_rank is None else f', DP rank {dp_rank}'} "
             f"(a file of another rank, save or run?): {'; '.join(diff)}"
         )
 

@@ -87,6 +87,10 @@ class ParallelAdamW:
     by parameter name, so a checkpoint can be resharded to another TP size. With
     pipeline parallelism pass `pp_group` and the names of `duplicates` (parameters whose
     gradient is a copy of one on another stage) so the norm counts each parameter once.
+
+    With `grads` (a `DataParallelGrads` over the same model, all-reducing) the gradients are
+    read from its contiguous buffers (`main_grad`, already averaged over DP by its
+    `finish_grad_sync()`, which must run before `step`) instead of `.grad`.
     """
 
     def __init__(
@@ -103,7 +107,11 @@ class ParallelAdamW:
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         loss_scaler: LossScaler | None = None,
+        grads=None,
     ) -> None:
+        if grads is not None and grads.reduce_scatter:
+            raise ValueError("tpcore: ParallelAdamW needs all-reduced gradients; reduce-scattered buffers are for DistributedAdamW")
+        self.grads = grads
         modules = [model] if isinstance(model, nn.Module) else list(model)
         named = [(n, p) for module in modules for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -130,16 +138,34 @@ class ParallelAdamW:
         for p, m in zip(self.params, self.masters):
             p.grad = None
             m.grad = None
+        if self.grads is not None:
+            self.grads.zero_grad()
 
-    def step(self, lr: float, clip_grad: float) -> tuple[float, bool]:
-        """One update; returns (gradient norm before clipping, whether the step was skipped)."""
+    def finish_param_sync(self) -> None:
+        """Nothing to wait for: every DP rank updates every parameter itself."""
+
+    def _gather_grads(self) -> None:
+        """Point each master's .grad at the DP mean of its gradient."""
+        if self.grads is not None:
+            if not self.grads.finished:
+                raise RuntimeError("tpcore: ParallelAdamW.step: call grads.finish_grad_sync() after the backward passes first")
+            for p, m in zip(self.params, self.masters):
+                # A view of the buffer when it is fp32 (no copy); unscaling and clipping
+                # then work in the buffer, which zero_grad() empties afterwards.
+                m.grad = p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float()
+            return
         for p in self.params:
             if p.grad is None:  # unused parameter: a zero gradient keeps ranks in step
                 p.grad = torch.zeros_like(p)
         average_data_parallel_grads([p.grad for p in self.params], self.dp_group)
-        inv_scale = 1.0 / self.loss_scale
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float() if m is not p else p.grad
+
+    def step(self, lr: float, clip_grad: float) -> tuple[float, bool]:
+        """One update; returns (gradient norm before clipping, whether the step was skipped)."""
+        self._gather_grads()
+        inv_scale = 1.0 / self.loss_scale
+        for m in self.masters:
             if inv_scale != 1.0:
                 m.grad.mul_(inv_scale)
         norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group, self.pp_group, self.duplicate)

@@ -14,11 +14,10 @@ from .. import parallel_state
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..models import ReferenceGPT
-from ..models.hf_config import read_hf_config
 from ..models.generate import generate
-from ..models.sharding import rule_for
+from ..models.hf_config import read_hf_config
 from ..pipeline_parallel import (
-    activation_shape, build_gpt_stages, check_schedule, duplicate_parameter_names, finalize_model_grads, forward_backward,
+    activation_shape, build_gpt_stages, check_schedule, finalize_model_grads, forward_backward,
     gpt_forward_step, sync_tied_embeddings,
 )
 from ..tensor_parallel.random import model_parallel_manual_seed
@@ -31,7 +30,8 @@ from .errors import CheckpointError, TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
 from .hf_bridge import check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
-from .optimizer import LossScaler, ParallelAdamW
+from .optimizer import LossScaler
+from .optimizer_setup import make_optimizer
 from .sampling import gather_model_on_first_stage
 from .schedule import learning_rate
 
@@ -131,170 +131,207 @@ def _dp_mean(value: torch.Tensor, dp_group, device: str) -> float:
     return float(value.item()) / dist.get_world_size(dp_group)
 
 
-def pretrain(args: TrainArgs) -> dict:
-    """Train a GPT as `args` say (call on every rank of a torchrun job). Returns the
-    final metrics {"iteration", "loss", "valid_loss"} (identical on every rank)."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("tpcore: --device cuda but CUDA is not available")
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    init_distributed(device, timeout.total_seconds())
-    # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
-    resume_from = _resume_point(args)
-    pp, chunks_per_rank, schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.pipeline_schedule
-    if not parallel_state.is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp, timeout=timeout)
-    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    dp, dp_rank, rank0 = dist.get_world_size(dp_group), dist.get_rank(dp_group), dist.get_rank() == 0
-    global_batch = args.global_batch_size or args.micro_batch_size * dp
-    if global_batch % (args.micro_batch_size * dp):
-        raise ValueError(f"tpcore: --global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
-    check_schedule(schedule, pp, global_batch // (args.micro_batch_size * dp), chunks_per_rank)  # the micro-batch count fits
-    if args.data_path is None:
-        raise ValueError("tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by tpcore-preprocess)")
+class _Training:
+    """One run, in named phases: `__init__` sets everything up (groups, data, model,
+    optimizer, resume), `step` trains one global batch, `evaluate`, `save`, `finish`."""
 
-    tokenizer = load_tokenizer(args.tokenizer)
-    config = args.model_config(tokenizer.vocab_size)
-    if args.load_hf:
-        check_tokenizer_fits(tokenizer, config, args.load_hf)
-    config.check_tp(dist.get_world_size(tp_group))
-    indexed = IndexedDataset(args.data_path)
-    _check_tokens(indexed, tokenizer.vocab_size, device)
-    common = dict(valid_fraction=args.valid_fraction, seed=args.seed)
-    train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
-    valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
-    train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
-    valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+    def __init__(self, args: TrainArgs) -> None:
+        self.args = args
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("tpcore: --device cuda but CUDA is not available")
+        self.device = device
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        init_distributed(device, timeout.total_seconds())
+        # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
+        self.resume_from = _resume_point(args)
+        pp, self.chunks_per_rank, self.schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.schedule
+        if not parallel_state.is_initialized():
+            parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp, timeout=timeout)
+        self.tp_group, self.dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp, dp_rank, self.rank0 = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group), dist.get_rank() == 0
+        self.global_batch = global_batch = args.global_batch_size or args.micro_batch_size * dp
+        if global_batch % (args.micro_batch_size * dp):
+            raise ValueError(f"tpcore: --global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+        check_schedule(self.schedule, pp, global_batch // (args.micro_batch_size * dp), self.chunks_per_rank)  # the micro-batch count fits
+        if args.data_path is None:
+            raise ValueError("tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by tpcore-preprocess)")
 
-    dtype, autocast_dtype = precision(args)
-    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir), ("--save-hf", args.save_hf)):
-        if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
-            check_output_folder(folder, flag, device)
-    run_id = random_id(device)  # recorded in every checkpoint of this run and in each of its shards
-    torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
-    chunks = build_gpt_stages(
-        config, num_model_chunks=chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=tp_group, pp_group=pp_group,
-        dtype=dtype, device=device, _init=resume_from is None and not args.load_hf,
-    )
-    if args.load_hf and resume_from is None:  # before the optimizer takes its fp32 copies
-        load_initial_hf_weights(chunks, args.load_hf, device)
-    sync_tied_embeddings(chunks)
-    model_parallel_manual_seed(args.seed, tp_group)
-    optimizer = ParallelAdamW(
-        chunks,
-        is_replicated=lambda name: rule_for(name, config)[0] == "replicated",
-        tp_group=tp_group,
-        dp_group=dp_group,
-        pp_group=pp_group,
-        duplicates=duplicate_parameter_names(chunks),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        loss_scaler=LossScaler(args.initial_loss_scale, args.loss_scale_window) if torch.float16 in (dtype, autocast_dtype) else None,
-    )
-    start = 0
-    if resume_from:
-        with phase(f"loading checkpoint {resume_from}", args.distributed_timeout_minutes):
-            meta = load_checkpoint(resume_from, chunks, optimizer, tp_group=tp_group, pp_group=pp_group, verify=args.verify_checkpoint)
-        start = meta["iteration"]
+        self.tokenizer = load_tokenizer(args.tokenizer)
+        config = self.config = args.model_config(self.tokenizer.vocab_size)
+        if args.load_hf:
+            check_tokenizer_fits(self.tokenizer, config, args.load_hf)
+        config.check_tp(dist.get_world_size(self.tp_group))
+        indexed = IndexedDataset(args.data_path)
+        _check_tokens(indexed, self.tokenizer.vocab_size, device)
+        common = dict(valid_fraction=args.valid_fraction, seed=args.seed)
+        train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
+        valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
+        self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
+        self.valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+
+        self.dtype, self.autocast_dtype = precision(args)
+        for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir), ("--save-hf", args.save_hf)):
+            if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
+                check_output_folder(folder, flag, device)
+        self.run_id = random_id(device)  # recorded in every checkpoint of this run and in each of its shards
+        torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
+        self.chunks = build_gpt_stages(
+            config, num_model_chunks=self.chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=self.tp_group, pp_group=self.pp_group,
+            dtype=self.dtype, device=device, _init=self.resume_from is None and not args.load_hf,
+        )
+        if args.load_hf and self.resume_from is None:  # before the optimizer takes its fp32 copies
+            load_initial_hf_weights(self.chunks, args.load_hf, device)
+        sync_tied_embeddings(self.chunks)
+        model_parallel_manual_seed(args.seed, self.tp_group)
+        scaler = LossScaler(args.initial_loss_scale, args.loss_scale_window) if torch.float16 in (self.dtype, self.autocast_dtype) else None
+        self.optimizer, self.grads = make_optimizer(
+            self.chunks, args.data_parallel_options(), tp_group=self.tp_group, dp_group=self.dp_group, pp_group=self.pp_group,
+            lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, loss_scaler=scaler,
+        )
+        self.start = 0
+        if self.resume_from:
+            self._resume()
+        self.log_dir = args.log_dir or args.save
+        # Rank 0 alone makes the log folder and files: every rank learns if that failed.
+        self.logger = all_or_none(
+            lambda: MetricsLogger(active=self.rank0, log_dir=self.log_dir, total_iters=args.train_iters, start_iter=self.start,
+                                  log_interval=args.log_interval, progress=args.progress),
+            f"opening the metrics files in {self.log_dir}", device, error_type=TrainingError,
+        )
+        self.shape = activation_shape(config, args.micro_batch_size, args.seq_length, dist.get_world_size(self.tp_group))
+        self._banner(dp)
+
+    def _resume(self) -> None:
+        args = self.args
+        with phase(f"loading checkpoint {self.resume_from}", args.distributed_timeout_minutes):
+            meta = load_checkpoint(self.resume_from, self.chunks, self.optimizer, tp_group=self.tp_group, pp_group=self.pp_group,
+                                   verify=args.verify_checkpoint)
+        self.start = meta["iteration"]
         # The data position is step x global batch: another global batch would silently skip
         # or repeat samples. Every rank read the same metadata, so all raise alike.
-        if meta.get("consumed_samples", start * global_batch) != start * global_batch:
+        if meta.get("consumed_samples", self.start * self.global_batch) != self.start * self.global_batch:
             raise ValueError(
-                f"tpcore: the checkpoint consumed {meta['consumed_samples']} samples in {start} steps "
-                f"(global batch {meta['consumed_samples'] // max(start, 1)}); resume with that --global-batch-size, not {global_batch}"
+                f"tpcore: the checkpoint consumed {meta['consumed_samples']} samples in {self.start} steps "
+                f"(global batch {meta['consumed_samples'] // max(self.start, 1)}); resume with that --global-batch-size, not {self.global_batch}"
             )
-    log_dir = args.log_dir or args.save
-    # Rank 0 alone makes the log folder and files: every rank learns if that failed.
-    logger = all_or_none(
-        lambda: MetricsLogger(active=rank0, log_dir=log_dir, total_iters=args.train_iters, start_iter=start, log_interval=args.log_interval, progress=args.progress),
-        f"opening the metrics files in {log_dir}", device, error_type=TrainingError,
-    )
-    no_latest = resume_from is not None and os.path.realpath(resume_from) != os.path.realpath(args.load) and read_latest(args.load) is None
-    params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
-    logger.print(
-        f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(tp_group)} x DP {dp}"
-        + (f" x PP {pp} ({schedule}, {chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
-        + f"{device} {str(dtype).removeprefix('torch.')}{' autocast ' + args.autocast if autocast_dtype else ''} | global batch {global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {train_batches.accumulation} | "
-        + (f"resumed from {resume_from} at iteration {start}" if resume_from else f"from the Hugging Face model {args.load_hf}" if args.load_hf else "from scratch")
-        + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
-    )
 
-    shape = activation_shape(config, args.micro_batch_size, args.seq_length, dist.get_world_size(tp_group))
+    def _banner(self, dp: int) -> None:
+        args, pp = self.args, self.args.pipeline_model_parallel_size
+        no_latest = self.resume_from is not None and os.path.realpath(self.resume_from) != os.path.realpath(args.load) and read_latest(args.load) is None
+        params = sum(p.numel() for p in ReferenceGPT(self.config, device="meta").parameters())
+        options = args.data_parallel_options()
+        dp_text = "".join(f" +{flag}" for flag, on in (("distributed-optimizer", options.use_distributed_optimizer),
+                                                        ("overlap-grad-reduce", options.overlap_grad_reduce),
+                                                        ("overlap-param-gather", options.overlap_param_gather)) if on)
+        self.logger.print(
+            f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
+            + (f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
+            + f"{self.device} {str(self.dtype).removeprefix('torch.')}{' autocast ' + args.autocast if self.autocast_dtype else ''} | "
+            + f"global batch {self.global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {self.train_batches.accumulation} | "
+            + (f"resumed from {self.resume_from} at iteration {self.start}" if self.resume_from
+               else f"from the Hugging Face model {args.load_hf}" if args.load_hf else "from scratch")
+            + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
+        )
 
-    def run_pipeline(batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
-        """The mean loss of one global batch (this DP rank's part), on every rank; with
-        the backward unless `forward_only` (gradients accumulate into .grad)."""
+    def run_pipeline(self, batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
+        """The mean loss of one global batch (this DP rank's part), on every rank; with the
+        backward unless `forward_only` (gradients accumulate into the buffers / .grad)."""
         micro_batches = [batches(step, micro) for micro in range(batches.accumulation)]
+        if self.grads is not None and not forward_only:
+            self.grads.start_step(batches.accumulation)
         return forward_backward(
-            gpt_forward_step(chunks, micro_batches, tensor_shape=shape, autocast_dtype=autocast_dtype), num_micro_batches=batches.accumulation, tensor_shape=shape,
-            dtype=dtype, device=device, schedule=schedule, num_model_chunks=chunks_per_rank, group=pp_group,
-            forward_only=forward_only, loss_scale=optimizer.loss_scale,
+            gpt_forward_step(self.chunks, micro_batches, tensor_shape=self.shape, autocast_dtype=self.autocast_dtype),
+            num_micro_batches=batches.accumulation, tensor_shape=self.shape, dtype=self.dtype, device=self.device, schedule=self.schedule,
+            num_model_chunks=self.chunks_per_rank, group=self.pp_group, forward_only=forward_only, loss_scale=self.optimizer.loss_scale,
         ).cpu()
 
-    def evaluate() -> float:
-        for chunk in chunks:
+    def step(self, iteration: int, skips: SkippedStepGuard) -> tuple[dict, bool, float]:
+        """Train step `iteration` (0-based): (metrics, skipped, whether a skip is explained by the loss scale)."""
+        args = self.args
+        with StepTimer(self.device == "cuda") as timer:
+            step_loss = self.run_pipeline(self.train_batches, iteration, forward_only=False)
+            if self.grads is not None:
+                self.grads.finish_grad_sync()  # DP (bucket by bucket), sequence-parallel and tied-embedding sums
+            else:
+                finalize_model_grads(self.chunks, tp_group=self.tp_group)  # sequence-parallel and tied-embedding gradients
+            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                               decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
+            explained = skips.scale_can_drop()
+            grad_norm, skipped = self.optimizer.step(lr, args.clip_grad)
+            loss = _dp_mean(step_loss, self.dp_group, self.device)
+        metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=self.optimizer.loss_scale, skipped=float(skipped),
+                       tokens_per_s=self.global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
+        return metrics, skipped, explained
+
+    def evaluate(self) -> float:
+        for chunk in self.chunks:
             chunk.eval()
         total = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
-            for step in range(args.eval_iters):
-                total += run_pipeline(valid_batches, step, forward_only=True)
-        for chunk in chunks:
+            for step in range(self.args.eval_iters):
+                total += self.run_pipeline(self.valid_batches, step, forward_only=True)
+        for chunk in self.chunks:
             chunk.train()
-        return _dp_mean(total / args.eval_iters, dp_group, device)
+        return _dp_mean(total / self.args.eval_iters, self.dp_group, self.device)
 
-    def save(iteration: int) -> None:
+    def save(self, iteration: int) -> None:
+        args = self.args
         path = save_checkpoint(
-            args.save, iteration, chunks, optimizer, consumed_samples=iteration * global_batch, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
+            args.save, iteration, self.chunks, self.optimizer, consumed_samples=iteration * self.global_batch, tp_group=self.tp_group,
+            dp_group=self.dp_group, pp_group=self.pp_group, run_id=self.run_id,
             extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer),
                    "hf_config": read_hf_config(args.load_hf) if args.load_hf else None},
-            run_id=run_id,
         )
-        logger.print(f"tpcore: saved checkpoint {path}")
+        self.logger.print(f"tpcore: saved checkpoint {path}")
 
-    for chunk in chunks:
+    def finish(self) -> None:
+        """Close the logs, plot the loss curve, sample when asked."""
+        args = self.args
+        self.logger.close()
+        if self.rank0 and self.log_dir and self.logger.csv_path and os.path.isfile(self.logger.csv_path):
+            png = os.path.join(self.log_dir, "loss_curve.png")
+            self.logger.print(f"tpcore: loss curve {png}" if plot_loss_curve(self.logger.csv_path, png) else "tpcore: no loss-curve PNG (matplotlib is not installed)")
+        self.optimizer.finish_param_sync()  # the last step's parameter gathers
+        if args.save_hf:
+            with phase(f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes):
+                folder = save_hf(self.chunks, args, self.tokenizer, pp_group=self.pp_group, dp_group=self.dp_group)
+                self.logger.print(f"tpcore: exported the Hugging Face model {folder}")
+        # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and samples alone.
+        model = gather_model_on_first_stage(self.chunks, pp_group=self.pp_group) if args.sample_tokens else None
+        if model is not None:
+            prompt = torch.tensor([self.tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=self.device)
+            out = generate(model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=self.tokenizer.eod)
+            self.logger.print("tpcore: sample (top-k 8):\n" + self.tokenizer.decode(out[0].tolist()))
+
+
+def pretrain(args: TrainArgs) -> dict:
+    """Train a GPT as `args` say (call on every rank of a torchrun job). Returns the
+    final metrics {"iteration", "loss", "valid_loss"} (identical on every rank)."""
+    run = _Training(args)
+    for chunk in run.chunks:
         chunk.train()
     loss = valid_loss = float("nan")
-    iteration = start
+    iteration = run.start
     minutes = args.distributed_timeout_minutes
-    skips = SkippedStepGuard(args.max_skipped_steps, optimizer.scaler)
+    skips = SkippedStepGuard(args.max_skipped_steps, run.optimizer.scaler)
     while iteration < args.train_iters:
-        with phase(f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)", minutes), StepTimer(device == "cuda") as timer:
-            step_loss = run_pipeline(train_batches, iteration, forward_only=False)
-            finalize_model_grads(chunks, tp_group=tp_group)  # sequence-parallel and tied-embedding gradients
-            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
-            explained = skips.scale_can_drop()
-            grad_norm, skipped = optimizer.step(lr, args.clip_grad)
-            loss = _dp_mean(step_loss, dp_group, device)
+        with phase(f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)", minutes):
+            metrics, skipped, explained = run.step(iteration, skips)
+        loss = metrics["loss"]
         iteration += 1
-        stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - start >= args.exit_interval)
-        metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=optimizer.loss_scale, skipped=float(skipped),
-                       tokens_per_s=global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
-        if valid_batches and (iteration % args.eval_interval == 0 or stop):
+        stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - run.start >= args.exit_interval)
+        if run.valid_batches and (iteration % args.eval_interval == 0 or stop):
             with phase(f"evaluation after step {iteration}", minutes):
-                metrics["valid_loss"] = valid_loss = evaluate()
-            logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
-        logger.record(iteration, **metrics)
+                metrics["valid_loss"] = valid_loss = run.evaluate()
+            run.logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
+        run.logger.record(iteration, **metrics)
         skips.update(iteration, skipped, explained, loss)  # raises on every rank alike, before any save of this step
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or stop):
             with phase(f"saving the checkpoint of step {iteration}", minutes):
-                save(iteration)
+                run.save(iteration)
         if stop:
             break
-
-    if args.save_hf:
-        with phase(f"exporting the model to --save-hf {args.save_hf}", minutes):
-            logger.print(f"tpcore: exported the Hugging Face model {save_hf(chunks, args, tokenizer, pp_group=pp_group, dp_group=dp_group)}")
-    logger.close()
-    if rank0 and log_dir and logger.csv_path and os.path.isfile(logger.csv_path):
-        png = os.path.join(log_dir, "loss_curve.png")
-        logger.print(f"tpcore: loss curve {png}" if plot_loss_curve(logger.csv_path, png) else "tpcore: no loss-curve PNG (matplotlib is not installed)")
-    # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and samples alone.
-    model = gather_model_on_first_stage(chunks, pp_group=pp_group) if args.sample_tokens else None
-    if model is not None:
-        prompt = torch.tensor([tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=device)
-        out = generate(model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=tokenizer.eod)
-        logger.print("tpcore: sample (top-k 8):\n" + tokenizer.decode(out[0].tolist()))
+    run.finish()
     return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
