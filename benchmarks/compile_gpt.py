@@ -1,7 +1,11 @@
 """bench_gpt.py --compile: eager against torch.compile'd training steps, same ranks, same run.
 
 Contenders at TP=1 (one process): ReferenceGPT (plain PyTorch) eager and compiled, GPTModel
-eager and compiled. At TP=2 (two ranks): GPTModel eager and compiled. Compiled models use
+eager and compiled. At TP=2 (two ranks): GPTModel eager and compiled, and ReferenceGPT with
+PyTorch's DTensor tensor parallelism (`parallelize_module`: attention and MLP column / row
+parallel as Megatron lays them out, whole heads per rank; the embedding, LM head and loss stay
+replicated, as DTensor's Colwise / Rowwise styles do not shard a tied vocabulary), eager and
+compiled. Compiled models use
 `torch.compile(model, fullgraph=True, dynamic=False)`, so a graph break would fail the
 benchmark. Compile time: the first compiled step (dynamo + AOTAutograd + inductor, forward
 and backward) minus the median step. Step times are medians of rounds that alternate the
@@ -14,7 +18,10 @@ import os
 import statistics
 import time
 
+import types
+
 import torch
+import torch.distributed as dist
 
 from ranks import init_ranks
 from tpcore.models import GPTModel, ReferenceGPT
@@ -32,6 +39,33 @@ def _timed_step(model, opt, ids, target, device: str) -> float:
     return time.perf_counter() - start
 
 
+def dtensor_gpt(dense: ReferenceGPT, world: int) -> ReferenceGPT:
+    """`dense` with its blocks tensor parallel through DTensor, in place: the fused QKV rows
+    regrouped so each rank's column shard holds whole heads [q_r; k_r; v_r] (as tpcore's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    c = dense.config
+    if c.activation == "swiglu":
+        raise ValueError("the DTensor contender lays out GeLU MLPs only")
+    mesh = init_device_mesh("cpu", (world,))
+    h, kv, d = c.num_attention_heads // world, c.num_kv_heads // world, c.head_dim
+    for block in dense.layers:
+        attn = block.attention
+        with torch.no_grad():
+            q, k, v = attn.qkv.weight.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+            parts = [torch.cat([q.chunk(world)[r], k.chunk(world)[r], v.chunk(world)[r]]) for r in range(world)]
+            attn.qkv.weight.copy_(torch.cat(parts))
+            if attn.qkv.bias is not None:
+                qb, kb, vb = attn.qkv.bias.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+                attn.qkv.bias.copy_(torch.cat([torch.cat([qb.chunk(world)[r], kb.chunk(world)[r], vb.chunk(world)[r]]) for r in range(world)]))
+        # The attention's forward reads its head counts from its config: this rank's.
+        attn.config = types.SimpleNamespace(num_attention_heads=h, num_kv_heads=kv, head_dim=d, attention_dropout=c.attention_dropout)
+        parallelize_module(attn, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
+        parallelize_module(block.mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return dense
+
+
 def compile_worker(rank, world, store, args, config, batch, results) -> None:
     """Per contender: median step seconds, first-step seconds and the graph-break count."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -47,7 +81,16 @@ def compile_worker(rank, world, store, args, config, batch, results) -> None:
         contenders["ReferenceGPT eager"] = dense
         torch.manual_seed(0)
         contenders["ReferenceGPT compiled"] = ReferenceGPT(config, dtype=dtype).to(device)
+    elif args.device == "cpu":
+        for name in ("DTensor eager", "DTensor compiled"):
+            torch.manual_seed(0)
+            contenders[name] = dtensor_gpt(ReferenceGPT(config, dtype=dtype), world)
     ids, target = (t.to(device) for t in batch)
+    if world > 1 and "DTensor eager" in contenders:  # the same function as tpcore's, or the comparison means nothing
+        want = contenders["GPTModel eager"](ids, target).item()
+        got = contenders["DTensor eager"](ids, target).item()
+        assert abs(got - want) <= 1e-4 * abs(want), f"DTensor GPT loss {got} != GPTModel loss {want}"
+    dist.barrier()
     steps, first, breaks = {}, {}, {}
     for name, model in list(contenders.items()):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
