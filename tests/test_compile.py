@@ -48,6 +48,9 @@ def _opcheck_every_op(rank, world, tp):
         (ops.reduce_scatter, (x, 0, g)),
         (ops.broadcast, (x, 0, g)),
         (ops.split, (x, -1, g)),
+        (ops.all_reduce_start, (x, g)),
+        (ops.all_gather_start, (x, g)),
+        (ops.reduce_scatter_start, (x, g)),
     ]:
         _check(op, args, ALL_CHECKS)
     w = per_rank_tensor((4, h), tp_rank, seed=2)
@@ -147,6 +150,46 @@ GPT_CASES = [
 @pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", GPT_CASES)
 def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
     cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, timeout=900)
+
+
+def _backward_graph_overlaps(rank, world, tp, sequence_parallel):
+    """The compiled column-parallel backward starts its input-gradient collective, computes the
+    weight gradient, then waits (the functional-collective form), and equals eager."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    setup_tp(tp)
+    torch._dynamo.reset()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    layer = tpcore.ColumnParallelLinear(16, 8 * tp, sequence_parallel=sequence_parallel)
+    x = per_rank_tensor((4, 2, 16), dist.get_rank(), seed=1).requires_grad_()
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    got = compiled(x)
+    got.square().sum().backward()
+    want = layer(x.detach().requires_grad_())
+    assert_close(got, want.detach(), "output")
+    x_ref = x.detach().requires_grad_()
+    weight_grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    layer(x_ref).square().sum().backward()
+    assert_close(weight_grad, layer.weight.grad, "weight grad")
+    assert_close(x.grad, x_ref.grad, "input grad (the started collective's result)")
+    backward = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    start = "tpcore.reduce_scatter_start.default" if sequence_parallel else "tpcore.all_reduce_start.default"
+    assert start in backward, backward
+    waits = [i for i, t in enumerate(backward) if t == "_c10d_functional.wait_tensor.default"]
+    mms = [i for i, t in enumerate(backward) if t == "aten.mm.default"]
+    assert waits and mms and backward.index(start) < mms[-1] < waits[-1], backward
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_compiled_backward_keeps_the_overlap(cpu_ranks, sequence_parallel):
+    cpu_ranks.run(_backward_graph_overlaps, 2, sequence_parallel, timeout=600)
 
 
 class _UserModel(torch.nn.Module):

@@ -98,7 +98,7 @@ at::Tensor concat_gathered(const at::Tensor& buffer, int64_t dim) {
 at::Tensor PendingCollective::wait() {
   if (!waited_) {
     if (work_) work_->wait();
-    result_ = finish_ ? finish_() : at::Tensor();
+    if (!known_) result_ = finish_ ? finish_() : at::Tensor();
     work_.reset();
     finish_ = nullptr;
     waited_ = true;
@@ -137,6 +137,7 @@ PendingCollective all_reduce_inplace_async(at::Tensor tensor, const Group& group
   }
   std::vector<at::Tensor> tensors{buffer};
   auto work = group->allreduce(tensors);
+  if (buffer.is_same(tensor)) return PendingCollective(work, tensor);
   return PendingCollective(work, [tensor, buffer]() mutable {
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
     return tensor;
@@ -179,6 +180,7 @@ PendingCollective all_gather_async(const at::Tensor& input, int64_t dim, const G
     std::vector<at::Tensor> inputs{local};
     work = group->allgather(outputs, inputs);
   }
+  if (dim == 0) return PendingCollective(work, concat_gathered(buffer, 0));  // a view of it
   return PendingCollective(work, [buffer, dim]() { return concat_gathered(buffer, dim); });
 }
 
@@ -208,7 +210,7 @@ PendingCollective reduce_scatter_async(const at::Tensor& input, int64_t dim, con
       at::Tensor flat_out = out.view({-1});
       at::Tensor flat_in = stacked.view({-1});
       auto work = group->_reduce_scatter_base(flat_out, flat_in);
-      return PendingCollective(work, [out]() { return out; });
+      return PendingCollective(work, out);
     } catch (const c10::Error& e) {
       if (!is_unsupported_error(e)) throw;
       missing_ops().mark(group, "reduce_scatter_base", input);

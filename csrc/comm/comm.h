@@ -10,6 +10,7 @@
 #include <c10/util/string_view.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -24,15 +25,28 @@ class PendingCollective {
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish)
       : work_(std::move(work)), finish_(std::move(finish)) {}
+  // A collective whose result is `output` itself once `work` completes (no finishing step).
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, at::Tensor output)
+      : work_(std::move(work)), result_(std::move(output)), known_(true) {}
   // A collective that needed no communication (e.g. a group of size 1).
-  explicit PendingCollective(at::Tensor done) : result_(std::move(done)), waited_(true) {}
+  explicit PendingCollective(at::Tensor done) : result_(std::move(done)), known_(true) {
+    waited_ = true;
+  }
 
   at::Tensor wait();
+  // The tensor wait() will return, when it is known before the work completes (the
+  // collective writes into it); nullopt when a finishing step builds it.
+  std::optional<at::Tensor> output() const {
+    return known_ ? std::optional<at::Tensor>(result_) : std::nullopt;
+  }
+  // The work in flight (null when there is none or it was waited on).
+  const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<at::Tensor()> finish_;
   at::Tensor result_;
+  bool known_ = false;
   bool waited_ = false;
 };
 

@@ -29,6 +29,28 @@ at::Tensor split(const at::Tensor& input, int64_t dim, GroupName group) {
   return op.call(input, dim, group);
 }
 
+at::Tensor all_reduce_start(const at::Tensor& input, GroupName group) {
+  TPCORE_OP("all_reduce_start", at::Tensor(const at::Tensor&, GroupName));
+  return op.call(input, group);
+}
+
+at::Tensor all_gather_start(const at::Tensor& input, GroupName group) {
+  TPCORE_OP("all_gather_start", at::Tensor(const at::Tensor&, GroupName));
+  return op.call(input, group);
+}
+
+at::Tensor reduce_scatter_start(const at::Tensor& input, GroupName group) {
+  TPCORE_OP("reduce_scatter_start", at::Tensor(const at::Tensor&, GroupName));
+  return op.call(input, group);
+}
+
+at::Tensor wait_tensor(const at::Tensor& started) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(started);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     GroupName group, bool sequence_parallel, std::array<bool, 3> output_mask) {

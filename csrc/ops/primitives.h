@@ -17,6 +17,11 @@ at::Tensor all_reduce(const at::Tensor& input, GroupName group);
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, GroupName group);
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, GroupName group);
 at::Tensor split(const at::Tensor& input, int64_t dim, GroupName group);
+// Started collectives (dim 0) and the wait that completes them (ops/started_collectives.cpp).
+at::Tensor all_reduce_start(const at::Tensor& input, GroupName group);
+at::Tensor all_gather_start(const at::Tensor& input, GroupName group);
+at::Tensor reduce_scatter_start(const at::Tensor& input, GroupName group);
+at::Tensor wait_tensor(const at::Tensor& started);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,

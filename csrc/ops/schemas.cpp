@@ -17,6 +17,10 @@ TORCH_LIBRARY(tpcore, m) {
   m.def("reduce_scatter(Tensor input, int dim, str group) -> Tensor");
   m.def("broadcast(Tensor input, int src, str group) -> Tensor");
   m.def("split(Tensor input, int dim, str group) -> Tensor");
+  // Started along dim 0, in flight until torch.ops._c10d_functional.wait_tensor(result).
+  m.def("all_reduce_start(Tensor input, str group) -> Tensor");
+  m.def("all_gather_start(Tensor input, str group) -> Tensor");
+  m.def("reduce_scatter_start(Tensor input, str group) -> Tensor");
 
   // The layers' pieces. Masked-off gradients come back as empty [0] tensors.
   m.def(

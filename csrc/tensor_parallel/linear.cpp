@@ -51,6 +51,29 @@ void check_sequence_dim(const char* layer, const at::Tensor& t, const Group& gro
                     " must be divisible by the tensor-parallel size ", world);
 }
 
+// The column-parallel backward in functional-collective form, for traced graphs: the
+// input-gradient collective is started, the weight gradient computed, then the collective
+// waited for, so the compiled graph keeps the overlap the eager kernel has.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> traced_backward(
+    const at::Tensor& grad_, const at::Tensor& input, const at::Tensor& weight, GroupName group,
+    bool sequence_parallel, std::array<bool, 3> mask) {
+  const at::Tensor grad = grad_.contiguous();
+  at::Tensor total_input = sequence_parallel ? op::all_gather_start(input, group) : input;
+  at::Tensor grad_input;
+  if (mask[0]) {
+    const at::Tensor partial = grad.matmul(weight);
+    grad_input = sequence_parallel ? op::reduce_scatter_start(partial, group)
+                                   : op::all_reduce_start(partial, group);
+  }
+  if (sequence_parallel) total_input = op::wait_tensor(total_input);
+  const at::Tensor grad_2d = as_2d(grad);
+  at::Tensor grad_weight, grad_bias;
+  if (mask[1]) grad_weight = grad_2d.t().mm(as_2d(total_input));
+  if (mask[2]) grad_bias = grad_2d.sum(0);
+  if (mask[0]) grad_input = op::wait_tensor(grad_input);
+  return {grad_input, grad_weight, grad_bias};
+}
+
 struct ColumnParallelLinearFn : public torch::autograd::Function<ColumnParallelLinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, GroupName group,
@@ -70,9 +93,13 @@ struct ColumnParallelLinearFn : public torch::autograd::Function<ColumnParallelL
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                    has_bias && ctx->needs_input_grad(2)};
+    const std::string group = load_group(ctx);
+    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
     auto [grad_input, grad_weight, grad_bias] =
-        op::column_parallel_linear_backward(grads[0], saved[0], saved[1], load_group(ctx),
-                                            ctx->saved_data["sequence_parallel"].toBool(), mask);
+        is_traced(grads[0])
+            ? traced_backward(grads[0], saved[0], saved[1], group, sequence_parallel, mask)
+            : op::column_parallel_linear_backward(grads[0], saved[0], saved[1], group,
+                                                  sequence_parallel, mask);
     return {mask[0] ? grad_input : at::Tensor(), mask[1] ? grad_weight : at::Tensor(),
             mask[2] ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
   }

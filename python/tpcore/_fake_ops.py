@@ -119,3 +119,18 @@ def _linear_ce_backward(hidden, weight, target, lse, scale, group, vocab_size, l
     grad_hidden = _empty_like(hidden) if output_mask[0] else _none(hidden)
     grad_weight = _empty_like(weight) if output_mask[1] else _none(hidden)
     return grad_hidden, grad_weight
+
+
+@torch.library.register_fake("tpcore::all_reduce_start")
+def _all_reduce_start(input: torch.Tensor, group: str) -> torch.Tensor:
+    return _empty_like(input)
+
+
+@torch.library.register_fake("tpcore::all_gather_start")
+def _all_gather_start(input: torch.Tensor, group: str) -> torch.Tensor:
+    return _all_gather(input, 0, group)
+
+
+@torch.library.register_fake("tpcore::reduce_scatter_start")
+def _reduce_scatter_start(input: torch.Tensor, group: str) -> torch.Tensor:
+    return _reduce_scatter(input, 0, group)
