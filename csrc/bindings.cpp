@@ -8,6 +8,7 @@
 #include "comm/shm/backend.h"
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
+#include "tensor_parallel/input_checks.h"
 
 namespace py = pybind11;
 using tpcore::Group;
@@ -116,6 +117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       },
       py::arg("group"), py::arg("tensor"), py::arg("iters"), release_gil());
+  m.def("set_input_checks", &tpcore::set_input_checks, py::arg("enabled"),
+        "Turn the value-reading input checks (ids, targets in range) on or off.");
+  m.def("input_checks_enabled", &tpcore::input_checks_enabled);
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

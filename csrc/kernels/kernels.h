@@ -39,6 +39,8 @@ void cross_entropy_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
                             double z_loss);
 
 #ifdef TPCORE_WITH_CUDA
+// Whether `device`'s current stream is capturing a CUDA graph.
+bool cuda_stream_capturing(const at::Device& device);
 at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,
                                  int64_t vocab_start);
 at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
