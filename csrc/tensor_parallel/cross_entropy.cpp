@@ -11,9 +11,9 @@
 
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
-#include "tensor_parallel/input_checks.h"
 #include "tensor_parallel/autocast_util.h"
 #include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/input_checks.h"
 #include "tensor_parallel/ops.h"
 
 namespace tpcore {

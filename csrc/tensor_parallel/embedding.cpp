@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 
 #include "kernels/kernels.h"
-#include "tensor_parallel/input_checks.h"
 #include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/input_checks.h"
 #include "tensor_parallel/ops.h"
 
 namespace tpcore {
