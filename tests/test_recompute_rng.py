@@ -118,8 +118,24 @@ def _tracker_before_cuda_init(rank, world):
     assert seen[0] == seen[2] and seen[1] == seen[3], "data-parallel replicas must agree"
 
 
+def _unseeded(fn):
+    """`fn` on a rank, leaving the process's tracker empty for later tests in the pool."""
+
+    def run(rank, world):
+        try:
+            return fn(rank, world)
+        finally:
+            tpcore.get_rng_tracker().reset()
+
+    return run
+
+
+def _tracker_before_cuda_init_unseeded(rank, world):
+    return _unseeded(_tracker_before_cuda_init)(rank, world)
+
+
 def test_rng_tracker_tracks_cuda_seeded_before_cuda_init(cpu_ranks):
-    cpu_ranks.run(_tracker_before_cuda_init)
+    cpu_ranks.run(_tracker_before_cuda_init_unseeded)
 
 
 def _tracker_on_two_gpus(rank, world):
@@ -139,8 +155,12 @@ def _tracker_on_two_gpus(rank, world):
     assert torch.equal(torch.get_rng_state(), expected), "the default CPU generator keeps the common seed"
 
 
+def _tracker_on_two_gpus_unseeded(rank, world):
+    return _unseeded(_tracker_on_two_gpus)(rank, world)
+
+
 def test_rng_tracker_seeds_exactly_the_generators_meant(cpu_ranks):
-    cpu_ranks.run(_tracker_on_two_gpus)
+    cpu_ranks.run(_tracker_on_two_gpus_unseeded)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
