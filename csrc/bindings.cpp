@@ -5,9 +5,11 @@
 
 #include "comm/comm.h"
 #include "comm/p2p.h"
+#include "comm/p2p_testing.h"
 #include "comm/shm/backend.h"
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
+#include "tensor_parallel/input_checks.h"
 
 namespace py = pybind11;
 using tpcore::Group;
@@ -52,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_mark_collective_missing", &tpcore::mark_collective_missing, py::arg("group"),
         py::arg("op"), py::arg("like"), py::arg("missing") = true);
   m.def("_set_max_grid_blocks", &tpcore::set_max_grid_blocks, py::arg("cap"));
+  // The CUDA embedding backward's chunked plan, run on the CPU (tests check the plan there).
+  m.def("_embedding_backward_chunked_reference", &tpcore::embedding_backward_chunked_reference,
+        py::arg("ids"), py::arg("grad"), py::arg("rows"), py::arg("vocab_start"),
+        py::arg("padding_idx"));
   // Pipeline point-to-point: sends are (tensor, peer, tag, what), receives (shape, peer, tag,
   // what).
   m.def(
@@ -68,6 +74,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("group"), py::arg("sends"), py::arg("recvs"), py::arg("dtype"), py::arg("device"),
       py::arg("check_shapes"), release_gil());
+  m.def(
+      "_coalesced_sends_for_test",
+      [](int64_t messages, int64_t fail_at_send) {
+        const auto log = tpcore::coalesced_sends_for_test(messages, fail_at_send);
+        return std::make_tuple(log.starts, log.ends, log.sends, log.error);
+      },
+      py::arg("messages"), py::arg("fail_at_send"));
   m.def("release_storage", &tpcore::release_storage, py::arg("tensor"));
   m.def("backward_from", &tpcore::backward_from, py::arg("output"), py::arg("grad"), release_gil());
   // The `tpcore` c10d backend (shared memory on one host); tpcore/_shm_backend.py registers it.
@@ -116,6 +129,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       },
       py::arg("group"), py::arg("tensor"), py::arg("iters"), release_gil());
+  m.def("set_input_checks", &tpcore::set_input_checks, py::arg("enabled"),
+        "Turn the value-reading input checks (ids, targets in range) on or off.");
+  m.def("input_checks_enabled", &tpcore::input_checks_enabled);
   m.def("empty_cpu_cache", &tpcore::empty_cpu_cache,
         "Free the large CPU buffers tpcore keeps for reuse; returns the bytes released.");
 }

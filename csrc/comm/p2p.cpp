@@ -10,6 +10,8 @@
 #include <numeric>
 #include <sstream>
 
+#include "comm/coalescing.h"
+
 namespace tpcore {
 namespace {
 
@@ -72,11 +74,12 @@ void check_peer(const Group& group, int64_t peer, int64_t tag, const std::string
 }
 
 // Messages posted and not yet waited on, each with what it is for errors (a dead peer
-// surfaces as a failed wait). With `coalesce` (NCCL) they form one group and one work.
+// surfaces as a failed wait). With `coalesce_on` (NCCL: CUDA) they form one group and one
+// work; the group is closed even when posting a message throws (CoalescingGuard).
 class InFlight {
  public:
-  InFlight(const Group& group, bool coalesce) : group_(group), coalesce_(coalesce) {
-    if (coalesce_) group_->startCoalescing(c10::DeviceType::CUDA);
+  InFlight(const Group& group, std::optional<c10::DeviceType> coalesce_on) : group_(group) {
+    if (coalesce_on) coalescing_.emplace(group_, *coalesce_on);
   }
 
   void send(const at::Tensor& t, int64_t peer, int64_t tag, const std::string& what) {
@@ -92,10 +95,10 @@ class InFlight {
   }
 
   void wait() {
-    if (coalesce_) {
-      works_ = {group_->endCoalescing(c10::DeviceType::CUDA)};
+    if (coalescing_) {
+      works_ = {coalescing_->end()};
       whats_ = {"a coalesced batch of pipeline messages"};
-      coalesce_ = false;
+      coalescing_.reset();
     }
     for (const auto i : c10::irange(works_.size())) {
       if (!works_[i]) continue;
@@ -120,24 +123,30 @@ class InFlight {
   }
 
   Group group_;
-  bool coalesce_;
+  std::optional<CoalescingGuard> coalescing_;
   std::vector<WorkPtr> works_;
   std::vector<std::string> whats_;
 };
 
-at::Tensor make_header(const at::Tensor& t, at::Device device) {
-  std::vector<int64_t> h(kHeaderLen, 0);
-  h[0] = kMagic;
-  h[1] = static_cast<int64_t>(t.scalar_type());
-  h[2] = t.dim();
-  for (const auto d : c10::irange(t.dim())) h[3 + d] = t.size(d);
-  return at::tensor(h, at::kLong).to(device);
+// The headers of `sends` [k, kHeaderLen], on `device`: filled on the host (in pinned memory
+// for a GPU) and copied in one non-blocking copy, so the host does not wait for the stream.
+at::Tensor make_headers(const std::vector<P2PSend>& sends, at::Device device) {
+  at::Tensor h = at::zeros({static_cast<int64_t>(sends.size()), kHeaderLen},
+                           at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  int64_t* v = h.data_ptr<int64_t>();
+  for (const auto& s : sends) {
+    v[0] = kMagic;
+    v[1] = static_cast<int64_t>(s.tensor.scalar_type());
+    v[2] = s.tensor.dim();
+    for (const auto d : c10::irange(s.tensor.dim())) v[3 + d] = s.tensor.size(d);
+    v += kHeaderLen;
+  }
+  return device.is_cpu() ? h : h.to(device, /*non_blocking=*/true);
 }
 
 // Raises unless the header received for `recv` announces exactly the expected tensor.
-void check_header(const at::Tensor& header, const P2PRecv& recv, at::ScalarType dtype, int rank) {
-  const at::Tensor h = header.cpu();
-  const int64_t* v = h.data_ptr<int64_t>();
+// `v`: the header's kHeaderLen values on the host.
+void check_header(const int64_t* v, const P2PRecv& recv, at::ScalarType dtype, int rank) {
   TORCH_CHECK_VALUE(v[0] == kMagic, "tpcore: pipeline rank ", rank, ": ", recv.what,
                     ": pipeline rank ", recv.peer,
                     " sent something that is not a tpcore pipeline header (do all ranks run "
@@ -154,9 +163,11 @@ void check_header(const at::Tensor& header, const P2PRecv& recv, at::ScalarType 
 
 }  // namespace
 
-std::vector<at::Tensor> batch_isend_irecv(const Group& group, const std::vector<P2PSend>& sends,
-                                          const std::vector<P2PRecv>& recvs, at::ScalarType dtype,
-                                          at::Device device, bool check_shapes) {
+std::vector<at::Tensor> batch_isend_irecv_on(const Group& group, const std::vector<P2PSend>& sends,
+                                             const std::vector<P2PRecv>& recvs,
+                                             at::ScalarType dtype, at::Device device,
+                                             bool check_shapes,
+                                             std::optional<c10::DeviceType> coalesce_on) {
   TORCH_CHECK_VALUE(group, "tpcore: pipeline: process group is null");
   // Validate everything before the first message, so bad input raises without a peer waiting.
   for (const auto& s : sends) {
@@ -176,29 +187,34 @@ std::vector<at::Tensor> batch_isend_irecv(const Group& group, const std::vector<
   }
   const auto send_order = issue_order(sends);
   const auto recv_order = issue_order(recvs);
-  const bool coalesce = device.is_cuda();
   const int rank = group->getRank();
-  std::vector<at::Tensor> out(recvs.size()), headers(recvs.size());
+  std::vector<at::Tensor> out(recvs.size());
   auto payload_buffer = [&](size_t i) {
     out[i] = at::empty(recvs[i].shape, at::TensorOptions().device(device).dtype(dtype));
     return out[i];
   };
-  auto header_buffer = [&](size_t i) {
-    headers[i] = at::empty({kHeaderLen}, at::TensorOptions().device(device).dtype(at::kLong));
-    return headers[i];
+  // Received headers land in one tensor, read back to the host in one copy.
+  const at::Tensor headers = at::empty({static_cast<int64_t>(recvs.size()), kHeaderLen},
+                                       at::TensorOptions().device(device).dtype(at::kLong));
+  auto header_buffer = [&](size_t i) { return headers[static_cast<int64_t>(i)]; };
+  auto check_headers = [&] {
+    const at::Tensor host = headers.to(at::kCPU);  // waits for the receives, once per batch
+    for (const auto i : recv_order)
+      check_header(host.data_ptr<int64_t>() + i * kHeaderLen, recvs[i], dtype, rank);
   };
 
   // Sends first: they never wait for anything of this rank, so a peer that needs them to
   // make progress gets them (the property that keeps the fused exchanges deadlock-free).
-  InFlight sent(group, coalesce);
+  const at::Tensor sent_headers = check_shapes ? make_headers(sends, device) : at::Tensor();
+  InFlight sent(group, coalesce_on);
   for (const auto i : send_order) {
     const auto& s = sends[i];
     if (check_shapes)
-      sent.send(make_header(s.tensor, device), s.peer, s.tag + kHeaderTagOffset,
+      sent.send(sent_headers[static_cast<int64_t>(i)], s.peer, s.tag + kHeaderTagOffset,
                 "the header of " + s.what);
     sent.send(s.tensor.contiguous(), s.peer, s.tag, s.what);
   }
-  if (coalesce) {
+  if (coalesce_on) {
     // NCCL: everything in one group. A header is checked once the group is done, which
     // catches a wrong shape or dtype of the same byte size; a wrong size is NCCL's to report.
     for (const auto i : recv_order) {
@@ -208,26 +224,34 @@ std::vector<at::Tensor> batch_isend_irecv(const Group& group, const std::vector<
       sent.recv(payload_buffer(i), r.peer, r.tag, r.what);
     }
     sent.wait();
-    if (check_shapes)
-      for (const auto i : recv_order) check_header(headers[i], recvs[i], dtype, rank);
+    if (check_shapes && !recvs.empty()) check_headers();
     return out;
   }
   // gloo: a payload is received only after its header matched, so a wrong size raises
   // here instead of aborting the process inside gloo.
   if (check_shapes) {
-    InFlight announced(group, false);
+    InFlight announced(group, std::nullopt);
     for (const auto i : recv_order)
       announced.recv(header_buffer(i), recvs[i].peer, recvs[i].tag + kHeaderTagOffset,
                      "the header of " + recvs[i].what);
     announced.wait();
-    for (const auto i : recv_order) check_header(headers[i], recvs[i], dtype, rank);
+    if (!recvs.empty()) check_headers();
   }
-  InFlight received(group, false);
+  InFlight received(group, std::nullopt);
   for (const auto i : recv_order)
     received.recv(payload_buffer(i), recvs[i].peer, recvs[i].tag, recvs[i].what);
   received.wait();
   sent.wait();
   return out;
+}
+
+std::vector<at::Tensor> batch_isend_irecv(const Group& group, const std::vector<P2PSend>& sends,
+                                          const std::vector<P2PRecv>& recvs, at::ScalarType dtype,
+                                          at::Device device, bool check_shapes) {
+  // NCCL matches a pair's messages in issue order within one group; gloo by tag.
+  return batch_isend_irecv_on(
+      group, sends, recvs, dtype, device, check_shapes,
+      device.is_cuda() ? std::optional(c10::DeviceType::CUDA) : std::nullopt);
 }
 
 bool release_storage(const at::Tensor& tensor) {

@@ -46,6 +46,15 @@ std::vector<at::Tensor> batch_isend_irecv(const Group& group, const std::vector<
                                           const std::vector<P2PRecv>& recvs, at::ScalarType dtype,
                                           at::Device device, bool check_shapes);
 
+// batch_isend_irecv with the batch coalesced on `coalesce_on` (the NCCL path: one group,
+// headers checked after it) or not (std::nullopt: the gloo path). batch_isend_irecv picks
+// CUDA for CUDA tensors; tests run the coalesced path on the CPU with a recording backend.
+std::vector<at::Tensor> batch_isend_irecv_on(const Group& group, const std::vector<P2PSend>& sends,
+                                             const std::vector<P2PRecv>& recvs,
+                                             at::ScalarType dtype, at::Device device,
+                                             bool check_shapes,
+                                             std::optional<c10::DeviceType> coalesce_on);
+
 // Replaces the storage of an activation that has been sent by a 1-element tensor, so
 // that holding it as the root of a later backward costs no memory (Megatron's
 // deallocate_output_tensor). Views are left alone: their base would stay alive anyway.

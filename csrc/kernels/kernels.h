@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 namespace tpcore {
 
 // Blocks to launch for `work` independent units (rows, tokens, segments). Kernels stride
@@ -24,6 +26,12 @@ at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,
 at::Tensor embedding_backward_cpu(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
                                   int64_t vocab_start, int64_t padding_idx);
 
+// The CUDA backward's algorithm run on the CPU (kernels/embedding_plan.h), for tests:
+// (grad_weight, shared chunks used, their bound). Any device's tensors; computes on the CPU.
+std::tuple<at::Tensor, int64_t, int64_t> embedding_backward_chunked_reference(
+    const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows, int64_t vocab_start,
+    int64_t padding_idx);
+
 // Per-token statistics of logits [N, V_local] over its first `valid` columns (the rest
 // is vocabulary padding): stats [N, 4] float32 = (max, sum exp(x - max), x[target]
 // if the target falls in this shard else 0, sum x).
@@ -39,6 +47,8 @@ void cross_entropy_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
                             double z_loss);
 
 #ifdef TPCORE_WITH_CUDA
+// Whether `device`'s current stream is capturing a CUDA graph.
+bool cuda_stream_capturing(const at::Device& device);
 at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,
                                  int64_t vocab_start);
 at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,

@@ -13,6 +13,7 @@
 #include "kernels/kernels.h"
 #include "tensor_parallel/autocast_util.h"
 #include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/input_checks.h"
 #include "tensor_parallel/ops.h"
 
 namespace tpcore {
@@ -57,7 +58,7 @@ void check_cross_entropy_args(const char* what, const at::Tensor& target,
 }
 
 void check_target_values(const char* what, const at::Tensor& target, const CrossEntropyOptions& o) {
-  if (target.numel() == 0) return;
+  if (target.numel() == 0 || !should_check_values(target)) return;
   const at::Tensor bad = (target != o.ignore_index) & ((target < 0) | (target >= o.vocab_size));
   if (bad.any().item<bool>()) {
     TORCH_CHECK_INDEX(false, "tpcore: ", what, ": target ",

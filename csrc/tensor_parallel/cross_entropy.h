@@ -48,7 +48,8 @@ void check_cross_entropy_args(const char* what, const at::Tensor& target,
                               int64_t local_vocab, int64_t world,
                               const CrossEntropyOptions& options);
 // Raises an IndexError naming the first target that is neither in range nor ignored (one
-// host sync; call it where the tensors are real, before the collective).
+// host sync; call it where the tensors are real, before the collective). Skipped when
+// input checks are off or a CUDA graph is being captured (tensor_parallel/input_checks.h).
 void check_target_values(const char* what, const at::Tensor& target,
                          const CrossEntropyOptions& options);
 

@@ -31,7 +31,10 @@ void accumulate_weight_grad(at::Tensor& grad_weight, const at::Tensor& g, const 
     grad_weight.addmm_(g.t(), h);
     return;
   }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  // addmm_out's out_dtype overload exists from torch 2.8, but CUDA addmm accepts an fp32
+  // `self` beside bf16 / fp16 matrices only from 2.10 (pytorch PR #167931); 2.8 and 2.9
+  // raise "self and mat2 must have the same dtype".
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
   if (g.is_cuda()) {  // cuBLAS: bf16 / fp16 inputs, fp32 accumulator and output
     at::addmm_out(grad_weight, grad_weight, g.t(), h, at::kFloat);
     return;

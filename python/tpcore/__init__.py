@@ -71,6 +71,8 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel",
     "built_with_cuda",
     "empty_cpu_cache",
+    "set_input_checks",
+    "input_checks_enabled",
 ]
 
 
@@ -79,6 +81,21 @@ def empty_cpu_cache() -> int:
     chunks); returns the bytes released. The cache holds at most TPCORE_CPU_CACHE_MB
     (default 256; 0 disables it)."""
     return _C.empty_cpu_cache()
+
+
+def set_input_checks(enabled: bool) -> None:
+    """Turn on or off the input checks that read values: token ids and loss targets in
+    range. They cost one device-to-host copy (a host sync) per call on CUDA. Off, an
+    out-of-range id embeds as zeros and an out-of-range target adds no target logit to its
+    loss (no out-of-bounds access either way). On by default, off with TPCORE_CHECK_INPUTS=0;
+    always skipped while a CUDA graph is being captured. Checks of shapes, dtypes and
+    devices always run."""
+    _C.set_input_checks(bool(enabled))
+
+
+def input_checks_enabled() -> bool:
+    """Whether the value-reading input checks are on (see `set_input_checks`)."""
+    return _C.input_checks_enabled()
 
 
 def built_with_cuda() -> bool:

@@ -5,7 +5,9 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cfloat>
+#include <type_traits>
 
+#include "kernels/cuda/vec.cuh"
 #include "kernels/kernels.h"
 
 namespace tpcore {
@@ -27,8 +29,20 @@ __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
 }
 
-// One block per row, grid-stride over rows (more rows than a grid may hold).
-template <typename T>
+// One logit into a thread's running (max, sum exp) and sum.
+__device__ __forceinline__ void add_logit(MaxSum& acc, float& total, float v) {
+  total += v;
+  if (v > acc.m || isnan(v)) {  // a NaN becomes the max and sticks (see merge)
+    acc.s = (acc.m == -INFINITY ? 0.f : acc.s * __expf(acc.m - v)) + 1.f;
+    acc.m = v;
+  } else if (acc.m != -INFINITY) {
+    acc.s += __expf(v - acc.m);
+  }
+}
+
+// One block per row, grid-stride over rows (more rows than a grid may hold). VEC > 1 needs
+// 16-byte aligned rows (stride % VEC == 0).
+template <typename T, int VEC>
 __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
                              float* __restrict__ stats, int64_t rows, int64_t stride,
                              int64_t vocab_start, int64_t valid) {
@@ -38,16 +52,16 @@ __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __rest
     const T* x = logits + row * stride;
     MaxSum acc{-INFINITY, 0.f};
     float total = 0.f;
-    for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) {
-      const float v = static_cast<float>(x[j]);
-      total += v;
-      if (v > acc.m || isnan(v)) {  // a NaN becomes the max and sticks (see merge)
-        acc.s = (acc.m == -INFINITY ? 0.f : acc.s * __expf(acc.m - v)) + 1.f;
-        acc.m = v;
-      } else if (acc.m != -INFINITY) {
-        acc.s += __expf(v - acc.m);
-      }
+    // VEC columns per 16-byte load, then the last valid % VEC columns one by one.
+    const int64_t packs = valid / VEC;
+#pragma unroll 2
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<T, VEC> v = load_pack<VEC>(x + p * VEC);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) add_logit(acc, total, static_cast<float>(v.v[k]));
     }
+    for (int64_t j = packs * VEC + threadIdx.x; j < valid; j += blockDim.x)
+      add_logit(acc, total, static_cast<float>(x[j]));
     for (int offset = 16; offset > 0; offset >>= 1) {
       MaxSum other{__shfl_xor_sync(0xffffffff, acc.m, offset),
                    __shfl_xor_sync(0xffffffff, acc.s, offset)};
@@ -78,7 +92,8 @@ __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __rest
   }
 }
 
-template <typename T>
+// VEC > 1 needs 16-byte aligned rows of a whole number of packs (stride % VEC == 0).
+template <typename T, int VEC>
 __global__ void grad_kernel(const T* logits, const int64_t* __restrict__ target,
                             const float* __restrict__ lse, const float* __restrict__ scale, T* out,
                             int64_t rows, int64_t stride, int64_t vocab_start, int64_t valid,
@@ -89,14 +104,22 @@ __global__ void grad_kernel(const T* logits, const int64_t* __restrict__ target,
     const float g = scale[row], l = lse[row];
     const float a = g * (1.f + 2.f * z_loss * l), b = g * smoothing * inv_vocab;
     const int64_t local = target[row] - vocab_start;
-    // Each element is read then written by the same thread, so `out` may alias `logits`.
-    for (int64_t j = threadIdx.x; j < stride; j += blockDim.x) {
-      float v = 0.f;
-      if (j < valid) {
-        v = __expf(static_cast<float>(x[j]) - l) * a - b;
-        if (j == local) v -= g * (1.f - smoothing);
+    // Each element is loaded, then stored, by the same thread, so `out` may alias `logits`.
+#pragma unroll 2
+    for (int64_t p = threadIdx.x; p < stride / VEC; p += blockDim.x) {
+      const Pack<T, VEC> in = load_pack<VEC>(x + p * VEC);
+      Pack<T, VEC> res;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t j = p * VEC + k;
+        float v = 0.f;
+        if (j < valid) {
+          v = __expf(static_cast<float>(in.v[k]) - l) * a - b;
+          if (j == local) v -= g * (1.f - smoothing);
+        }
+        res.v[k] = static_cast<T>(v);
       }
-      g_out[j] = static_cast<T>(v);
+      store_pack<VEC>(g_out + p * VEC, res);
     }
   }
 }
@@ -111,9 +134,16 @@ at::Tensor cross_entropy_stats_cuda(const at::Tensor& logits, const at::Tensor& 
   if (rows == 0) return stats;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ce_stats", [&] {
-    stats_kernel<scalar_t><<<grid_blocks(rows), kThreads, 0, stream>>>(
-        logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), stats.data_ptr<float>(), rows,
-        logits.size(1), vocab_start, valid);
+    const auto launch = [&](auto vec) {
+      stats_kernel<scalar_t, decltype(vec)::value><<<grid_blocks(rows), kThreads, 0, stream>>>(
+          logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), stats.data_ptr<float>(), rows,
+          logits.size(1), vocab_start, valid);
+    };
+    if (logits.size(1) % kVec16<scalar_t> == 0 && aligned16(logits.data_ptr())) {
+      launch(std::integral_constant<int, kVec16<scalar_t>>{});
+    } else {
+      launch(std::integral_constant<int, 1>{});
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return stats;
@@ -128,10 +158,19 @@ void cross_entropy_grad_cuda(const at::Tensor& logits, const at::Tensor& target,
   if (rows == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ce_grad", [&] {
-    grad_kernel<scalar_t><<<grid_blocks(rows), kThreads, 0, stream>>>(
-        logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), lse.data_ptr<float>(),
-        scale.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, logits.size(1), vocab_start, valid,
-        1.f / static_cast<float>(vocab), static_cast<float>(smoothing), static_cast<float>(z_loss));
+    const auto launch = [&](auto vec) {
+      grad_kernel<scalar_t, decltype(vec)::value><<<grid_blocks(rows), kThreads, 0, stream>>>(
+          logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), lse.data_ptr<float>(),
+          scale.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, logits.size(1), vocab_start,
+          valid, 1.f / static_cast<float>(vocab), static_cast<float>(smoothing),
+          static_cast<float>(z_loss));
+    };
+    if (logits.size(1) % kVec16<scalar_t> == 0 && aligned16(logits.data_ptr()) &&
+        aligned16(out.data_ptr())) {
+      launch(std::integral_constant<int, kVec16<scalar_t>>{});
+    } else {
+      launch(std::integral_constant<int, 1>{});
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -5,7 +5,10 @@ heads, or anything on a sequence-parallel shard) must differ between TP ranks, w
 dropout on replicated activations must be identical on them. After
 `model_parallel_manual_seed(seed)` the default generators are seeded alike on every
 rank and the tracker's "model-parallel-rng" state differs by TP rank; code in a TP
-region runs under `get_rng_tracker().fork()`. CPU and CUDA generators are both handled.
+region runs under `get_rng_tracker().fork()`. CPU and CUDA generators are both handled:
+exactly the current GPU's generator is seeded and swapped, CUDA is never initialised by the
+tracker, and under CUDA graph capture `fork()` swaps graph-safe generator states
+(`register_cuda_graph`).
 """
 
 from __future__ import annotations
@@ -24,24 +27,44 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Offset so the TP streams do not coincide with the default stream of any seed nearby.
 _TP_SEED_OFFSET = 2718
 
-RNGState = tuple[torch.Tensor, torch.Tensor | None]
-"""(CPU generator state, current CUDA device's generator state or None)."""
+RNGState = tuple[torch.Tensor, "torch.Tensor | int | None"]
+"""(CPU generator state, the current GPU's generator state or None). A tracked state holds an
+int seed in place of the CUDA state while CUDA is not initialised in this process; it is
+applied to the current GPU when CUDA is first used in a `fork()`."""
+
+
+def _cuda_live() -> bool:
+    """Whether this process has initialised CUDA (never initialises it: a CPU rank on a machine
+    with GPUs must not create a context on GPU 0)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _seeded_cuda_state(seed: int) -> torch.Tensor:
+    """The state the current GPU's generator has after seeding with `seed`; that generator and
+    every other GPU's are left as they were (torch.manual_seed would reseed all of them)."""
+    saved = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(seed)  # the current device only
+    state = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(saved)
+    return state
+
+
+def _cuda_state(state: "torch.Tensor | int") -> torch.Tensor:
+    return _seeded_cuda_state(state) if isinstance(state, int) else state
 
 
 def device_rng_states() -> RNGState:
-    """The default CPU generator's state and, wherever CUDA is available, the current GPU's.
-
-    CUDA is tracked even before it is initialised (reading the state initialises it): a
-    tracker seeded before the first CUDA tensor exists must still give each TP rank its own
-    CUDA dropout masks later."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda
+    """The default CPU generator's state and, once CUDA is initialised, the current GPU's."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if _cuda_live() else None)
 
 
 def set_device_rng_states(state: RNGState) -> None:
     torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
+    if state[1] is not None and torch.cuda.is_available():
+        if isinstance(state[1], int):
+            torch.cuda.manual_seed(state[1])  # queued until CUDA is initialised, if it is not
+        else:
+            torch.cuda.set_rng_state(state[1])  # likewise
 
 
 class RNGStatesTracker:
@@ -49,18 +72,22 @@ class RNGStatesTracker:
 
     def __init__(self) -> None:
         self.states: dict[str, RNGState] = {}
+        self._graph_states: dict[str, torch.Generator] = {}
 
     def reset(self) -> None:
         self.states = {}
+        self._graph_states = {}
 
     def add(self, name: str, seed: int) -> None:
-        """A new named state seeded with `seed` (the default generators are left as they were)."""
+        """A new named state seeded with `seed`; no default generator changes, on any device."""
         if name in self.states:
             raise ValueError(f"tpcore: RNG state {name!r} already exists")
-        saved = device_rng_states()
-        torch.manual_seed(seed)
-        self.states[name] = device_rng_states()
-        set_device_rng_states(saved)
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        if _cuda_live():
+            cuda = _seeded_cuda_state(seed)
+        else:
+            cuda = seed if torch.cuda.is_available() else None
+        self.states[name] = (cpu, cuda)
 
     def get_states(self) -> dict[str, RNGState]:
         """A copy of every named state (for activation recomputation)."""
@@ -69,18 +96,66 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, RNGState]) -> None:
         self.states = dict(states)
 
+    def register_cuda_graph(self, graph: "torch.cuda.CUDAGraph") -> None:
+        """Call before capturing `graph` with forks inside: gives each named state a graph-safe
+        CUDA generator state, registered with `graph`, which `fork()` swaps in while capturing
+        (set_rng_state cannot run during capture). Replays advance those generators."""
+        if not hasattr(torch.Generator, "graphsafe_set_state"):
+            raise RuntimeError("tpcore: forking the RNG tracker inside a CUDA graph needs torch >= 2.4 (graph-safe generator states)")
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        for name, (_, cuda) in self.states.items():
+            if cuda is None:
+                continue
+            generator = default.clone_state()
+            generator.set_state(_cuda_state(cuda))
+            graph.register_generator_state(generator)
+            self._graph_states[name] = generator
+
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Run the block with the named state as the default generators' state; it advances."""
         if name not in self.states:
             raise RuntimeError(f"tpcore: RNG state {name!r} is not set; call tpcore.model_parallel_manual_seed(seed) first")
-        saved = device_rng_states()
-        set_device_rng_states(self.states[name])
+        cpu, cuda = self.states[name]
+        swap_cuda = cuda is not None and _cuda_live()
+        if swap_cuda and torch.cuda.is_current_stream_capturing():
+            with self._fork_in_graph(name, cpu):
+                yield
+            return
+        saved_cpu = torch.get_rng_state()
+        saved_cuda = torch.cuda.get_rng_state() if swap_cuda else None
+        torch.set_rng_state(cpu)
+        if swap_cuda:
+            torch.cuda.set_rng_state(_cuda_state(cuda))
         try:
             yield
         finally:
-            self.states[name] = device_rng_states()
-            set_device_rng_states(saved)
+            # If CUDA was first initialised inside the block, its draws used the default
+            # stream; the pending seed stays and is applied from the next fork on.
+            if swap_cuda:
+                cuda = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved_cuda)
+            self.states[name] = (torch.get_rng_state(), cuda)
+            torch.set_rng_state(saved_cpu)
+
+    @contextlib.contextmanager
+    def _fork_in_graph(self, name: str, cpu: torch.Tensor) -> Iterator[None]:
+        """fork() while a CUDA graph is being captured: swaps generator state objects, no sync."""
+        if name not in self._graph_states:
+            raise RuntimeError(
+                f"tpcore: RNG tracker fork({name!r}) inside CUDA graph capture: call "
+                "get_rng_tracker().register_cuda_graph(graph) before capturing"
+            )
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        saved_cuda, saved_cpu = default.graphsafe_get_state(), torch.get_rng_state()
+        default.graphsafe_set_state(self._graph_states[name])
+        torch.set_rng_state(cpu)
+        try:
+            yield
+        finally:
+            default.graphsafe_set_state(saved_cuda)
+            self.states[name] = (torch.get_rng_state(), self.states[name][1])
+            torch.set_rng_state(saved_cpu)
 
 
 _TRACKER = RNGStatesTracker()
