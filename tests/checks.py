@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +28,11 @@ GPT_VARIANTS = {
         max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
         tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
     ),
+}
+# Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4; 1: at TP 2 and 4).
+GQA_VARIANTS = {
+    "llama_kv2": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2),
+    "llama_kv1": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=1),
 }
 
 
@@ -99,9 +106,16 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
-def slice_piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPTConfig) -> torch.Tensor:
+def _chunks(units: int, tp: int) -> int:
+    """Chunks of a part of `units` heads at TP `tp`: one per rank, or one per head when
+    there are fewer heads than ranks (each copied on tp // units adjacent ranks)."""
+    return tp if units >= tp else units
+
+
+def slice_piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPTConfig, owned: bool = False) -> torch.Tensor:
     """Rank's piece of a full tensor at TP size `tp`, by plain slicing (the reference for
-    checkpoint resharding); vocabulary padding rows are zero."""
+    checkpoint resharding); vocabulary padding rows are zero. `owned`: zero the copies of
+    replicated KV heads a lower rank holds too (a loader reads those from that rank)."""
     from tpcore.tensor_parallel.embedding import pad_vocab_size
 
     if rule[0] == "replicated":
@@ -110,8 +124,13 @@ def slice_piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPT
         rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
         padded = torch.cat([full, full.new_zeros(rows * tp - full.shape[0], *full.shape[1:])])
         return padded.chunk(tp, 0)[rank]
-    _, dim, sizes = rule
-    return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
+    _, dim, sizes, units = rule
+    pieces = []
+    for part, u in zip(full.split(sizes, dim), units):
+        n = _chunks(u, tp)
+        piece = part.chunk(n, dim)[rank * n // tp]
+        pieces.append(piece * 0 if owned and rank % (tp // n) else piece)
+    return torch.cat(pieces, dim)
 
 
 def merge_pieces(pieces: list[torch.Tensor], rule: tuple, config: GPTConfig) -> torch.Tensor:
@@ -120,10 +139,12 @@ def merge_pieces(pieces: list[torch.Tensor], rule: tuple, config: GPTConfig) -> 
         return pieces[0]
     if rule[0] == "vocab":
         return torch.cat(pieces, 0)[: config.vocab_size]
-    _, dim, sizes = rule
+    _, dim, sizes, units = rule
     tp = len(pieces)
-    parts = [p.split([s // tp for s in sizes], dim) for p in pieces]
-    return torch.cat([torch.cat([parts[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
+    counts = [_chunks(u, tp) for u in units]
+    parts = [p.split([s // n for s, n in zip(sizes, counts)], dim) for p in pieces]
+    # A replicated KV head: the copy of the first rank holding it.
+    return torch.cat([torch.cat([parts[j * tp // n][k] for j in range(n)], dim) for k, n in enumerate(counts)], dim)
 
 
 def ranks_sharing(full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, config: GPTConfig) -> list[int]:
@@ -134,4 +155,4 @@ def ranks_sharing(full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, co
         return [0]
     index = torch.arange(1, 1 + torch.Size(full_shape).numel()).view(full_shape)
     mine = set(slice_piece(index, rule, rank, tp, config).flatten().tolist()) - {0}
-    return [r for r in range(saved_tp) if mine & set(slice_piece(index, rule, r, saved_tp, config).flatten().tolist())] or [0]
+    return [r for r in range(saved_tp) if mine & set(slice_piece(index, rule, r, saved_tp, config, owned=True).flatten().tolist())] or [0]

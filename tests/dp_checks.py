@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tpcore
-from checks import GPT_VARIANTS
+from checks import GPT_VARIANTS, GQA_VARIANTS
 from tpcore import parallel_state
 from tpcore.pipeline_parallel import activation_shape, build_gpt_stages, finalize_model_grads, forward_backward, gpt_forward_step, sync_tied_embeddings
 from tpcore.train import LossScaler
@@ -27,7 +27,7 @@ DISTRIBUTED_OVERLAP = DataParallelOptions(use_distributed_optimizer=True, overla
 
 
 def config_for(variant: str, num_layers: int, **changes):
-    return dataclasses.replace(GPT_VARIANTS[variant], num_layers=num_layers, **changes)
+    return dataclasses.replace({**GPT_VARIANTS, **GQA_VARIANTS}[variant], num_layers=num_layers, **changes)
 
 
 def groups():

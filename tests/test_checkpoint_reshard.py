@@ -15,10 +15,12 @@ from tpcore import parallel_state
 from tpcore.models import GPTModel
 from tpcore.models.sharding import rule_for
 from tpcore.train import CheckpointError, ParallelAdamW, checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
-from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, setup_tp, slice_piece
+from checks import GPT_VARIANTS, GQA_VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, setup_tp, slice_piece
 
-# llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters).
-CASES = {"llama": torch.float32, "gpt2": torch.bfloat16}
+# llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters);
+# llama_kv2: 2 KV heads, copied on 2 ranks at TP 4 (read from the first copy's file only).
+CASES = {"llama": torch.float32, "gpt2": torch.bfloat16, "llama_kv2": torch.float32}
+VARIANTS = {**GPT_VARIANTS, **GQA_VARIANTS}
 REMAP_BYTES = checkpoint._MappedFile.REMAP_BYTES
 
 

@@ -10,7 +10,7 @@ import torch
 import tpcore
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
 from tpcore.models.sharding import rule_for, unshard
-from checks import GPT_VARIANTS as VARIANTS, assert_close, expect_error, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, expect_error, setup_tp
 
 BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
 
@@ -22,7 +22,7 @@ def _dense_grads(model: GPTModel) -> dict[str, torch.Tensor]:
 def _equivalence(rank, world, tp, variant, sequence_parallel, fused, recompute):
     setup_tp(tp)
     config = dataclasses.replace(
-        VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute
+        {**VARIANTS, **GQA_VARIANTS}[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute
     )
     torch.manual_seed(0)
     dense = ReferenceGPT(config)
@@ -64,6 +64,24 @@ def test_gpt_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, rec
     cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
 
 
+# Fewer KV heads than TP ranks: each rank holds a copy of its queries' KV head, whose
+# gradient (summed over the copies) must be the dense one, and which stays equal across
+# the copies through the SGD steps (to_dense reads the first copy).
+@pytest.mark.parametrize(
+    "tp,variant,sequence_parallel,fused,recompute",
+    [
+        (4, "llama_kv2", False, False, "none"),
+        (4, "llama_kv2", True, False, "selective"),
+        (4, "llama_kv2", True, True, "full"),
+        (2, "llama_kv1", False, True, "none"),
+        (2, "llama_kv1", True, False, "full"),
+        (4, "llama_kv1", True, True, "selective"),
+    ],
+)
+def test_gpt_with_replicated_kv_heads_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
+
+
 def _logits(rank, world):
     tp_rank, tp = setup_tp(2)
     config = VARIANTS["llama"]
@@ -89,7 +107,8 @@ def _bad_configs(rank, world):
     setup_tp(4)
     base = VARIANTS["gpt2"]
     expect_error(ValueError, "num_attention_heads (6) is not divisible by the tensor-parallel size (4)", GPTModel, dataclasses.replace(base, num_attention_heads=6, num_kv_heads=6, hidden_size=36))
-    expect_error(ValueError, "num_kv_heads (2) is not divisible by the tensor-parallel size (4)", GPTModel, dataclasses.replace(base, num_kv_heads=2))
+    three_kv = dataclasses.replace(base, hidden_size=48, num_attention_heads=12, num_kv_heads=3)
+    expect_error(ValueError, "num_kv_heads (3) and the tensor-parallel size (4): one must divide the other", GPTModel, three_kv)
     model = GPTModel(dataclasses.replace(base, sequence_parallel=True))
     ids = torch.zeros(2, 6, dtype=torch.long)
     expect_error(ValueError, "must be divisible by the tensor-parallel size 4", model, ids)

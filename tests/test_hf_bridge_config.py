@@ -124,8 +124,9 @@ def test_new_fields_default_to_todays_model():
     assert (c.qkv_bias, c.proj_bias, c.mlp_bias, c.rotary_scaling, c.sliding_window) == (False, False, False, None, None)
     with pytest.raises(ValueError, match="rope_type"):
         GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, position_embedding="rotary", rotary_scaling={"factor": 2})
-    with pytest.raises(ValueError, match="tpcore.hf.from_pretrained"):
-        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=4, num_kv_heads=2).check_tp(4)
+    GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=4, num_kv_heads=2).check_tp(4)  # replicated, as tpcore.hf does
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) and the tensor-parallel size \(4\): one must divide the other"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=24, num_attention_heads=12, num_kv_heads=3).check_tp(4)
 
 
 def test_trainer_flags_against_load_hf(tmp_path):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tpcore
-from checks import GPT_VARIANTS as VARIANTS, assert_close
+from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close
 from tpcore import parallel_state
 from tpcore.models import ReferenceGPT
 from tpcore.models.sharding import rule_for, shard
@@ -28,7 +28,7 @@ MICRO, SEQ = 2, 8
 
 
 def _config(variant: str, num_layers: int, **changes):
-    return dataclasses.replace(VARIANTS[variant], num_layers=num_layers, **changes)
+    return dataclasses.replace({**VARIANTS, **GQA_VARIANTS}[variant], num_layers=num_layers, **changes)
 
 
 def _stages_from(dense: ReferenceGPT, v: int, layers_per_stage=None):
@@ -118,6 +118,10 @@ def test_pp4_every_schedule_matches_dense(cpu_ranks):
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
 def test_tp2_pp2_matches_dense(cpu_ranks, sp, variant):
     cpu_ranks.run(_equivalence, 2, 2, sp, variant, PP2_CASES)
+
+
+def test_tp2_pp2_with_one_kv_head_copied_on_both_tp_ranks_matches_dense(cpu_ranks):
+    cpu_ranks.run(_equivalence, 2, 2, True, "llama_kv1", [("1f1b", 3, 1), ("interleaved", 2, 2)])
 
 
 def test_pp2_dp2_matches_dense(cpu_ranks):

@@ -73,8 +73,9 @@ def _dp():
         (1, 2, 1, "gpt2", 4, "float32", False, 500),  # PP 2 x DP 2, tied embedding across stages
         (1, 2, 2, "llama", 4, "float32", False, 700),  # interleaved PP 2 (2 chunks per rank) x DP 2
         (1, 1, 1, "gpt2", 1, "bfloat16", False, 1000),  # bf16 parameters, fp32 masters
+        (2, 1, 1, "llama_kv1", 2, "float32", True, 300),  # 1 KV head copied on both TP ranks; DP slices cut the QKV weight mid-KV
     ],
-    ids=["dp4", "tp2-dp2-sp", "pp2-dp2", "vpp2-dp2", "dp4-bf16"],
+    ids=["dp4", "tp2-dp2-sp", "pp2-dp2", "vpp2-dp2", "dp4-bf16", "tp2-dp2-kv1-sp"],
 )
 def test_buffers_and_distributed_optimizer_equal_todays_optimizer(cpu_ranks, tp, pp, v, variant, m, dtype, sp, bucket):
     cpu_ranks.run(_compare, tp, pp, v, variant, m, dtype, sp, bucket, "interleaved" if v > 1 else "1f1b")

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import GPT_VARIANTS as VARIANTS, assert_close, per_rank_tensor, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, per_rank_tensor, setup_tp
 from train_checks import BETAS, CLIP, EPS, LRS, WD, make_adamw, tp_dp_groups, train_batch
 from tpcore.models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
-from tpcore.models.sharding import rule_for, unshard
+from tpcore.models.sharding import rule_for, tp_copy_range, unshard
 from tpcore.train import LossScaler, average_data_parallel_grads, grad_norm
 
 # ---------------------------------------------------------------------------------------
@@ -27,7 +27,7 @@ def _norm_and_adamw(rank, world, tp, variant, sequence_parallel):
     setup_tp(tp)
     tp_group, dp_group = tp_dp_groups()
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    config = dataclasses.replace(VARIANTS[variant], sequence_parallel=sequence_parallel)
+    config = dataclasses.replace({**VARIANTS, **GQA_VARIANTS}[variant], sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     dense = ReferenceGPT(config)
     torch.manual_seed(0)
@@ -55,7 +55,10 @@ def _norm_and_adamw(rank, world, tp, variant, sequence_parallel):
         average_data_parallel_grads(grads, dp_group)
         for name, g in zip(names, grads):
             assert_close(unshard(g, rule_for(name, config), tp_group, config.vocab_size), dense_params[name].grad, f"step {step}: DP-mean grad of {name}")
-        norm = grad_norm(grads, [rule_for(n, config)[0] == "replicated" for n in names], tp_group)
+        # Copies of replicated KV heads (GQA with fewer KV heads than TP) count once.
+        copies = [tp_copy_range(n, config, dist.get_rank(tp_group), tp) for n in names]
+        assert any(copies) == (config.num_kv_heads < tp and dist.get_rank(tp_group) % (tp // config.num_kv_heads) != 0)
+        norm = grad_norm(grads, [rule_for(n, config)[0] == "replicated" for n in names], tp_group, copies=copies)
         assert math.isclose(norm, dense_norm, rel_tol=1e-5), (step, norm, dense_norm)
         assert norm > CLIP, "the test must exercise clipping"
 
@@ -73,8 +76,9 @@ def _norm_and_adamw(rank, world, tp, variant, sequence_parallel):
 
 
 @pytest.mark.parametrize(
-    "tp,variant,sequence_parallel", [(1, "gpt2", False), (2, "llama", False), (2, "gpt2", True), (4, "llama", True)],
-    ids=["tp1-gpt2", "tp2-llama", "tp2-gpt2-sp", "tp4-llama-sp"],
+    "tp,variant,sequence_parallel",
+    [(1, "gpt2", False), (2, "llama", False), (2, "gpt2", True), (4, "llama", True), (4, "llama_kv2", True), (2, "llama_kv1", False)],
+    ids=["tp1-gpt2", "tp2-llama", "tp2-gpt2-sp", "tp4-llama-sp", "tp4-llama-kv2-sp", "tp2-llama-kv1"],
 )
 def test_grad_norm_clipping_and_adamw_match_dense(cpu_ranks, tp, variant, sequence_parallel):
     cpu_ranks.run(_norm_and_adamw, tp, variant, sequence_parallel)

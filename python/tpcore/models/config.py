@@ -36,7 +36,8 @@ class GPTConfig:
     num_attention_heads: int
     """Query heads; must divide H and be divisible by the TP size."""
     num_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (None: as many as query heads)."""
+    """Key/value heads for grouped-query attention (None: as many as query heads); fewer than
+    the TP size are replicated (each rank keeps the head its queries use)."""
     ffn_hidden_size: int | None = None
     """MLP inner width (None: 4 * H)."""
     max_position_embeddings: int = 1024
@@ -161,11 +162,14 @@ class GPTConfig:
         return config_to_hf(self, base)
 
     def check_tp(self, tp: int) -> None:
-        """Raise a ValueError naming what does not split over `tp` tensor-parallel ranks."""
-        for name in ("num_attention_heads", "num_kv_heads", "ffn_hidden_size"):
+        """Raise a ValueError naming what does not split over `tp` tensor-parallel ranks.
+        Fewer KV heads than ranks is fine when they divide `tp`: each rank then holds a copy
+        of the KV head its query heads use, as `tpcore.hf` does (see `models/gqa.py`)."""
+        for name in ("num_attention_heads", "ffn_hidden_size"):
             if getattr(self, name) % tp:
-                raise ValueError(
-                    f"tpcore: GPTConfig: {name} ({getattr(self, name)}) is not divisible by the tensor-parallel size ({tp})"
-                    + (" (GPTModel gives each rank whole key/value heads and does not replicate them; tpcore.hf.from_pretrained does, for inference and fine-tuning)"
-                       if name == "num_kv_heads" else "")
-                )
+                raise ValueError(f"tpcore: GPTConfig: {name} ({getattr(self, name)}) is not divisible by the tensor-parallel size ({tp})")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(
+                f"tpcore: GPTConfig: num_kv_heads ({self.num_kv_heads}) and the tensor-parallel size ({tp}): one must divide the "
+                "other (KV heads are split when TP divides them, replicated over TP / num_kv_heads ranks when they divide TP)"
+            )

@@ -1,7 +1,8 @@
 """A tensor-parallel GPT built from tpcore's layers (Megatron-LM's layout).
 
 Attention: one column-parallel QKV projection whose shard holds whole heads of Q, K
-and V for this rank (GQA: whole kv heads, kv_heads divisible by TP), causal
+and V for this rank (GQA: whole kv heads when TP divides them, else a copy of the one kv
+head this rank's queries use, its gradient summed over the copies: `gqa.py`), causal
 `scaled_dot_product_attention`, row-parallel output projection. MLP: column ->
 GeLU / SwiGLU -> row. Vocab-parallel embedding, LM head tied to it by default, loss
 through the vocab-parallel cross-entropy (optionally fused with the head).
@@ -31,6 +32,7 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
 from .config import GPTConfig
+from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
 from .reference_gpt import ReferenceGPT
 from .sharding import rule_for, shard, unshard
@@ -60,18 +62,29 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
         c, tp = config, dist.get_world_size(group)
-        self.config = c
-        self.heads, self.kv_heads = c.num_attention_heads // tp, c.num_kv_heads // tp
+        self.config, self.group, self.tp_rank, self.tp_size = c, group, dist.get_rank(group), tp
+        # Fewer KV heads than ranks: one (replicated) KV head per rank.
+        self.heads, self.kv_heads = c.num_attention_heads // tp, max(c.num_kv_heads // tp, 1)
+        self.replicated_kv = kv_copies(c, tp) > 1
         common = dict(sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        self.qkv = ColumnParallelLinear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, **common)
+        rows = (self.heads + 2 * self.kv_heads) * c.head_dim * tp  # the layer's "full" width, copies counted
+        self.qkv = ColumnParallelLinear(c.hidden_size, rows, bias=c.qkv_bias, **common)
         self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, (h + 2 kv) d / tp], the full sequence
+        qkv = self._qkv(x)  # [s, b, (h/tp + 2 kv/tp) d], the full sequence
         core = partial(self._core, rope=rope)
         # Selective recompute: the attention core's activations are rebuilt in backward.
         out = checkpoint(core, qkv) if self.config.recompute == "selective" else core(qkv)
         return self.proj(out)
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.replicated_kv:
+            return self.qkv(x)
+        # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the summed gradient.
+        c, layer = self.config, self.qkv
+        weight, bias = (replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size) for t in (layer.weight, layer.bias))
+        return torch.ops.tpcore.column_parallel_linear.default(x, weight, bias, self.group.group_name, False, c.sequence_parallel)
 
     def _core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]

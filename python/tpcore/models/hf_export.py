@@ -86,7 +86,7 @@ def _hf_piece(full: torch.Tensor, entry: HFEntry, config: GPTConfig, count: int,
     """Entry's Hugging Face tensor cut out of the full GPTModel parameter `full`."""
     piece = full
     if count > 1:
-        _, dim, sizes = rule_for(entry.param, config)
+        _, dim, sizes, _ = rule_for(entry.param, config)
         piece = full.split(sizes, dim)[entry.part]
     if entry.transposed:
         piece = piece.t()

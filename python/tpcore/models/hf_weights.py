@@ -81,7 +81,7 @@ def _source_shapes(name: str, shape: Sequence[int], config: GPTConfig, count: in
     in the parameter's orientation: one source is the whole; several are its parts."""
     if count == 1:
         return [list(shape)]
-    _, dim, sizes = rule_for(name, config)
+    _, dim, sizes, _ = rule_for(name, config)
     return [[size if d == dim else n for d, n in enumerate(shape)] for size in sizes]
 
 

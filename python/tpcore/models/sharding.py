@@ -1,9 +1,14 @@
 """How each GPT parameter splits over tensor-parallel ranks, both ways.
 
-A rule is `("parts", dim, sizes)`: the full tensor is the concatenation along `dim` of
-parts of `sizes` and every rank holds its chunk of each part, concatenated in the same
-order. This keeps whole heads of Q, K and V (and matching rows of SwiGLU's gate and up)
-together on a rank; chunking a fused QKV weight as one block would mix them. `("vocab",)`
+A rule is `("parts", dim, sizes, units)`: the full tensor is the concatenation along `dim`
+of parts of `sizes`, part k made of `units[k]` indivisible pieces (heads, or rows), and
+every rank holds its chunk of each part, concatenated in the same order. This keeps whole
+heads of Q, K and V (and matching rows of SwiGLU's gate and up) together on a rank;
+chunking a fused QKV weight as one block would mix them. A part with fewer units than
+ranks (grouped-query attention with fewer KV heads than TP, as `tpcore.hf` does it) is cut
+into one chunk per unit and each chunk is replicated over `tp / units` adjacent ranks: rank
+r holds chunk `r * units // tp`. The first rank of each such group "owns" its copy: loaders
+read a chunk from its owner only, so the dense tensor is read and written once. `("vocab",)`
 is the vocabulary split with padding rows, `("replicated",)` the full tensor everywhere.
 
 `piece_ranges` says where a rank's piece lies in the full tensor without building either,
@@ -30,12 +35,48 @@ def rule_for(name: str, config: GPTConfig) -> Rule:
     if name in ("embedding.word.weight", "lm_head.weight"):
         return ("vocab",)
     if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
-        return ("parts", 0, [c.num_attention_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2)
+        heads = [c.num_attention_heads, c.num_kv_heads, c.num_kv_heads]
+        return ("parts", 0, [n * c.head_dim for n in heads], heads)
     if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
-        return ("parts", 0, [c.ffn_hidden_size] * (2 if c.activation == "swiglu" else 1))
-    if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
-        return ("parts", 1, [c.hidden_size if name.endswith("proj.weight") else c.ffn_hidden_size])
+        sizes = [c.ffn_hidden_size] * (2 if c.activation == "swiglu" else 1)
+        return ("parts", 0, sizes, sizes)
+    if name.endswith("attention.proj.weight"):
+        return ("parts", 1, [c.hidden_size], [c.num_attention_heads])
+    if name.endswith("mlp.fc2.weight"):
+        return ("parts", 1, [c.ffn_hidden_size], [c.ffn_hidden_size])
     return ("replicated",)
+
+
+def part_chunks(units: int, tp: int) -> int:
+    """Into how many chunks a part of `units` whole units is cut at TP size `tp`: `tp`, or
+    one per unit (each replicated over `tp // units` ranks) when fewer units divide `tp`."""
+    if units % tp == 0:
+        return tp
+    if tp % units == 0:
+        return units
+    raise ValueError(f"tpcore: a part of {units} heads cannot be split over the tensor-parallel size {tp} (neither divides the other)")
+
+
+def _chunk_of(units: int, rank: int, tp: int) -> tuple[int, int, bool]:
+    """(chunk index rank holds, number of chunks, whether rank owns it: first of its copies)."""
+    n = part_chunks(units, tp)
+    return rank * n // tp, n, rank % (tp // n) == 0
+
+
+def tp_copy_range(name: str, config: GPTConfig, rank: int, tp: int) -> tuple[int, int] | None:
+    """The flat elements `[lo, hi)` of rank's piece of `name` that copy what a lower TP rank
+    (the chunk's owner) holds: a gradient norm counts them there only. None when none do."""
+    rule = rule_for(name, config)
+    if rule[0] != "parts" or rule[1] != 0:
+        return None
+    row = 1 if name.endswith("bias") else config.hidden_size  # the parts split dim 0: rows
+    local, lo = 0, None
+    for size, u in zip(rule[2], rule[3]):  # the copied parts (K and V) come last
+        _, n, owner = _chunk_of(u, rank, tp)
+        if not owner and lo is None:
+            lo = local
+        local += size // n
+    return None if lo is None else (lo * row, local * row)
 
 
 def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torch.Tensor:
@@ -44,8 +85,12 @@ def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torc
         return full
     if rule[0] == "vocab":
         return vocab_shard(full, rank, rows)
-    _, dim, sizes = rule
-    return torch.cat([part.chunk(tp, dim)[rank] for part in full.split(sizes, dim)], dim)
+    _, dim, sizes, units = rule
+    pieces = []
+    for part, u in zip(full.split(sizes, dim), units):
+        index, n, _ = _chunk_of(u, rank, tp)
+        pieces.append(part.chunk(n, dim)[index])
+    return torch.cat(pieces, dim)
 
 
 def merge(pieces: list[torch.Tensor], rule: Rule, vocab_size: int) -> torch.Tensor:
@@ -54,10 +99,12 @@ def merge(pieces: list[torch.Tensor], rule: Rule, vocab_size: int) -> torch.Tens
         return pieces[0]
     if rule[0] == "vocab":
         return torch.cat(pieces, 0)[:vocab_size]
-    _, dim, sizes = rule
+    _, dim, sizes, units = rule
     tp = len(pieces)
-    split = [p.split([s // tp for s in sizes], dim) for p in pieces]  # [rank][part]
-    return torch.cat([torch.cat([split[r][k] for r in range(tp)], dim) for k in range(len(sizes))], dim)
+    counts = [part_chunks(u, tp) for u in units]
+    split = [p.split([s // n for s, n in zip(sizes, counts)], dim) for p in pieces]  # [rank][part]
+    # A replicated chunk is taken from its owner, the first of the ranks holding it.
+    return torch.cat([torch.cat([split[j * tp // n][k] for j in range(n)], dim) for k, n in enumerate(counts)], dim)
 
 
 def unshard(local: torch.Tensor, rule: Rule, group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
@@ -69,21 +116,27 @@ def unshard(local: torch.Tensor, rule: Rule, group: dist.ProcessGroup, vocab_siz
     return merge(list(gathered.chunk(dist.get_world_size(group), dim)), rule, vocab_size)
 
 
-def piece_ranges(rule: Rule, rank: int, tp: int, full_shape: torch.Size | tuple[int, ...], rows: int) -> tuple[int, list[tuple[int, int, int]]]:
+def piece_ranges(
+    rule: Rule, rank: int, tp: int, full_shape: torch.Size | tuple[int, ...], rows: int, *, owned: bool = False
+) -> tuple[int, list[tuple[int, int, int]]]:
     """Where rank's piece lies in the full tensor, without building either:
     `(dim, [(local start, global start, length)])` along the split dim. Local rows no
-    range covers are vocabulary padding (zero). `rows` is the local vocabulary size."""
+    range covers are vocabulary padding (zero). `rows` is the local vocabulary size.
+    `owned`: leave out the replicated chunks rank holds but does not own (read those
+    from their owner, so that each index has one source)."""
     if rule[0] == "replicated":
         return 0, [(0, 0, full_shape[0])] if len(full_shape) else []
     if rule[0] == "vocab":
         start = rank * rows
         real = max(0, min(rows, full_shape[0] - start))
         return 0, [(0, start, real)] if real else []
-    _, dim, sizes = rule
+    _, dim, sizes, units = rule
     ranges, local, offset = [], 0, 0
-    for size in sizes:
-        n = size // tp
-        ranges.append((local, offset + rank * n, n))
+    for size, u in zip(sizes, units):
+        index, chunks, owner = _chunk_of(u, rank, tp)
+        n = size // chunks
+        if owner or not owned:
+            ranges.append((local, offset + index * n, n))
         local, offset = local + n, offset + size
     return dim, ranges
 
@@ -95,7 +148,7 @@ def full_shape(rule: Rule, local_shape: torch.Size | tuple[int, ...], tp: int, v
     if rule[0] == "vocab":
         return (vocab_size, *local_shape[1:])
     shape = list(local_shape)
-    shape[rule[1]] *= tp
+    shape[rule[1]] = sum(rule[2])
     return tuple(shape)
 
 
@@ -123,10 +176,11 @@ def copy_overlap(
         return pad_vocab_size(vocab_size, size, make_vocab_size_divisible_by) // size
 
     dim, mine = piece_ranges(rule, rank, tp, full, rows(tp))
-    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp))
+    _, every = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp))
+    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp), owned=True)
     expected = list(full)
     if expected:
-        expected[dim] = rows(piece_tp) if rule[0] == "vocab" else sum(n for _, _, n in theirs)
+        expected[dim] = rows(piece_tp) if rule[0] == "vocab" else sum(n for _, _, n in every)
     if list(piece.shape) != expected:
         raise ValueError(f"tpcore: piece of rank {piece_rank} of {piece_tp} has shape {list(piece.shape)}, expected {expected}")
     if rule[0] == "replicated" and piece_rank != 0:
@@ -167,5 +221,5 @@ def shares_indices(
         return pad_vocab_size(vocab_size, size, make_vocab_size_divisible_by) // size
 
     _, mine = piece_ranges(rule, rank, tp, full, rows(tp))
-    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp))
+    _, theirs = piece_ranges(rule, piece_rank, piece_tp, full, rows(piece_tp), owned=True)
     return any(max(start, s) < min(start + n, s + m) for _, start, n in mine for _, s, m in theirs)

@@ -42,6 +42,8 @@ class _Piece:
     """`[hi - lo]` fp32: a view of the parameter itself when it is fp32, else a copy."""
     replicated: bool
     duplicate: bool
+    copied: tuple[int, int] | None = None
+    """Elements of `[0, hi - lo)` copying what a lower TP rank holds (not counted in the norm)."""
 
     @property
     def grad(self) -> torch.Tensor:
@@ -63,7 +65,8 @@ class DistributedAdamW:
 
     def __init__(
         self, grads: DataParallelGrads, *, is_replicated: Callable[[str], bool], tp_group: dist.ProcessGroup,
-        pp_group: dist.ProcessGroup | None = None, duplicates: Collection[str] = (), lr: float, weight_decay: float,
+        pp_group: dist.ProcessGroup | None = None, duplicates: Collection[str] = (),
+        tp_copies: Callable[[str], tuple[int, int] | None] | None = None, lr: float, weight_decay: float,
         betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, loss_scaler: LossScaler | None = None,
         overlap_param_gather: bool = False, chunks: list[nn.Module] | None = None,
     ) -> None:
@@ -79,7 +82,9 @@ class DistributedAdamW:
                 name = buffer.entry(p).name
                 flat = p.data.view(-1)[lo:hi]
                 master = flat if p.dtype == torch.float32 else flat.float()
-                self.pieces.append(_Piece(name, p, buffer, lo, hi, master, is_replicated(name), name in duplicates))
+                span = tp_copies(name) if tp_copies else None
+                copied = None if span is None or max(lo, span[0]) >= min(hi, span[1]) else (max(lo, span[0]) - lo, min(hi, span[1]) - lo)
+                self.pieces.append(_Piece(name, p, buffer, lo, hi, master, is_replicated(name), name in duplicates, copied))
         for piece in self.pieces:
             if buffer_grad_is_fp32(piece):
                 piece.master.grad = piece.grad  # the optimizer reads the buffer itself: no copy
@@ -112,6 +117,9 @@ class DistributedAdamW:
         for piece in self.pieces:
             square = piece.master.grad.float().pow(2).sum()
             bad += (~torch.isfinite(square)).float()
+            if piece.copied is not None:  # replicated KV heads: counted on their owner
+                grad, (a, b) = piece.master.grad.float(), piece.copied
+                square = grad[:a].pow(2).sum() + grad[b:].pow(2).sum()
             if (first or not piece.replicated) and not piece.duplicate:
                 squares += square
         total = torch.stack([squares, bad])

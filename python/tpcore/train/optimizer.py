@@ -33,19 +33,25 @@ def grad_norm(
     tp_group: dist.ProcessGroup,
     pp_group: dist.ProcessGroup | None = None,
     duplicate: list[bool] | None = None,
+    copies: list[tuple[int, int] | None] | None = None,
 ) -> float:
     """L2 norm of the full model's gradient: sharded gradients summed over TP, replicated
     ones (identical on every TP rank) counted once, from TP rank 0; with `pp_group`, summed
     over the pipeline stages too, where `duplicate` marks gradients that are copies of one
-    counted on another stage (the tied embedding's last-stage copy). Infinite when any
-    gradient on any rank holds inf or NaN, replicated and duplicate ones included."""
+    counted on another stage (the tied embedding's last-stage copy). `copies[i]`: the flat
+    elements `[lo, hi)` of gradient i that copy ones a lower TP rank counts (KV heads
+    replicated over TP, `sharding.tp_copy_range`), or None. Infinite when any gradient on
+    any rank holds inf or NaN, replicated and duplicate ones included."""
     first = dist.get_rank(tp_group) == 0
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device)
     bad = torch.zeros((), device=device)
-    for g, rep, dup in zip(grads, replicated, duplicate or [False] * len(grads)):
+    for g, rep, dup, span in zip(grads, replicated, duplicate or [False] * len(grads), copies or [None] * len(grads)):
         square = g.float().pow(2).sum()
         bad += (~torch.isfinite(square)).float()  # checked on every rank, counted or not
+        if span is not None:  # leave out the copied elements
+            flat = g.reshape(-1).float()
+            square = flat[: span[0]].pow(2).sum() + flat[span[1] :].pow(2).sum()
         if (first or not rep) and not dup:
             squares += square
     total = comm.all_reduce(torch.stack([squares, bad]), tp_group)  # one collective for both
@@ -86,7 +92,9 @@ class ParallelAdamW:
     Biases and norm weights (1-D parameters) get no weight decay. The state dict is keyed
     by parameter name, so a checkpoint can be resharded to another TP size. With
     pipeline parallelism pass `pp_group` and the names of `duplicates` (parameters whose
-    gradient is a copy of one on another stage) so the norm counts each parameter once.
+    gradient is a copy of one on another stage) so the norm counts each parameter once;
+    `tp_copies(name)` gives the flat range of a parameter copying what a lower TP rank
+    holds (replicated KV heads: `sharding.tp_copy_range`), or None.
 
     With `grads` (a `DataParallelGrads` over the same model, all-reducing) the gradients are
     read from its contiguous buffers (`main_grad`, already averaged over DP by its
@@ -102,6 +110,7 @@ class ParallelAdamW:
         dp_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup | None = None,
         duplicates: Collection[str] = (),
+        tp_copies: Callable[[str], tuple[int, int] | None] | None = None,
         lr: float,
         weight_decay: float,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -120,6 +129,7 @@ class ParallelAdamW:
         self.params = [p for _, p in named]
         self.replicated = [is_replicated(n) for n in self.names]
         self.duplicate = [n in duplicates for n in self.names]
+        self.copies = [tp_copies(n) if tp_copies else None for n in self.names]
         self.pp_group = pp_group
         # fp32 parameters are their own master; low-precision ones get an fp32 copy.
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
@@ -168,7 +178,7 @@ class ParallelAdamW:
         for m in self.masters:
             if inv_scale != 1.0:
                 m.grad.mul_(inv_scale)
-        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group, self.pp_group, self.duplicate)
+        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group, self.pp_group, self.duplicate, self.copies)
         skipped = not math.isfinite(norm)  # the norm is the same on every rank: all skip alike
         if self.scaler:
             self.scaler.update(skipped)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.sharding import rule_for
+from ..models.sharding import rule_for, tp_copy_range
 from ..parallel_state import get_parallel_state
 from ..pipeline_parallel import duplicate_parameter_names, tied_embedding_copies
 from .data_parallel import DataParallelGrads
@@ -63,8 +63,10 @@ def make_optimizer(
     of `finalize_model_grads`), then `optimizer.step(...)`."""
     chunks = list(chunks)
     config = chunks[0].config
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     common = dict(
         is_replicated=lambda name: rule_for(name, config)[0] == "replicated", tp_group=tp_group, pp_group=pp_group,
+        tp_copies=lambda name: tp_copy_range(name, config, tp_rank, tp_size),
         duplicates=duplicate_parameter_names(chunks), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, loss_scaler=loss_scaler,
     )
     if not options.contiguous_buffers:
