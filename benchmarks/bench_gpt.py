@@ -24,12 +24,11 @@ import argparse
 import dataclasses
 import os
 import statistics
-import time
 
 import torch
 
 import tpcore
-from compile_gpt import compile_worker, print_compile_table
+from compile_gpt import compile_worker, print_compile_table, timed_step
 from mfu import datasheet_peak_tflops, matmul_parameters, measured_matmul_flops, training_flops
 from ranks import init_ranks, run_on_ranks
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
@@ -44,18 +43,7 @@ def _config(args) -> GPTConfig:
 
 def _step_time(model, ids, target, device: str, iters: int) -> float:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for i in range(iters + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        model(ids, target).backward()
-        opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+    times = [timed_step(model, opt, ids, target, device) for _ in range(iters + 2)][2:]  # 2 warm-up steps
     return statistics.median(times)
 
 

@@ -27,7 +27,8 @@ from ranks import init_ranks
 from tpcore.models import GPTModel, ReferenceGPT
 
 
-def _timed_step(model, opt, ids, target, device: str) -> float:
+def timed_step(model, opt, ids, target, device: str) -> float:
+    """Seconds of one training step (zero_grad, forward, backward, optimizer step)."""
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -53,12 +54,10 @@ def dtensor_gpt(dense: ReferenceGPT, world: int) -> ReferenceGPT:
     for block in dense.layers:
         attn = block.attention
         with torch.no_grad():
-            q, k, v = attn.qkv.weight.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
-            parts = [torch.cat([q.chunk(world)[r], k.chunk(world)[r], v.chunk(world)[r]]) for r in range(world)]
-            attn.qkv.weight.copy_(torch.cat(parts))
-            if attn.qkv.bias is not None:
-                qb, kb, vb = attn.qkv.bias.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
-                attn.qkv.bias.copy_(torch.cat([torch.cat([qb.chunk(world)[r], kb.chunk(world)[r], vb.chunk(world)[r]]) for r in range(world)]))
+            for t in (attn.qkv.weight, attn.qkv.bias):
+                if t is not None:
+                    q, k, v = t.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+                    t.copy_(torch.cat([torch.cat([q.chunk(world)[r], k.chunk(world)[r], v.chunk(world)[r]]) for r in range(world)]))
         # The attention's forward reads its head counts from its config: this rank's.
         attn.config = types.SimpleNamespace(num_attention_heads=h, num_kv_heads=kv, head_dim=d, attention_dropout=c.attention_dropout)
         parallelize_module(attn, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
@@ -99,14 +98,14 @@ def compile_worker(rank, world, store, args, config, batch, results) -> None:
             breaks[name] = explained.graph_break_count
             torch._dynamo.reset()
             model = torch.compile(model, fullgraph=True, dynamic=False)
-        first[name] = _timed_step(model, opt, ids, target, args.device)
+        first[name] = timed_step(model, opt, ids, target, args.device)
         for _ in range(4):  # compiled code takes a few steps to settle (lazy kernel loads)
-            _timed_step(model, opt, ids, target, args.device)
+            timed_step(model, opt, ids, target, args.device)
         contenders[name] = (model, opt)
         steps[name] = []
     for _ in range(args.rounds):
         for name, (model, opt) in contenders.items():
-            steps[name].append(statistics.median(_timed_step(model, opt, ids, target, args.device) for _ in range(args.iters)))
+            steps[name].append(statistics.median(timed_step(model, opt, ids, target, args.device) for _ in range(args.iters)))
     out = {name: (statistics.median(t), first[name], breaks.get(name)) for name, t in steps.items()}
     results.put((rank, out))
 

@@ -53,11 +53,15 @@ struct VocabParallelEmbeddingFn : public torch::autograd::Function<VocabParallel
 
 }  // namespace
 
-void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size) {
+void check_token_dtype(const char* what, const at::Tensor& ids) {
   TORCH_CHECK_TYPE(!at::isFloatingType(ids.scalar_type()) &&
                        !at::isComplexType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
                    "tpcore: ", what, ": token ids must be an integer tensor, got ",
                    ids.scalar_type());
+}
+
+void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size) {
+  check_token_dtype(what, ids);
   if (ids.numel() == 0 || !should_check_values(ids)) return;
   // One host sync buys a clear error instead of a device-side assert or silent zeros
   // (tpcore.set_input_checks(False) trades it away; skipped under CUDA graph capture).
@@ -107,10 +111,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
                     weight.sym_size(0), " rows x ", world, " ranks)");
   TORCH_CHECK_VALUE(ids.device() == weight.device(), "tpcore: ", what, ": token ids are on ",
                     ids.device(), " but the weight is on ", weight.device());
-  TORCH_CHECK_TYPE(!at::isFloatingType(ids.scalar_type()) &&
-                       !at::isComplexType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
-                   "tpcore: ", what, ": token ids must be an integer tensor, got ",
-                   ids.scalar_type());
+  check_token_dtype(what, ids);  // the values are checked where they are real (the kernel)
   if (sequence_parallel) {
     TORCH_CHECK_VALUE(ids.dim() >= 1 && holds(ids.sym_size(0) % world == 0), "tpcore: ", what,
                       ": with sequence parallelism dim 0 (sequence) of the ids, shape ",

@@ -58,8 +58,10 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
                                                int64_t vocab_size, double label_smoothing,
                                                int64_t ignore_index, int64_t reduction,
                                                double z_loss, int64_t chunk_size);
-// Raises an IndexError naming the id unless every id is in [0, vocab_size); the range is
-// not read when input checks are off or a CUDA graph is being captured.
+// Raises a TypeError unless `ids` is an integer tensor (reads no values).
+void check_token_dtype(const char* what, const at::Tensor& ids);
+// check_token_dtype, then an IndexError naming the id unless every id is in [0, vocab_size);
+// the range is not read when input checks are off or a CUDA graph is being captured.
 void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size);
 
 // Primitive kernels (see ops/schemas.cpp for their operators). Shapes: logits [N, V_local],
