@@ -15,11 +15,20 @@ fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
+
+# Imported now, before any group exists, on purpose: its functions take
+# `group=group.WORLD` as a default argument, evaluated at import. Imported later (torch
+# does, lazily, the first time an nn.Embedding is built) it captures the live default
+# group, which then outlives destroy_process_group with its gloo threads; a thread still
+# freeing a tensor while Python finalizes aborts the process.
+import torch.distributed.nn  # noqa: E402,F401
 
 from . import shm
 from ._validation import check_positive_ints
@@ -114,19 +123,36 @@ _STATE: ParallelState | None = None
 # destroy_model_parallel cannot free subgroups safely (see there), so re-initializing
 # with a layout seen before reuses its groups: without this each re-initialization
 # leaks a group per rank set (with gloo, threads that keep polling).
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-_GROUPS_WORLD: list = [None]  # the default group _GROUPS belongs to
+# Weak references: c10d's registry keeps the groups alive until destroy_process_group,
+# and after it nothing of tpcore may. A gloo group that outlives it keeps its worker
+# threads, and a worker that frees a tensor after Python has begun finalizing aborts
+# the process ("terminate called without an active exception").
+# Ranks outside a group get torch's non-member marker, kept as it is.
+_GROUPS: dict[tuple, weakref.ref | object] = {}
+_GROUPS_WORLD: list[weakref.ref | None] = [None]  # the default group _GROUPS belongs to
 
 
 def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None) -> dist.ProcessGroup:
     """A group of `ranks`, created collectively (every rank calls in the same order)."""
-    if _GROUPS_WORLD[0] is not dist.group.WORLD:  # a new default group: old groups are dead
+    world = _GROUPS_WORLD[0]
+    if world is None or world() is not dist.group.WORLD:  # a new default group: old groups are dead
         _GROUPS.clear()
-        _GROUPS_WORLD[0] = dist.group.WORLD
+        _GROUPS_WORLD[0] = weakref.ref(dist.group.WORLD)
     key = (tuple(ranks), timeout, backend)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
-    return _GROUPS[key]
+    entry = _GROUPS.get(key)
+    if entry is None:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        _GROUPS[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else group
+        return group
+    if not isinstance(entry, weakref.ref):
+        return entry
+    group = entry()
+    if group is None:  # only a subgroup destroyed by hand gets here; its peers would not notice
+        raise RuntimeError(
+            f"tpcore: the process group of ranks {list(ranks)} was destroyed while the default group lives; "
+            "tpcore's groups are released only with the default group (torch.distributed.destroy_process_group())"
+        )
+    return group
 
 
 def _hosts() -> list[str] | None:
@@ -209,6 +235,10 @@ def shutdown(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+    # Free now, while Python is whole, what only a reference cycle (a model with hooks,
+    # say) still holds of the groups: their gloo threads are joined here, not during
+    # interpreter shutdown, where a thread that needs the GIL aborts the process.
+    gc.collect()
 
 
 def is_initialized() -> bool:

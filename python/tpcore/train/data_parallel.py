@@ -14,7 +14,8 @@ parameter is unused (its bucket then starts in `finish_grad_sync`, with the ones
 
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ class DataParallelGrads:
         self._next: list[int] = []  # per buffer: index of the next bucket to start
         self._pending: dict[tuple[int, int], comm.PendingCollective | None] = {}
         self.finished = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
         self._reset()
 
     @property
@@ -195,3 +196,18 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _weak_hook(grads: DataParallelGrads) -> Callable[[nn.Parameter], None]:
+    """`grads._on_grad` without a strong reference to `grads`. A parameter's hooks live in
+    C++, where Python's garbage collector cannot see them: a bound method there would make
+    parameter -> hook -> grads -> parameter a cycle nothing frees, keeping the model, the
+    buffers and the process groups alive until the interpreter exits."""
+    ref = weakref.ref(grads)
+
+    def hook(p: nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad(p)
+
+    return hook
