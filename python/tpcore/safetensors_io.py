@@ -10,7 +10,9 @@ listed in `model.safetensors.index.json`).
 
 Writing: `SafetensorsWriter` streams tensors into a file whose header is known ahead (names,
 shapes, dtypes): each tensor is added when its turn comes and can be dropped after, so
-the peak host memory is about the largest tensor, not the file.
+the peak host memory is about the largest tensor, not the file. A tensor may come as the
+parts it concatenates from (`add_parts`), converted to the file's dtype block by block:
+then not even one whole tensor is built.
 """
 
 from __future__ import annotations
@@ -222,14 +224,56 @@ class SafetensorsWriter:
 
     def add(self, tensor: torch.Tensor) -> None:
         """Write the next tensor (its dtype and shape are checked against the header)."""
-        if self.count == len(self.entries):
-            raise ValueError(f"tpcore: writing {self.path}: more tensors than its header lists ({len(self.entries)})")
-        name, dtype, shape = self.entries[self.count]
+        name, dtype, shape = self._next()
         if tensor.dtype != dtype or list(tensor.shape) != list(shape):
             raise ValueError(f"tpcore: writing {self.path}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, its header says {dtype} {list(shape)}")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._write_rows(tensor, dtype)
         self.count += 1
+
+    def add_parts(self, parts: Sequence[torch.Tensor], dim: int = 0) -> None:
+        """Write the next tensor given as `parts` that concatenate along `dim` (views into
+        gathered or mapped shards, say), converted to the header's dtype. The whole tensor is
+        never built: at most about `BLOCK_BYTES` of it is converted at a time."""
+        name, dtype, shape = self._next()
+        got = list(parts[0].shape) if parts else []
+        if got:
+            got[dim] = sum(p.shape[dim] for p in parts)
+        if got != list(shape) or any(p.dim() != len(got) for p in parts):
+            raise ValueError(f"tpcore: writing {self.path}: parts of {name!r} make {got}, its header says {list(shape)}")
+        if dim == 0 or len(parts) == 1:  # row-major: the parts' bytes one after the other
+            for part in parts:
+                self._write_rows(part, dtype)
+        else:  # each block of rows interleaves the parts
+            if len(got) != 2:
+                raise ValueError(f"tpcore: writing {self.path}: {name!r}: parts split along dim {dim} are written for 2-D tensors only")
+            rows, width = got
+            step = max(1, BLOCK_BYTES // max(1, width * parts[0].element_size()))
+            for start in range(0, rows, step):
+                block, col = torch.empty(min(step, rows - start), width, dtype=dtype), 0
+                for part in parts:
+                    block[:, col : col + part.shape[1]].copy_(part[start : start + step])
+                    col += part.shape[1]
+                self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+        self.count += 1
+
+    def _next(self) -> tuple[str, torch.dtype, Sequence[int]]:
+        if self.count == len(self.entries):
+            raise ValueError(f"tpcore: writing {self.path}: more tensors than its header lists ({len(self.entries)})")
+        return self.entries[self.count]
+
+    def _write_rows(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """Write `tensor`'s elements in row-major order as `dtype`: as they are when they
+        already are that, else converted in blocks of rows (of elements, for 1-D)."""
+        t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+        if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            return
+        row_bytes = (t[0].numel() if t.dim() > 1 else 1) * max(t.element_size(), torch.empty(0, dtype=dtype).element_size())
+        step = max(1, BLOCK_BYTES // max(1, row_bytes))
+        for start in range(0, t.shape[0], step):
+            piece = t[start : start + step]
+            block = torch.empty(piece.shape, dtype=dtype).copy_(piece)
+            self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
 
     def close(self) -> None:
         """Close the file; a ValueError when fewer tensors were added than the header lists."""

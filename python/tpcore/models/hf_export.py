@@ -5,12 +5,14 @@
 The folder holds `config.json` (`GPTConfig.to_hf`), `generation_config.json`, the weights
 (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
 above `max_shard_size`) and the tokenizer files when given. `write_hf_folder` is the
-streaming core: the file layout is planned from the config alone, then each full
-GPTModel tensor is asked for in order (`fetch(name)`), cut into its Hugging Face tensors
-(q / k / v, gate / up, GPT-2's transposed Conv1D weights), converted and written, and
-dropped: the writer holds about one tensor at a time. `export_hf` fetches by gathering a
-parameter over its stage's TP group and sending it to the first stage, one at a time;
-`tpcore.train.checkpoint_to_hf` fetches from a checkpoint's memory-mapped shards.
+streaming core: the file layout is planned from the config alone, then each GPTModel
+tensor is asked for in order (`fetch(name)`) as its TP pieces, cut into its Hugging Face
+tensors (q / k / v, gate / up, GPT-2's transposed Conv1D weights) as views of the pieces,
+converted and written block by block, and dropped: the writer holds one tensor's pieces
+at a time, no merged copy. `export_hf` fetches by all-gathering a parameter's pieces into
+one buffer over its stage's TP group and sending that buffer to the first stage, one
+parameter at a time; `tpcore.train.checkpoint_to_hf` fetches views of a checkpoint's
+memory-mapped shards.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from .._atomic import atomic_output
 from ..safetensors_io import SafetensorsWriter
+from ..tensor_parallel.embedding import pad_vocab_size
 from .config import GPTConfig
 from .hf_config import config_to_hf, hf_family
 from .hf_weights import _source_shapes, hf_sources
 from .reference_gpt import ReferenceGPT
-from .sharding import rule_for, unshard
+from .sharding import merged_views, rule_for, shard
 
 __all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -82,15 +86,13 @@ def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = D
     return [(f"model-{i + 1:05d}-of-{len(files):05d}.safetensors", f) for i, f in enumerate(files)]
 
 
-def _hf_piece(full: torch.Tensor, entry: HFEntry, config: GPTConfig, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """Entry's Hugging Face tensor cut out of the full GPTModel parameter `full`."""
-    piece = full
-    if count > 1:
-        _, dim, sizes, _ = rule_for(entry.param, config)
-        piece = full.split(sizes, dim)[entry.part]
-    if entry.transposed:
-        piece = piece.t()
-    return piece.detach().to(device="cpu", dtype=dtype).contiguous()
+def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, config: GPTConfig, count: int) -> tuple[int, list[torch.Tensor]]:
+    """Entry's Hugging Face tensor as `(dim, views)` of the GPTModel parameter's TP
+    `pieces` (rank order) that concatenate along `dim` to it: nothing is copied here."""
+    dim, views = merged_views(pieces, rule_for(entry.param, config), config.vocab_size, entry.part if count > 1 else None)
+    if entry.transposed:  # GPT-2's Conv1D stores [in, out]
+        return 1 - dim, [v.t() for v in views]
+    return dim, views
 
 
 def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
@@ -113,13 +115,15 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def write_hf_folder(
-    out_dir: str, config: GPTConfig, fetch: Callable[[str], torch.Tensor | None], *, dtype: torch.dtype, write: bool = True,
+    out_dir: str, config: GPTConfig, fetch: Callable[[str], list[torch.Tensor] | None], *, dtype: torch.dtype, write: bool = True,
     hf_config: dict | None = None, tokenizer: str | None = None, eos_token_id: int | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> BaseException | None:
-    """Stream `config`'s export into `out_dir`. `fetch(name)` gives the full GPTModel
-    parameter `name` (called once per parameter, in order, also where `write` is False:
-    it may be a collective); only where `write` is it used. `hf_config` is the source
+    """Stream `config`'s export into `out_dir`. `fetch(name)` gives GPTModel parameter
+    `name` as every TP rank's piece, in rank order (a list of one: the full tensor); it is
+    called once per parameter, in order, also where `write` is False (it may be a
+    collective), and only where `write` is its answer used. The pieces are written through
+    views, block by block, and dropped before the next fetch. `hf_config` is the source
     model's config.json (token ids and other non-architecture fields are kept). Returns
     the error that stopped the writing (fetching goes on to the end regardless, so the
     peers of a collective `fetch` never wait in vain), or None."""
@@ -152,7 +156,8 @@ def write_hf_folder(
                 cached = (entry.param, fetch(entry.param))
             if writer is not None and error is None:
                 try:
-                    writer.add(_hf_piece(cached[1], entry, config, counts[entry.param], dtype))
+                    dim, parts = _hf_parts(cached[1], entry, config, counts[entry.param])
+                    writer.add_parts(parts, dim)
                     weight_map[entry.key] = file_name
                 except (OSError, ValueError) as e:
                     error = e
@@ -190,8 +195,9 @@ def export_hf(
 ) -> str:
     """Write a running GPTModel (or this rank's pipeline chunks) as a Hugging Face folder.
     A collective: call on every rank (TP, PP and DP; the groups default to `parallel_state`'s). The first
-    stage's TP rank 0 of DP replica 0 writes, receiving one full tensor at a time; its
-    host memory peaks near the largest tensor. `dtype`: default the parameters'. Raises on
+    stage's TP rank 0 of DP replica 0 writes, receiving one parameter's gathered pieces at
+    a time: a rank's host memory peaks near the largest tensor (on gloo groups about twice
+    that: gloo's all-gather stages through a buffer of its own). `dtype`: default the parameters'. Raises on
     every rank when writing failed on the writer. Returns `out_dir`."""
     from ..parallel_state import get_data_parallel_group, get_pipeline_model_parallel_group, is_initialized
     from ..pipeline_parallel import duplicate_parameter_names, p2p
@@ -214,17 +220,32 @@ def export_hf(
     tags = {name: _TAG + i % _TAG for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
 
-    def fetch(name: str) -> torch.Tensor | None:
+    tp = dist.get_world_size(tp_group)
+    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+
+    def gathered_shape(name: str) -> list[int]:
+        """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""
+        rule = rule_for(name, config)
+        local = shard(torch.empty(shapes[name], device="meta"), rule, 0, tp, rows).shape
+        return list(local) if rule[0] == "replicated" else [tp * local[0], *local[1:]]
+
+    def fetch(name: str) -> list[torch.Tensor] | None:
         owner = layout.pipeline_rank_of(name)
-        full = unshard(mine[name], rule_for(name, config), tp_group, config.vocab_size) if pp_rank == owner else None
-        if owner == 0 or tp_rank != 0:
-            return full
-        if pp_rank == owner:  # this stage's TP rank 0 sends the gathered tensor to the first stage's
-            p2p.batch_send_recv([(full.contiguous(), 0, tags[name], name)], [], dtype=param.dtype, device=param.device, group=pp_group)
+        replicated = rule_for(name, config)[0] == "replicated"
+        gathered = None
+        if pp_rank == owner:  # every piece along dim 0 into one buffer: no merged copy
+            gathered = mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
+        if owner != 0 and tp_rank == 0:  # this stage's TP rank 0 sends the buffer to the first stage's
+            if pp_rank == owner:
+                p2p.batch_send_recv([(gathered.contiguous(), 0, tags[name], name)], [], dtype=param.dtype, device=param.device, group=pp_group)
+                gathered = None
+            elif pp_rank == 0:
+                gathered = p2p.batch_send_recv(
+                    [], [(gathered_shape(name), owner, tags[name], name)], dtype=param.dtype, device=param.device, group=pp_group
+                )[0]
+        if gathered is None or tp_rank != 0 or pp_rank != 0:
             return None
-        if pp_rank == 0:
-            return p2p.batch_send_recv([], [(list(shapes[name]), owner, tags[name], name)], dtype=param.dtype, device=param.device, group=pp_group)[0]
-        return None
+        return [gathered] if replicated else list(gathered.chunk(tp, 0))
 
     error = write_hf_folder(
         out_dir, config, fetch, dtype=dtype or param.dtype, write=writer, hf_config=hf_config, tokenizer=tokenizer,

@@ -93,18 +93,34 @@ def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torc
     return torch.cat(pieces, dim)
 
 
-def merge(pieces: list[torch.Tensor], rule: Rule, vocab_size: int) -> torch.Tensor:
-    """The full tensor from every rank's piece, in rank order (the inverse of `shard`)."""
+def merged_views(pieces: list[torch.Tensor], rule: Rule, vocab_size: int, part: int | None = None) -> tuple[int, list[torch.Tensor]]:
+    """The full tensor (or its part number `part`) as `(dim, views)`: views of `pieces`
+    (every rank's piece, in rank order) whose concatenation along `dim` it is. What `merge`
+    concatenates; a streaming writer writes the views in turn and never builds the whole."""
     if rule[0] == "replicated":
-        return pieces[0]
-    if rule[0] == "vocab":
-        return torch.cat(pieces, 0)[:vocab_size]
+        return 0, [pieces[0]]
+    if rule[0] == "vocab":  # the padding rows past the vocabulary are left out
+        views, left = [], vocab_size
+        for piece in pieces:
+            if left > 0:
+                views.append(piece[: min(left, piece.shape[0])])
+                left -= views[-1].shape[0]
+        return 0, views
     _, dim, sizes, units = rule
     tp = len(pieces)
     counts = [part_chunks(u, tp) for u in units]
     split = [p.split([s // n for s, n in zip(sizes, counts)], dim) for p in pieces]  # [rank][part]
+    parts = range(len(sizes)) if part is None else [part]
     # A replicated chunk is taken from its owner, the first of the ranks holding it.
-    return torch.cat([torch.cat([split[j * tp // n][k] for j in range(n)], dim) for k, n in enumerate(counts)], dim)
+    return dim, [split[j * tp // counts[k]][k] for k in parts for j in range(counts[k])]
+
+
+def merge(pieces: list[torch.Tensor], rule: Rule, vocab_size: int) -> torch.Tensor:
+    """The full tensor from every rank's piece, in rank order (the inverse of `shard`)."""
+    if rule[0] == "replicated":
+        return pieces[0]
+    dim, views = merged_views(pieces, rule, vocab_size)
+    return torch.cat(views, dim)
 
 
 def unshard(local: torch.Tensor, rule: Rule, group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:

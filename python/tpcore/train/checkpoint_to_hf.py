@@ -3,11 +3,11 @@
     tpcore-convert --load checkpoints/gpt --to-hf out/ [--dtype bfloat16]
 
 One process, no process group. Every shard file is checked first (size and CRC-32 against
-the metadata, the shard's identity), then each full parameter is assembled from the
-memory-mapped pieces of the files of its pipeline stage (only the overlapping ranges are
-read, `sharding.copy_overlap`), cut into its Hugging Face tensors, written and dropped
-(`models.hf_export.write_hf_folder`): peak host memory is about the largest tensor plus
-the mapped pages of the files being read, not the model.
+the metadata, the shard's identity), then each parameter's TP pieces are taken as views
+of the memory-mapped files of its pipeline stage, and its Hugging Face tensors are
+written from them block by block (`models.hf_export.write_hf_folder`): no full tensor is
+built. Peak host memory is the mapped pages touched: about the largest tensor, plus at
+most 16 MiB of earlier ones per TP file (a file is re-mapped past that), not the model.
 """
 
 from __future__ import annotations
@@ -19,12 +19,20 @@ import torch
 from ..data.tokenizer import load_tokenizer
 from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_folder
-from .checkpoint import _copy_from, _model_pieces, _opener, _shard_files
+from ..models.sharding import rule_for, shard
+from ..tensor_parallel.embedding import pad_vocab_size
+from .checkpoint import _opener, _shard_files
 from .checkpoint_index import find_checkpoint, read_metadata
 from .errors import CheckpointError
 from .layout import ParallelLayout
 
 __all__ = ["checkpoint_to_hf"]
+
+# A shard file is re-mapped once this much was read through it, dropping the pages touched
+# so far (they count in the resident set). Below the checkpoint loader's 64 MiB: here every
+# TP file of a stage is mapped at once, and the pages kept are what the export costs beyond
+# the tensor being written.
+_REMAP_BYTES = 16 << 20
 
 
 def _tokenizer_of(meta: dict) -> tuple[str | None, int | None]:
@@ -67,19 +75,29 @@ def checkpoint_to_hf(
         open_shard(key).check_names(saved.names_on(key[1], names))
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
     stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
+    tp = saved.tensor_parallel_size
+    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
     opened: dict[tuple[int, int], object] = {}
 
-    def fetch(name: str) -> torch.Tensor:
+    def fetch(name: str) -> list[torch.Tensor]:
         pp_rank = saved.pipeline_rank_of(name)
         for key in [k for k in opened if k[1] != pp_rank]:  # a stage's files are unmapped once past it
             del opened[key]
-        full = torch.empty(shapes[name], dtype=stored_dtype)
-        for tp_rank in range(saved.tensor_parallel_size):
+        pieces = []
+        for tp_rank in range(tp):
             key = (tp_rank, pp_rank)
             if key not in opened:
                 opened[key] = open_shard(key)
-            _copy_from(opened[key], _model_pieces, {name: full}, config, 0, 1, tp_rank, saved.tensor_parallel_size, "model parameter")
-        return full
+                opened[key].REMAP_BYTES = _REMAP_BYTES
+            piece = opened[key].state["model"][name]  # a view of the mapped file: read as it is written
+            want = shard(torch.empty(shapes[name], device="meta"), rule_for(name, config), tp_rank, tp, rows).shape
+            if piece.shape != want:
+                raise CheckpointError(f"tpcore: {opened[key].path}: model parameter {name} is {list(piece.shape)}, the config makes it {list(want)}")
+            pieces.append(piece)
+            opened[key].count(piece.numel() * piece.element_size())  # re-mapped past REMAP_BYTES: touched pages go
+            if rule_for(name, config)[0] == "replicated":
+                break
+        return pieces
 
     error = write_hf_folder(
         out_dir, config, fetch, dtype=dtype or stored_dtype, hf_config=meta.get("hf_config"), tokenizer=tokenizer,
