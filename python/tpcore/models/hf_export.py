@@ -30,12 +30,11 @@ from torch import nn
 from .. import comm
 from .._atomic import atomic_output
 from ..safetensors_io import SafetensorsWriter
-from ..tensor_parallel.embedding import pad_vocab_size
 from .config import GPTConfig
 from .hf_config import config_to_hf, hf_family
 from .hf_weights import _source_shapes, hf_sources
 from .reference_gpt import ReferenceGPT
-from .sharding import merged_views, rule_for, shard
+from .sharding import merged_views, piece_shape, rule_for
 
 __all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -221,13 +220,11 @@ def export_hf(
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
 
     tp = dist.get_world_size(tp_group)
-    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
 
     def gathered_shape(name: str) -> list[int]:
         """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""
-        rule = rule_for(name, config)
-        local = shard(torch.empty(shapes[name], device="meta"), rule, 0, tp, rows).shape
-        return list(local) if rule[0] == "replicated" else [tp * local[0], *local[1:]]
+        local = piece_shape(name, config, shapes[name], tp)
+        return list(local) if rule_for(name, config)[0] == "replicated" else [tp * local[0], *local[1:]]
 
     def fetch(name: str) -> list[torch.Tensor] | None:
         owner = layout.pipeline_rank_of(name)

@@ -93,6 +93,13 @@ def shard(full: torch.Tensor, rule: Rule, rank: int, tp: int, rows: int) -> torc
     return torch.cat(pieces, dim)
 
 
+def piece_shape(name: str, config: GPTConfig, full: torch.Size | tuple[int, ...], tp: int) -> torch.Size:
+    """The shape of each TP rank's piece of parameter `name` of shape `full` at TP size `tp`
+    (the same on every rank; vocabulary padding rows included), built from no tensor."""
+    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+    return shard(torch.empty(full, device="meta"), rule_for(name, config), 0, tp, rows).shape
+
+
 def merged_views(pieces: list[torch.Tensor], rule: Rule, vocab_size: int, part: int | None = None) -> tuple[int, list[torch.Tensor]]:
     """The full tensor (or its part number `part`) as `(dim, views)`: views of `pieces`
     (every rank's piece, in rank order) whose concatenation along `dim` it is. What `merge`

@@ -19,8 +19,7 @@ import torch
 from ..data.tokenizer import load_tokenizer
 from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_folder
-from ..models.sharding import rule_for, shard
-from ..tensor_parallel.embedding import pad_vocab_size
+from ..models.sharding import piece_shape, rule_for
 from .checkpoint import _opener, _shard_files
 from .checkpoint_index import find_checkpoint, read_metadata
 from .errors import CheckpointError
@@ -76,27 +75,25 @@ def checkpoint_to_hf(
     shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
     stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
     tp = saved.tensor_parallel_size
-    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
     opened: dict[tuple[int, int], object] = {}
 
     def fetch(name: str) -> list[torch.Tensor]:
         pp_rank = saved.pipeline_rank_of(name)
         for key in [k for k in opened if k[1] != pp_rank]:  # a stage's files are unmapped once past it
             del opened[key]
+        want = piece_shape(name, config, shapes[name], tp)
+        replicated = rule_for(name, config)[0] == "replicated"
         pieces = []
-        for tp_rank in range(tp):
+        for tp_rank in range(1 if replicated else tp):
             key = (tp_rank, pp_rank)
             if key not in opened:
                 opened[key] = open_shard(key)
                 opened[key].REMAP_BYTES = _REMAP_BYTES
             piece = opened[key].state["model"][name]  # a view of the mapped file: read as it is written
-            want = shard(torch.empty(shapes[name], device="meta"), rule_for(name, config), tp_rank, tp, rows).shape
             if piece.shape != want:
                 raise CheckpointError(f"tpcore: {opened[key].path}: model parameter {name} is {list(piece.shape)}, the config makes it {list(want)}")
             pieces.append(piece)
             opened[key].count(piece.numel() * piece.element_size())  # re-mapped past REMAP_BYTES: touched pages go
-            if rule_for(name, config)[0] == "replicated":
-                break
         return pieces
 
     error = write_hf_folder(
