@@ -253,7 +253,7 @@ class SafetensorsWriter:
                 for part in parts:
                     block[:, col : col + part.shape[1]].copy_(part[start : start + step])
                     col += part.shape[1]
-                self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+                self._write_contiguous(block)
         self.count += 1
 
     def _next(self) -> tuple[str, torch.dtype, Sequence[int]]:
@@ -266,14 +266,17 @@ class SafetensorsWriter:
         already are that, else converted in blocks of rows (of elements, for 1-D)."""
         t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
         if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
-            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._write_contiguous(t)
             return
         row_bytes = (t[0].numel() if t.dim() > 1 else 1) * max(t.element_size(), torch.empty(0, dtype=dtype).element_size())
         step = max(1, BLOCK_BYTES // max(1, row_bytes))
         for start in range(0, t.shape[0], step):
             piece = t[start : start + step]
-            block = torch.empty(piece.shape, dtype=dtype).copy_(piece)
-            self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+            self._write_contiguous(torch.empty(piece.shape, dtype=dtype).copy_(piece))
+
+    def _write_contiguous(self, tensor: torch.Tensor) -> None:
+        """Write a contiguous CPU tensor's bytes as they are."""
+        self._file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
     def close(self) -> None:
         """Close the file; a ValueError when fewer tensors were added than the header lists."""
