@@ -137,6 +137,14 @@ def _every_op(rank, world):
                     got = torch.zeros(n, dtype=dtype)
                     dist.reduce_scatter(got, list(ins[rank].view(k, n).unbind(0)), group=group)
                     _check(got, want, f"reduce_scatter {what}")
+                    if contiguous:  # in place, as Megatron's distributed optimizer calls them
+                        buffer = ins[rank].clone()
+                        dist.reduce_scatter_tensor(buffer.view(k, n)[rank], buffer, group=group)
+                        _check(buffer.view(k, n)[rank], want, f"reduce_scatter_tensor into its own input {what}")
+                        buffer = torch.zeros(k * n, dtype=dtype)
+                        buffer.view(k, n)[rank] = xs[rank]
+                        dist.all_gather_into_tensor(buffer, buffer.view(k, n)[rank], group=group)
+                        _check(buffer, torch.cat(xs), f"all_gather_into_tensor from its own output {what}")
                     # broadcast from every root
                     for root in range(k):
                         t = _as_input(xs[rank], contiguous)

@@ -213,10 +213,14 @@ void Group::all_reduce_two_step(char* data, int64_t n, at::ScalarType dtype, Red
       return std::make_pair(lo, std::min(m, lo + part));
     };
     const uint32_t step = ++step_;
-    std::memcpy(layout_.slot(base(), rank_, step), data + off * es, m * es);
-    sync(step, h);
+    // Peers read every part of this rank's chunk but its own, which it reads where it is.
     const auto [lo, hi] = part_range(rank_);
-    for (int r = 0; r < world_; ++r) srcs[r] = layout_.slot(base(), r, step) + lo * es;
+    char* slot = layout_.slot(base(), rank_, step);
+    std::memcpy(slot, data + off * es, lo * es);
+    std::memcpy(slot + hi * es, data + (off + hi) * es, (m - hi) * es);
+    sync(step, h);
+    for (int r = 0; r < world_; ++r)
+      srcs[r] = r == rank_ ? data + (off + lo) * es : layout_.slot(base(), r, step) + lo * es;
     reduce_parallel(layout_.result(base(), rank_), srcs, hi - lo, dtype, kind);
     sync(++step_, h);
     for (int r = 0; r < world_; ++r) {
@@ -251,10 +255,13 @@ void Group::all_gather(const at::Tensor& out, const at::Tensor& in) {
   for (int64_t off = 0; off < bytes || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, bytes - off);
     const uint32_t step = ++step_;
-    std::memcpy(layout_.slot(base(), rank_, step), src + off, m);
+    if (world_ > 1) std::memcpy(layout_.slot(base(), rank_, step), src + off, m);
     sync(step, h);
-    for (int r = 0; r < world_; ++r)
-      std::memcpy(dst + r * bytes + off, layout_.slot(base(), r, step), m);
+    for (int r = 0; r < world_; ++r) {
+      const char* part = r == rank_ ? src + off : layout_.slot(base(), r, step);
+      // `in` may be this rank's part of `out` (Megatron's parameter all-gather is).
+      if (part != dst + r * bytes + off) std::memcpy(dst + r * bytes + off, part, m);
+    }
     if (bytes == 0) break;
   }
 }
@@ -266,20 +273,27 @@ void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKi
                     in.scalar_type());
   const int64_t es = in.element_size();
   const int64_t n = out.numel();
-  // Each step carries `m` elements of every rank's chunk: world x m in the slot.
-  const int64_t per_step = static_cast<int64_t>(layout_.slot_bytes()) / es / world_;
+  // Each step carries `m` elements of every other rank's chunk, (world - 1) x m in the slot,
+  // in rank order; this rank's own chunk is read from `in` where it is.
+  const int64_t per_step =
+      static_cast<int64_t>(layout_.slot_bytes()) / es / std::max(1, world_ - 1);
   const char* src = static_cast<const char*>(in.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const OpHeader h = header(OpCode::kReduceScatter, in, static_cast<int64_t>(kind));
+  // Where chunk d sits in a slot written by rank r (r's own chunk is not there).
+  auto place = [](int d, int r) { return d < r ? d : d - 1; };
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
     const uint32_t step = ++step_;
     char* slot = layout_.slot(base(), rank_, step);
     for (int d = 0; d < world_; ++d)
-      std::memcpy(slot + d * m * es, src + (d * n + off) * es, m * es);
+      if (d != rank_)
+        std::memcpy(slot + place(d, rank_) * m * es, src + (d * n + off) * es, m * es);
     sync(step, h);
-    for (int r = 0; r < world_; ++r) srcs[r] = layout_.slot(base(), r, step) + rank_ * m * es;
+    for (int r = 0; r < world_; ++r)
+      srcs[r] = r == rank_ ? src + (rank_ * n + off) * es
+                           : layout_.slot(base(), r, step) + place(rank_, r) * m * es;
     reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind);
     if (n == 0) break;
   }

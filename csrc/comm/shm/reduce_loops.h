@@ -15,7 +15,8 @@ enum class ReduceKind : uint8_t { kSum, kAvg, kMax, kMin, kProduct };
 bool reducible(at::ScalarType dtype, ReduceKind kind);
 
 // out[i] = srcs[0][i] (op) srcs[1][i] (op) ... for i < n; kAvg divides the sum by nsrc.
-// `out` may not overlap any source.
+// `out` may be one of the sources (the same address: every block is loaded from all sources
+// before it is stored), never a partial overlap.
 void reduce(void* out, const void* const* srcs, int nsrc, int64_t n, at::ScalarType dtype,
             ReduceKind kind);
 
