@@ -17,6 +17,8 @@ machine's speed hits all alike) of the mean time per call on rank 0. Bus bandwid
 NCCL's convention: all-reduce S * 2(n-1)/n / t, all-gather and reduce-scatter S * (n-1)/n / t
 (S the whole gathered / reduced-from size), broadcast S / t, from the faster tpcore path;
 the copy bandwidth is rank 0's alone (64 MiB fp32 `copy_`, best of 5) while the others wait.
+The header also gives each rank's copy bandwidth while all ranks copy at once: the share of
+the cores and memory bus a rank of a collective has (on the 2-core VM, about half).
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ def _case(rank, world, store, sizes, ops, results):
     dist.barrier(group=groups["gloo"])
     copy = _copy_gbps() if rank == 0 else 0.0
     dist.barrier(group=groups["gloo"])
+    # Every rank at once: what each gets when they share the cores and the memory bus, as
+    # the ranks of a collective do.
+    shared = torch.tensor([_copy_gbps()], dtype=torch.float64)
+    dist.all_reduce(shared, group=groups["gloo"])
+    copy = (copy, shared.item() / world)
 
     def agree(calls: int) -> int:  # the largest count any rank asks for
         t = torch.tensor([calls])
@@ -234,8 +241,9 @@ def main() -> None:
     sizes = [s for s in SIZES if s <= args.max_bytes]
     print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
     for world in args.worlds:
-        table, copy, ds_note = run_on_ranks(_case, world, sizes, args.ops, timeout=3600)[0]
-        print(f"\n## {world} ranks (copy bandwidth of one rank, measured in this run: {copy:.1f} GB/s)")
+        table, (copy, shared_copy), ds_note = run_on_ranks(_case, world, sizes, args.ops, timeout=3600)[0]
+        print(f"\n## {world} ranks (copy bandwidth of one rank, measured in this run: {copy:.1f} GB/s; "
+              f"of each rank while all {world} copy at once: {shared_copy:.1f} GB/s)")
         print(f"DeepSpeed: {ds_note}")
         for op in args.ops:
             names = list(next(v for (o, _), v in table.items() if o == op))

@@ -92,6 +92,29 @@ def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     tpcore.initialize_model_parallel(world)
 
 
+def _collect(results, procs: list, timeout: float) -> dict[int, Any]:
+    """Every rank's value; raises as soon as a rank has exited without giving one (its
+    peers would otherwise wait in a collective until `timeout`)."""
+    import queue
+    import time
+
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(values) < len(procs):
+        try:
+            rank, value = results.get(timeout=1.0)
+            values[rank] = value
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) without a result; see their output above")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(values))} gave no result within {timeout:.0f} s")
+    return values
+
+
 def run_on_ranks(
     target: Callable[..., None], world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 1800
 ) -> list[Any]:
@@ -105,11 +128,12 @@ def run_on_ranks(
         procs = [ctx.Process(target=target, args=(r, world, store, *args, results)) for r in range(world)]
         for p in procs:
             p.start()
+        values = None
         try:
-            values = dict(results.get(timeout=timeout) for _ in procs)
+            values = _collect(results, procs, timeout)
         finally:
             for p in procs:
-                p.join(timeout=60)
+                p.join(timeout=60 if values is not None else 0)  # after a failure, stop the rest now
                 if p.is_alive():
                     p.kill()
     return [values[r] for r in range(world)]
