@@ -80,7 +80,8 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, results)
                        max_position_embeddings=args.seq)
     torch.manual_seed(0)
     chunks = build_gpt_stages(config, dtype=dtype)
-    opt, grads = make_optimizer(chunks, DataParallelOptions(**CASES[case]), tp_group=ps.get_tensor_model_parallel_group(),
+    options = dict(CASES[case], **({"bucket_size": args.bucket_size} if args.bucket_size and case != "today" else {}))
+    opt, grads = make_optimizer(chunks, DataParallelOptions(**options), tp_group=ps.get_tensor_model_parallel_group(),
                                 dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(), lr=1e-4,
                                 weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, loss_scaler=None)
     params = [p for c in chunks for p in c.parameters()]
@@ -129,10 +130,11 @@ def main() -> None:
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backends", default="gloo,tpcore")
+    p.add_argument("--bucket-size", type=int, default=None, help="elements per gradient bucket (default: tpcore's CPU default)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-time", action="store_true")
     args = p.parse_args()
-    print(f"GPT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}; micro-batch {args.micro} x {args.accumulation} per rank")
+    print(f"GPT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}; micro-batch {args.micro} x {args.accumulation} per rank; bucket size {args.bucket_size or 'default'}")
     if not args.skip_memory:
         print("\n## Memory per rank at the optimizer step (bf16 parameters, fp32 gradients), bytes per parameter\n")
         print("| DP | today | distributed | Megatron 6 + 12/d | distributed / formula | distributed / today |")
