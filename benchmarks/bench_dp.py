@@ -80,7 +80,9 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, results)
                        max_position_embeddings=args.seq)
     torch.manual_seed(0)
     chunks = build_gpt_stages(config, dtype=dtype)
-    options = dict(CASES[case], **({"bucket_size": args.bucket_size} if args.bucket_size and case != "today" else {}))
+    options = dict(CASES[case])
+    if args.bucket_size and case != "today":  # today's optimizer has no buckets
+        options["bucket_size"] = args.bucket_size
     opt, grads = make_optimizer(chunks, DataParallelOptions(**options), tp_group=ps.get_tensor_model_parallel_group(),
                                 dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(), lr=1e-4,
                                 weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, loss_scaler=None)

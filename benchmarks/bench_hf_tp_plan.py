@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import socket
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hf import MIB, _save_model, add_model_args  # noqa: E402  (the same model as bench_hf.py)
+from ranks import collect_results  # noqa: E402
 
 _TIMEOUT_S = 1800
 
@@ -168,7 +168,7 @@ def _rank(rank: int, world: int, port: int, backend: str | None, threads: int | 
         if world == 1:
             model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
             result = _greedy_timings(model, prompt, new, repeats, barrier=lambda: None)
-            results.put((rank, True, {"threads": threads, **result}))
+            results.put((rank, (True, {"threads": threads, **result})))
             return
         import torch.distributed as dist
 
@@ -186,11 +186,11 @@ def _rank(rank: int, world: int, port: int, backend: str | None, threads: int | 
         tp_group = info.pop("tp_group")
         if tp_group is not None:
             info["all_reduce_s"] = _all_reduce_latency(tp_group, model.config.hidden_size, next(model.parameters()).dtype)
-        results.put((rank, True, {"threads": threads, **info, **result}))
+        results.put((rank, (True, {"threads": threads, **info, **result})))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 (the parent reports it)
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, (False, traceback.format_exc())))
 
 
 def _run(world: int, backend: str | None, threads: int | None, args, path: str, prompt) -> dict:
@@ -202,22 +202,14 @@ def _run(world: int, backend: str | None, threads: int | None, args, path: str, 
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    answers, deadline = {}, time.monotonic() + _TIMEOUT_S
+
+    def check(rank: int, answer: tuple[bool, object]) -> None:
+        ok, value = answer
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+
     try:
-        while len(answers) < world:
-            try:
-                rank, ok, value = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in answers]
-                if dead:
-                    raise RuntimeError(f"rank(s) died: {dead}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no answer from rank(s) {sorted(set(range(world)) - set(answers))} "
-                                       f"within {_TIMEOUT_S} s") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            answers[rank] = value
+        answers = collect_results(results, procs, _TIMEOUT_S, check)
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -225,7 +217,7 @@ def _run(world: int, backend: str | None, threads: int | None, args, path: str, 
             if p.is_alive():
                 p.kill()
                 p.join()
-    return answers[0]
+    return answers[0][1]
 
 
 def main() -> None:

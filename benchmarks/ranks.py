@@ -7,8 +7,10 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import queue
 import subprocess
 import tempfile
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -92,26 +94,25 @@ def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     tpcore.initialize_model_parallel(world)
 
 
-def _collect(results, procs: list, timeout: float) -> dict[int, Any]:
-    """Every rank's value; raises as soon as a rank has exited without giving one (its
-    peers would otherwise wait in a collective until `timeout`)."""
-    import queue
-    import time
-
+def collect_results(results, procs: list, timeout: float, check: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+    """Every rank's value from `results` (`(rank, value)` pairs). Raises as soon as a rank
+    has exited without giving one (its peers would otherwise wait in a collective until
+    `timeout`), or when `check(rank, value)` raises for a value (a rank reporting failure)."""
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(values) < len(procs):
         try:
             rank, value = results.get(timeout=1.0)
-            values[rank] = value
-            continue
         except queue.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
-        if dead:
-            raise RuntimeError(f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) without a result; see their output above")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(values))} gave no result within {timeout:.0f} s")
+            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) without a result; see their output above") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(values))} gave no result within {timeout:.0f} s") from None
+            continue
+        if check is not None:
+            check(rank, value)
+        values[rank] = value
     return values
 
 
@@ -130,7 +131,7 @@ def run_on_ranks(
             p.start()
         values = None
         try:
-            values = _collect(results, procs, timeout)
+            values = collect_results(results, procs, timeout)
         finally:
             for p in procs:
                 p.join(timeout=60 if values is not None else 0)  # after a failure, stop the rest now
