@@ -46,7 +46,16 @@ void cross_entropy_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
                             int64_t vocab_start, int64_t valid, int64_t vocab, double smoothing,
                             double z_loss);
 
+// Counter-based dropout (kernels/philox.h): out = input * (keep ? scale : 0), element i kept
+// when word i % 4 of the Philox block offset / 4 + i / 4 under key `seed` is >= threshold.
+// Returns a contiguous tensor of input's shape. The CUDA kernel reads (seed, offset) from
+// `state`, an int64 [2] tensor on the input's device.
+at::Tensor dropout_cpu(const at::Tensor& input, uint64_t seed, uint64_t offset, uint32_t threshold,
+                       double scale);
+
 #ifdef TPCORE_WITH_CUDA
+at::Tensor dropout_cuda(const at::Tensor& input, const at::Tensor& state, uint32_t threshold,
+                        double scale);
 // Whether `device`'s current stream is capturing a CUDA graph.
 bool cuda_stream_capturing(const at::Device& device);
 at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,

@@ -47,6 +47,8 @@ void register_primitives(torch::Library& m) {
   m.impl("cross_entropy_backward", cross_entropy_backward_kernel);
   m.impl("linear_cross_entropy_forward", linear_cross_entropy_forward_kernel);
   m.impl("linear_cross_entropy_backward", linear_cross_entropy_backward_kernel);
+  m.impl("dropout_apply", dropout_apply_kernel);
+  m.impl("rng_state_copy", rng_state_copy_kernel);
 }
 
 }  // namespace
@@ -67,6 +69,7 @@ TORCH_LIBRARY_IMPL(tpcore, CompositeImplicitAutograd, m) {
   m.impl("vocab_parallel_embedding", vocab_parallel_embedding);
   m.impl("vocab_parallel_cross_entropy", vocab_parallel_cross_entropy);
   m.impl("vocab_parallel_linear_cross_entropy", vocab_parallel_linear_cross_entropy);
+  m.impl("dropout", dropout);
 }
 
 }  // namespace tpcore

@@ -126,4 +126,9 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_backward(
                  chunk_size, output_mask);
 }
 
+at::Tensor dropout_apply(const at::Tensor& input, const at::Tensor& rng_state, double p) {
+  TPCORE_OP("dropout_apply", at::Tensor(const at::Tensor&, const at::Tensor&, double));
+  return op.call(input, rng_state, p);
+}
+
 }  // namespace tpcore::op

@@ -48,5 +48,6 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
     const at::Tensor& lse, const at::Tensor& scale, GroupName group, int64_t vocab_size,
     double label_smoothing, double z_loss, int64_t chunk_size, std::array<bool, 2> output_mask);
+at::Tensor dropout_apply(const at::Tensor& input, const at::Tensor& rng_state, double p);
 
 }  // namespace tpcore::op

@@ -49,6 +49,11 @@ TORCH_LIBRARY(tpcore, m) {
       "linear_cross_entropy_backward(Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
       "Tensor scale, str group, int vocab_size, float label_smoothing, float z_loss, "
       "int chunk_size, bool[2] output_mask) -> (Tensor, Tensor)");
+  // Counter-based dropout: the mask is a function of rng_state = (seed, offset) alone.
+  m.def("dropout_apply(Tensor input, Tensor rng_state, float p) -> Tensor");
+  // A copy of a stream's counter. Opaque on purpose: AOTAutograd's partitioner recomputes
+  // a plain clone in backward from the graph input, which the graph has advanced by then.
+  m.def("rng_state_copy(Tensor counter) -> Tensor");
 
   // Layer ops (autograd inside).
   m.def("copy_to_tensor_parallel(Tensor input, str group) -> Tensor");
@@ -60,6 +65,7 @@ TORCH_LIBRARY(tpcore, m) {
       "gather_from_sequence_parallel(Tensor input, str group, bool reduce_scatter_grad=True) "
       "-> Tensor");
   m.def("reduce_scatter_to_sequence_parallel(Tensor input, str group) -> Tensor");
+  m.def("dropout(Tensor input, Tensor rng_state, float p) -> Tensor");
   m.def(
       "column_parallel_linear(Tensor input, Tensor weight, Tensor? bias, str group, "
       "bool gather_output=False, bool sequence_parallel=False) -> Tensor");

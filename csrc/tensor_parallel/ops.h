@@ -58,6 +58,10 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
                                                int64_t vocab_size, double label_smoothing,
                                                int64_t ignore_index, int64_t reduction,
                                                double z_loss, int64_t chunk_size);
+// Dropout of `input` with the mask drawn from rng_state = int64 [2] (seed, offset) on the
+// input's device (kernels/philox.h); autograd-aware: backward applies the same mask.
+at::Tensor dropout(const at::Tensor& input, const at::Tensor& rng_state, double p);
+
 // Raises a TypeError unless `ids` is an integer tensor (reads no values).
 void check_token_dtype(const char* what, const at::Tensor& ids);
 // check_token_dtype, then an IndexError naming the id unless every id is in [0, vocab_size);
@@ -89,6 +93,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_kern
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target, GroupName group,
     int64_t vocab_size, double label_smoothing, int64_t ignore_index, double z_loss,
     int64_t chunk_size);
+at::Tensor dropout_apply_kernel(const at::Tensor& input, const at::Tensor& rng_state, double p);
+at::Tensor rng_state_copy_kernel(const at::Tensor& counter);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_backward_kernel(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
     const at::Tensor& lse, const at::Tensor& scale, GroupName group, int64_t vocab_size,

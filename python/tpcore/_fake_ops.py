@@ -134,3 +134,22 @@ def _all_gather_start(input: torch.Tensor, group: str) -> torch.Tensor:
 @torch.library.register_fake("tpcore::reduce_scatter_start")
 def _reduce_scatter_start(input: torch.Tensor, group: str) -> torch.Tensor:
     return _reduce_scatter(input, 0, group)
+
+
+@torch.library.register_fake("tpcore::dropout_apply")
+def _dropout_apply(input: torch.Tensor, rng_state: torch.Tensor, p: float) -> torch.Tensor:
+    # The kernel's argument checks, so that a traced call fails where an eager one would.
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"tpcore: dropout: p must be in [0, 1), got {p}")
+    if not input.dtype.is_floating_point:
+        raise TypeError(f"tpcore: dropout: input must be a floating-point tensor, got {input.dtype}")
+    if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.numel() != 2:
+        raise ValueError(f"tpcore: dropout: rng_state must be an int64 tensor [2] holding (seed, offset), got {rng_state.dtype} of shape {list(rng_state.shape)}")
+    if rng_state.device != input.device:
+        raise ValueError(f"tpcore: dropout: rng_state is on {rng_state.device} but the input is on {input.device}")
+    return _empty_like(input)
+
+
+@torch.library.register_fake("tpcore::rng_state_copy")
+def _rng_state_copy(counter: torch.Tensor) -> torch.Tensor:
+    return _empty_like(counter)
