@@ -19,6 +19,7 @@ from torch.library import opcheck
 import tpcore
 from checks import GPT_VARIANTS, assert_close, per_rank_tensor, setup_tp
 from tpcore.models import GPTModel, finalize_sequence_parallel_grads
+from tpcore.tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG
 
 ops = torch.ops.tpcore
 STATIC_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
@@ -100,10 +101,17 @@ def test_opcheck_every_op(cpu_ranks, tp):
 BATCH, SEQ = 2, 8
 
 
-def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic):
+def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout=0.0):
     setup_tp(tp)
     torch._dynamo.reset()
-    config = dataclasses.replace(GPT_VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute)
+    config = dataclasses.replace(
+        GPT_VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute,
+        dropout=dropout, attention_dropout=dropout,
+    )
+    tpcore.model_parallel_manual_seed(11)
+    tracker = tpcore.get_rng_tracker()
+    for stream in (MODEL_PARALLEL_RNG, REPLICATED_RNG):
+        tracker.counter(stream, torch.device("cpu"))  # created now, so snapshots hold them
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -117,7 +125,11 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
         ids = torch.randint(0, config.vocab_size, shape, generator=g)
         target = torch.randint(0, config.vocab_size, shape, generator=g)
         target[0, 0] = -100
-        want, got = eager(ids, target), compiled(ids, target)
+        # Both draw their dropout masks from the same stream positions.
+        streams = tracker.counter_snapshot()
+        want = eager(ids, target)
+        tracker.restore_counters(streams)
+        got = compiled(ids, target)
         assert_close(got, want.detach(), f"step {step}: loss")
         want.backward()
         got.backward()
@@ -129,6 +141,9 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
             p.grad = q.grad = None
     explained = torch._dynamo.explain(model)(ids, target)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    if dropout:
+        with torch.no_grad():
+            assert compiled(ids, target) != model.eval()(ids, target), "dropout must change the loss"
 
 
 # A covering set: every TP size, tied (gpt2) and untied (llama) heads, sequence parallelism
@@ -150,6 +165,20 @@ GPT_CASES = [
 @pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", GPT_CASES)
 def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
     cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, timeout=900)
+
+
+# Hidden and attention dropout (tpcore's counter-based dropout: the same masks compiled and
+# eager), in TP and sequence-parallel regions and replicated ones, under every recompute mode.
+DROPOUT_CASES = [
+    (2, "gpt2", True, True, "full", False),
+    (2, "llama", False, False, "selective", False),
+    (1, "gpt2", False, False, "none", True),
+]
+
+
+@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", DROPOUT_CASES)
+def test_compiled_gpt_with_dropout_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
+    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, 0.2, timeout=900)
 
 
 def _backward_graph_overlaps(rank, world, tp, sequence_parallel):

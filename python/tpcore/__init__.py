@@ -37,6 +37,7 @@ from .tensor_parallel import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
+    tracked_dropout,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "is_initialized",
     "model_parallel_manual_seed",
     "get_rng_tracker",
+    "tracked_dropout",
     "checkpoint",
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",

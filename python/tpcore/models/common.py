@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor_parallel.dropout import tracked_dropout
 from .config import GPTConfig
 
 
@@ -71,13 +72,29 @@ def mlp_activation(config: GPTConfig, h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh" if config.activation == "gelu" else "none")
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
-    """Causal attention. q `[s, b, h, d]`, k / v `[s, b, kv, d]` (kv divides h) -> `[s, b, h*d]`."""
+def _attention_tracked_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, stream: str) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) in fp32, tracked dropout, times v: `[b, h, s, d]`."""
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(tracked_dropout(probs, dropout, stream), v)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, dropout_stream: str | None = None) -> torch.Tensor:
+    """Causal attention. q `[s, b, h, d]`, k / v `[s, b, kv, d]` (kv divides h) -> `[s, b, h*d]`.
+
+    Dropout on the probabilities draws from torch's generator (inside SDPA), or, with
+    `dropout_stream`, from that RNG-tracker stream: then the probabilities `[b, h, s, s]` are
+    materialised (Megatron's unfused core attention) so tpcore's traceable dropout applies."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    if dropout > 0 and dropout_stream is not None:
+        out = _attention_tracked_dropout(q, k, v, dropout, dropout_stream)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
     s, b = out.shape[2], out.shape[0]
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)

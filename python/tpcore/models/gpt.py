@@ -3,8 +3,9 @@
 Attention: one column-parallel QKV projection whose shard holds whole heads of Q, K
 and V for this rank (GQA: whole kv heads when TP divides them, else a copy of the one kv
 head this rank's queries use, its gradient summed over the copies: `gqa.py`), causal
-`scaled_dot_product_attention`, row-parallel output projection. MLP: column ->
-GeLU / SwiGLU -> row. Vocab-parallel embedding, LM head tied to it by default, loss
+`scaled_dot_product_attention` (unfused with attention dropout: `common.attention_core`),
+row-parallel output projection. MLP: column -> GeLU / SwiGLU -> row. Dropout masks come
+from the RNG tracker's counter streams (`tracked_dropout`), so they trace under torch.compile. Vocab-parallel embedding, LM head tied to it by default, loss
 through the vocab-parallel cross-entropy (optionally fused with the head).
 With `sequence_parallel`, norms, dropout and residuals hold `[s/tp, b, h]`; the
 column layers all-gather the sequence and the row layers reduce-scatter it.
@@ -28,7 +29,8 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.mappings import gather_from_sequence_parallel
 from ..parallel_state import resolve_tensor_group
-from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.dropout import tracked_dropout
+from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
 from .config import GPTConfig
@@ -42,13 +44,22 @@ __all__ = ["GPTModel", "finalize_sequence_parallel_grads"]
 
 def _dropout(dropout: nn.Dropout, x: torch.Tensor, per_tp_rank: bool) -> torch.Tensor:
     """Dropout whose mask differs across TP ranks when `per_tp_rank` (a TP or sequence-
-    parallel region: the model-parallel RNG), and is identical on them otherwise."""
+    parallel region: the model-parallel stream), and is identical on them otherwise (the
+    replicated stream; torch's generator where model_parallel_manual_seed was not called)."""
     if not dropout.training or dropout.p == 0:
         return x
-    if not per_tp_rank:
+    if not per_tp_rank and not get_rng_tracker().has_counter(REPLICATED_RNG):
         return dropout(x)
-    with get_rng_tracker().fork():
-        return dropout(x)
+    return tracked_dropout(x, dropout.p, MODEL_PARALLEL_RNG if per_tp_rank else REPLICATED_RNG)
+
+
+def _create_dropout_counters(device: torch.device) -> None:
+    """Create the dropout streams' counters on `device` outside the recomputed regions:
+    torch.compile cannot create state inside a torch.utils.checkpoint region."""
+    tracker = get_rng_tracker()
+    for stream in (MODEL_PARALLEL_RNG, REPLICATED_RNG):
+        if tracker.has_counter(stream):
+            tracker.counter(stream, device)
 
 
 def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
@@ -94,10 +105,8 @@ class ParallelAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.config.attention_dropout if self.training else 0.0
-        if dropout == 0:
-            return attention_core(q, k, v, 0.0)
-        with get_rng_tracker().fork():  # this rank's heads: its own dropout masks
-            return attention_core(q, k, v, dropout)
+        # This rank's heads: its own dropout masks, from the model-parallel stream.
+        return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
 
 
 class ParallelMLP(nn.Module):
@@ -301,6 +310,8 @@ class GPTModel(nn.Module):
         rope = None
         if c.position_embedding == "rotary":
             rope = rotary_tables(seq, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling)
+        if self.training and c.recompute != "none" and (c.dropout > 0 or c.attention_dropout > 0):
+            _create_dropout_counters(x.device)
         for layer in self.layers:
             # Full recompute keeps only each block's input.
             x = checkpoint(partial(layer, rope=rope), x) if c.recompute == "full" else layer(x, rope)

@@ -1,10 +1,11 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the layers, the f / g mappings,
-the vocab-parallel loss, the model-parallel RNG tracker and activation recompute.
+the vocab-parallel loss, the model-parallel RNG tracker, its dropout and activation recompute.
 
 Users import these names from `tpcore` itself; this package groups them by kind of
 parallelism, beside `tpcore.pipeline_parallel` and `tpcore.hf`.
 """
 
+from .dropout import tracked_dropout
 from .embedding import VocabParallelEmbedding, pad_vocab_size, vocab_shard
 from .initialization import ShardedInit, init_shard_
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
@@ -41,5 +42,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel",
     "get_rng_tracker",
     "model_parallel_manual_seed",
+    "tracked_dropout",
     "checkpoint",
 ]

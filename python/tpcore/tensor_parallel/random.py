@@ -9,6 +9,11 @@ region runs under `get_rng_tracker().fork()`. CPU and CUDA generators are both h
 exactly the current GPU's generator is seeded and swapped, CUDA is never initialised by the
 tracker, and under CUDA graph capture `fork()` swaps graph-safe generator states
 (`register_cuda_graph`).
+
+Each named state also has a counter stream for tpcore's own dropout (`tracked_dropout`):
+an int64 `[seed, offset]` tensor per device, from which a draw takes a snapshot and advances
+the offset. Its masks depend on (seed, offset) alone, so torch.compile traces them (no
+generator state is swapped), recompute replays them, and CPU and GPU draw the same masks.
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ import torch.distributed as dist
 
 from ..parallel_state import resolve_tensor_group
 
-__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "MODEL_PARALLEL_RNG", "device_rng_states", "set_device_rng_states"]
+__all__ = [
+    "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "MODEL_PARALLEL_RNG", "REPLICATED_RNG",
+    "device_rng_states", "set_device_rng_states",
+]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+# A counter stream seeded alike on every rank, for dropout on replicated activations.
+REPLICATED_RNG = "replicated-rng"
 # Offset so the TP streams do not coincide with the default stream of any seed nearby.
 _TP_SEED_OFFSET = 2718
 
@@ -73,15 +83,20 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states: dict[str, RNGState] = {}
         self._graph_states: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}
+        self._counters: dict[tuple[str, str], torch.Tensor] = {}
 
     def reset(self) -> None:
         self.states = {}
         self._graph_states = {}
+        self._seeds = {}
+        self._counters = {}
 
     def add(self, name: str, seed: int) -> None:
         """A new named state seeded with `seed`; no default generator changes, on any device."""
         if name in self.states:
             raise ValueError(f"tpcore: RNG state {name!r} already exists")
+        self._seeds[name] = seed
         cpu = torch.Generator().manual_seed(seed).get_state()
         if _cuda_live():
             cuda = _seeded_cuda_state(seed)
@@ -95,6 +110,59 @@ class RNGStatesTracker:
 
     def set_states(self, states: dict[str, RNGState]) -> None:
         self.states = dict(states)
+
+    def has_counter(self, name: str) -> bool:
+        return name in self._seeds
+
+    def counter(self, name: str, device: torch.device) -> torch.Tensor:
+        """The live int64 `[seed, offset]` counter of stream `name` on `device`, created at
+        offset 0 on first use (create it outside torch.utils.checkpoint regions when
+        compiling: `GPTModel` does, before its layers)."""
+        key = (name, str(device))
+        counter = self._counters.get(key)
+        if counter is None:
+            if name not in self._seeds:
+                raise RuntimeError(f"tpcore: RNG stream {name!r} is not set; call tpcore.model_parallel_manual_seed(seed) first")
+            counter = torch.tensor([self._seeds[name], 0], dtype=torch.int64, device=device)
+            self._counters[key] = counter
+        return counter
+
+    def draw(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """A snapshot `[seed, offset]` for a mask of `numel` elements; the stream moves past
+        them (in whole Philox blocks of 4). No host synchronisation, traceable."""
+        counter = self.counter(name, device)
+        drawn = torch.ops.tpcore.rng_state_copy.default(counter)  # not counter.clone(): see its schema
+        counter[1] += (numel + 3) // 4 * 4
+        return drawn
+
+    def counter_snapshot(self) -> dict[tuple[str, str], torch.Tensor]:
+        """Copies of every counter, on their devices (for activation recomputation)."""
+        return {key: counter.clone() for key, counter in self._counters.items()}
+
+    def restore_counters(self, snapshot: dict[tuple[str, str], torch.Tensor]) -> None:
+        """Put counters back as in `snapshot`, in place (compiled graphs hold the tensors)."""
+        for key, saved in snapshot.items():
+            if key in self._counters:
+                self._counters[key].copy_(saved)
+            else:
+                self._counters[key] = saved.clone()
+
+    def counter_positions(self) -> dict[str, dict[str, list[int]]]:
+        """`{name: {device: [seed, offset]}}` as ints, for checkpoints (reads device values)."""
+        positions: dict[str, dict[str, list[int]]] = {}
+        for (name, device), counter in self._counters.items():
+            positions.setdefault(name, {})[device] = counter.tolist()
+        return positions
+
+    def set_counter_positions(self, positions: dict[str, dict[str, list[int]]]) -> None:
+        """Restore `counter_positions()`; a device this process cannot use is skipped (its
+        stream starts again from offset 0 there)."""
+        for name, by_device in positions.items():
+            for device, value in by_device.items():
+                if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+                    continue
+                snapshot = {(name, device): torch.tensor(value, dtype=torch.int64, device=device)}
+                self.restore_counters(snapshot)
 
     def register_cuda_graph(self, graph: "torch.cuda.CUDAGraph") -> None:
         """Call before capturing `graph` with forks inside: gives each named state a graph-safe
@@ -169,8 +237,9 @@ def get_rng_tracker() -> RNGStatesTracker:
 def model_parallel_manual_seed(seed: int, group: dist.ProcessGroup | None = None) -> None:
     """Seed the default generators with `seed` (same on every rank) and the tracker's
     model-parallel state with `seed + 2718 + tp_rank` (different across TP ranks,
-    the same for data-parallel replicas)."""
+    the same for data-parallel replicas); the replicated dropout stream with `seed`."""
     tp_rank = dist.get_rank(resolve_tensor_group(group))
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    _TRACKER.add(REPLICATED_RNG, seed)

@@ -305,6 +305,7 @@ def load_checkpoint(
     if rng is not None:
         set_device_rng_states((rng["cpu"], rng["cuda"] if torch.cuda.is_available() else None))
         get_rng_tracker().set_states(rng["tracker"])
+        get_rng_tracker().set_counter_positions(rng.get("counters", {}))
     return meta
 
 

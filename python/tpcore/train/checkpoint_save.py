@@ -96,8 +96,9 @@ def save_checkpoint(
             payload = sharded_payload(optimizer, duplicate_parameter_names(chunks))
             records[os.path.basename(path)] = save_checked({**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path)
         cpu, cuda = device_rng_states()
+        tracker = get_rng_tracker()
         path = rng_file(tmp, rank)
-        records[os.path.basename(path)] = save_checked({"cpu": cpu, "cuda": cuda, "tracker": get_rng_tracker().get_states()}, path)
+        records[os.path.basename(path)] = save_checked({"cpu": cpu, "cuda": cuda, "tracker": tracker.get_states(), "counters": tracker.counter_positions()}, path)
 
     def publish() -> None:
         gathered: list = [None] * dist.get_world_size()
