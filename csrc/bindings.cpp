@@ -10,6 +10,7 @@
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
 #include "tensor_parallel/input_checks.h"
+#include "tensor_parallel/ops.h"
 
 namespace py = pybind11;
 using tpcore::Group;
@@ -129,6 +130,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       },
       py::arg("group"), py::arg("tensor"), py::arg("iters"), release_gil());
+  // Eager entries of the custom operators (tpcore/_op_entry.py), without torch.ops' Python-side
+  // argument boxing: primitives through their typed dispatcher handles, layer ops (whose
+  // kernel is CompositeImplicitAutograd, i.e. this very function) called directly.
+  auto eager = m.def_submodule("eager_ops", "tpcore's custom operators entered from C++");
+  eager.def("all_reduce", &tpcore::op::all_reduce, release_gil());
+  eager.def("all_gather", &tpcore::op::all_gather, release_gil());
+  eager.def("reduce_scatter", &tpcore::op::reduce_scatter, release_gil());
+  eager.def("broadcast", &tpcore::op::broadcast, release_gil());
+  eager.def("copy_to_tensor_parallel", &tpcore::copy_to_tensor_parallel, release_gil());
+  eager.def("reduce_from_tensor_parallel", &tpcore::reduce_from_tensor_parallel, release_gil());
+  eager.def("scatter_to_tensor_parallel", &tpcore::scatter_to_tensor_parallel, release_gil());
+  eager.def("gather_from_tensor_parallel", &tpcore::gather_from_tensor_parallel, release_gil());
+  eager.def("scatter_to_sequence_parallel", &tpcore::scatter_to_sequence_parallel, release_gil());
+  eager.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, release_gil());
+  eager.def("reduce_scatter_to_sequence_parallel", &tpcore::reduce_scatter_to_sequence_parallel,
+            release_gil());
+  eager.def("column_parallel_linear", &tpcore::column_parallel_linear, release_gil());
+  eager.def("row_parallel_linear", &tpcore::row_parallel_linear, release_gil());
+  eager.def("vocab_parallel_embedding", &tpcore::vocab_parallel_embedding, release_gil());
+  eager.def("vocab_parallel_cross_entropy", &tpcore::vocab_parallel_cross_entropy, release_gil());
+  eager.def("vocab_parallel_linear_cross_entropy", &tpcore::vocab_parallel_linear_cross_entropy,
+            release_gil());
+  eager.def("dropout", &tpcore::dropout, release_gil());
   m.def("set_input_checks", &tpcore::set_input_checks, py::arg("enabled"),
         "Turn the value-reading input checks (ids, targets in range) on or off.");
   m.def("input_checks_enabled", &tpcore::input_checks_enabled);

@@ -286,3 +286,35 @@ def _export_and_dynamic(rank, world):
 
 def test_export_and_dynamic_shapes(cpu_ranks):
     cpu_ranks.run(_export_and_dynamic, timeout=600)
+
+
+def _eager_entries(rank, world, tp):
+    """The eager entries (`tpcore._op_entry`: the operators called from C++) give what
+    torch.ops gives, and dispatch like it: fake tensors get fake results with no collective."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpcore import _op_entry
+
+    tp_rank, tp = setup_tp(tp)
+    g = tpcore.parallel_state.get_tensor_model_parallel_group().group_name
+    x = per_rank_tensor((4, 2, 8), tp_rank, seed=1)
+    w = per_rank_tensor((6, 8), tp_rank, seed=2)
+    outs, grads = [], []
+    for call in (_op_entry.column_parallel_linear, ops.column_parallel_linear.default):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = call(xi, wi, None, g, True, False)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append((xi.grad, wi.grad))
+    assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.equal(_op_entry.all_gather(x, 0, g), ops.all_gather.default(x, 0, g))
+    with FakeTensorMode() as mode:
+        fake_x, fake_w = mode.from_tensor(x), mode.from_tensor(w)
+        out = _op_entry.column_parallel_linear(fake_x, fake_w, None, g, True, False)
+        gathered = _op_entry.all_gather(fake_x, 0, g)
+    assert tuple(out.shape) == (4, 2, 6 * tp) and tuple(gathered.shape) == (4 * tp, 2, 8)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eager_entries_match_torch_ops(cpu_ranks, tp):
+    cpu_ranks.run(_eager_entries, tp, timeout=300)

@@ -29,6 +29,11 @@ at::Tensor split(const at::Tensor& input, int64_t dim, GroupName group) {
   return op.call(input, dim, group);
 }
 
+at::Tensor broadcast(const at::Tensor& input, int64_t src, GroupName group) {
+  TPCORE_OP("broadcast", at::Tensor(const at::Tensor&, int64_t, GroupName));
+  return op.call(input, src, group);
+}
+
 at::Tensor all_reduce_start(const at::Tensor& input, GroupName group) {
   TPCORE_OP("all_reduce_start", at::Tensor(const at::Tensor&, GroupName));
   return op.call(input, group);

@@ -17,6 +17,7 @@ at::Tensor all_reduce(const at::Tensor& input, GroupName group);
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, GroupName group);
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, GroupName group);
 at::Tensor split(const at::Tensor& input, int64_t dim, GroupName group);
+at::Tensor broadcast(const at::Tensor& input, int64_t src, GroupName group);
 // Started collectives (dim 0) and the wait that completes them (ops/started_collectives.cpp).
 at::Tensor all_reduce_start(const at::Tensor& input, GroupName group);
 at::Tensor all_gather_start(const at::Tensor& input, GroupName group);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _op_entry
 from .parallel_state import resolve_tensor_group
 
 __all__ = [
@@ -27,12 +27,11 @@ __all__ = [
 ]
 
 PendingCollective = _C.PendingCollective
-_ops = torch.ops.tpcore
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum of `x` over the group, out of place."""
-    return _ops.all_reduce.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.all_reduce(x, resolve_tensor_group(group).group_name)
 
 
 def all_reduce_inplace_async(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -42,7 +41,7 @@ def all_reduce_inplace_async(x: torch.Tensor, group: dist.ProcessGroup | None = 
 
 def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim` in rank order: `[..., n, ...] -> [..., n*world, ...]`."""
-    return _ops.all_gather.default(x, dim, resolve_tensor_group(group).group_name)
+    return _op_entry.all_gather(x, dim, resolve_tensor_group(group).group_name)
 
 
 def all_gather_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -52,7 +51,7 @@ def all_gather_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | N
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum over the group, keep this rank's chunk of `dim`: `[..., n*world, ...] -> [..., n, ...]`."""
-    return _ops.reduce_scatter.default(x, dim, resolve_tensor_group(group).group_name)
+    return _op_entry.reduce_scatter(x, dim, resolve_tensor_group(group).group_name)
 
 
 def reduce_scatter_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> PendingCollective:
@@ -62,4 +61,4 @@ def reduce_scatter_async(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup
 
 def broadcast(x: torch.Tensor, src_rank: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy of group-rank `src_rank`'s `x` on every rank, out of place."""
-    return _ops.broadcast.default(x, src_rank, resolve_tensor_group(group).group_name)
+    return _op_entry.broadcast(x, src_rank, resolve_tensor_group(group).group_name)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from .. import _op_entry
 from .._module_utils import to_empty_keeping_attributes
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
@@ -95,7 +96,7 @@ class ParallelAttention(nn.Module):
         # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the summed gradient.
         c, layer = self.config, self.qkv
         weight, bias = (replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size) for t in (layer.weight, layer.bias))
-        return torch.ops.tpcore.column_parallel_linear.default(x, weight, bias, self.group.group_name, False, c.sequence_parallel)
+        return _op_entry.column_parallel_linear(x, weight, bias, self.group.group_name, False, c.sequence_parallel)
 
     def _core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]
@@ -321,7 +322,7 @@ class GPTModel(nn.Module):
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:
             # f (or the sequence all-gather) then the vocab-sharded GEMM: [s, b, V/tp].
-            logits = torch.ops.tpcore.column_parallel_linear.default(x, weight, None, self.group.group_name, False, c.sequence_parallel)
+            logits = _op_entry.column_parallel_linear(x, weight, None, self.group.group_name, False, c.sequence_parallel)
             if target is None:
                 return logits.transpose(0, 1)
             # The logits never leave forward: the loss may write its gradient into them.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _op_entry
 from .random import MODEL_PARALLEL_RNG, get_rng_tracker
 
 __all__ = ["tracked_dropout"]
@@ -28,4 +29,4 @@ def tracked_dropout(x: torch.Tensor, p: float, stream: str = MODEL_PARALLEL_RNG,
     if not training or p == 0.0:
         return x
     state = get_rng_tracker().draw(stream, x.numel(), x.device)
-    return torch.ops.tpcore.dropout.default(x, state, p)
+    return _op_entry.dropout(x, state, p)

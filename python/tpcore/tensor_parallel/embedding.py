@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from .. import _op_entry
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
@@ -138,7 +139,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        return torch.ops.tpcore.vocab_parallel_embedding.default(
+        return _op_entry.vocab_parallel_embedding(
             ids, self.weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
         )
 

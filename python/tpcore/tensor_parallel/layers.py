@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_ops = torch.ops.tpcore
 
 from .. import comm
+from .. import _op_entry
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
@@ -227,7 +227,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        out = _ops.column_parallel_linear.default(
+        out = _op_entry.column_parallel_linear(
             x, self.weight, self._forward_bias(), self.group.group_name, self.gather_output, self.sequence_parallel
         )
         return self._result(out)
@@ -277,11 +277,11 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        out = _ops.row_parallel_linear.default(
+        out = _op_entry.row_parallel_linear(
             x, self.weight, self._forward_bias(), self.group.group_name, self.input_is_parallel, self.sequence_parallel
         )
         if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
             # The caller adds the bias to a sequence shard: hand it over through f, whose
             # backward sums its gradient over TP, so the bias stays correct on its own.
-            return out, _ops.copy_to_tensor_parallel.default(self.bias, self.group.group_name)
+            return out, _op_entry.copy_to_tensor_parallel(self.bias, self.group.group_name)
         return self._result(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import _op_entry
 from ..parallel_state import resolve_tensor_group
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy"]
@@ -55,7 +56,7 @@ def vocab_parallel_cross_entropy(
     buffer as well (do not reuse the logits after backward then).
     """
     shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
-    return torch.ops.tpcore.vocab_parallel_cross_entropy.default(logits, target, *shared, inplace_backward)
+    return _op_entry.vocab_parallel_cross_entropy(logits, target, *shared, inplace_backward)
 
 
 # Auto chunk size: this many bytes of logits per chunk (big enough for efficient GEMMs,
@@ -91,4 +92,4 @@ def vocab_parallel_linear_cross_entropy(
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
     shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
-    return torch.ops.tpcore.vocab_parallel_linear_cross_entropy.default(hidden, weight, target, *shared, chunk_size)
+    return _op_entry.vocab_parallel_linear_cross_entropy(hidden, weight, target, *shared, chunk_size)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_ops = torch.ops.tpcore
-
+from .. import _op_entry
 from ..parallel_state import resolve_tensor_group
 
 __all__ = [
@@ -29,27 +28,27 @@ __all__ = [
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """f: forward identity; backward all-reduce (sum) of the gradient over the TP group."""
-    return _ops.copy_to_tensor_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.copy_to_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """g: forward all-reduce (sum) over the TP group; backward identity."""
-    return _ops.reduce_from_tensor_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.reduce_from_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward keeps this rank's chunk of the last dim `[..., h] -> [..., h/tp]`; backward all-gathers it."""
-    return _ops.scatter_to_tensor_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.scatter_to_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
 def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward all-gathers the last dim `[..., h/tp] -> [..., h]`; backward keeps this rank's chunk."""
-    return _ops.gather_from_tensor_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.gather_from_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward keeps this rank's chunk of dim 0 `[s, ...] -> [s/tp, ...]`; backward all-gathers dim 0."""
-    return _ops.scatter_to_sequence_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.scatter_to_sequence_parallel(x, resolve_tensor_group(group).group_name)
 
 
 def gather_from_sequence_parallel(
@@ -58,9 +57,9 @@ def gather_from_sequence_parallel(
     """Forward all-gathers dim 0 `[s/tp, ...] -> [s, ...]`; backward reduce-scatters the gradient
     along dim 0, or with `reduce_scatter_grad=False` (the consumer already summed it over TP)
     keeps this rank's chunk."""
-    return _ops.gather_from_sequence_parallel.default(x, resolve_tensor_group(group).group_name, reduce_scatter_grad)
+    return _op_entry.gather_from_sequence_parallel(x, resolve_tensor_group(group).group_name, reduce_scatter_grad)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward reduce-scatters dim 0 `[s, ...] -> [s/tp, ...]` (sum); backward all-gathers dim 0."""
-    return _ops.reduce_scatter_to_sequence_parallel.default(x, resolve_tensor_group(group).group_name)
+    return _op_entry.reduce_scatter_to_sequence_parallel(x, resolve_tensor_group(group).group_name)
