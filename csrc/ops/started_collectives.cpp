@@ -4,21 +4,34 @@
 // two, as torch's own functional collectives do). A compiled graph can then put computation
 // between start and wait, as the column-parallel backward does with the weight gradient.
 // On the shared-memory backend the collective completes inside start (nothing registered).
+// torch before 2.6 may lack c10d::register_work (2.4 does): there start waits for the
+// collective, so compiled graphs lose the overlap but not the result.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "tensor_parallel/ops.h"
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+#define TPCORE_HAVE_REGISTER_WORK 1
+namespace c10d {
+// Declared again here: its header moved between torch releases.
+C10_EXPORT void register_work(const at::Tensor& tensor, const c10::intrusive_ptr<c10d::Work>& work);
+}  // namespace c10d
+#endif
+
 namespace tpcore {
 namespace {
 
 at::Tensor started(PendingCollective pending) {
+#ifdef TPCORE_HAVE_REGISTER_WORK
   if (auto out = pending.output()) {
     if (pending.work()) c10d::register_work(*out, pending.work());
     return *out;
   }
+#endif
   return pending.wait();  // a fallback that finishes with a copy: done here, synchronously
 }
 

@@ -5,12 +5,25 @@
 
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 namespace tpcore::shm {
 namespace {
 
 using c10d::OpType;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// The op types of the tensor-coalesced collectives; c10d before torch 2.5 has only COALESCED.
+template <typename T, typename = void>
+struct CoalescedOpTypes {
+  static constexpr T all_gather = T::COALESCED;
+  static constexpr T reduce_scatter = T::COALESCED;
+};
+template <typename T>
+struct CoalescedOpTypes<T, std::void_t<decltype(T::ALLGATHER_INTO_TENSOR_COALESCED)>> {
+  static constexpr T all_gather = T::ALLGATHER_INTO_TENSOR_COALESCED;
+  static constexpr T reduce_scatter = T::REDUCE_SCATTER_TENSOR_COALESCED;
+};
 
 std::optional<ReduceKind> kind_of(const c10d::ReduceOp& op) {
   switch (op.op_) {
@@ -270,7 +283,7 @@ WorkPtr ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& out
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: all_gather: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
-  return done(outputs, OpType::ALLGATHER_INTO_TENSOR_COALESCED);
+  return done(outputs, CoalescedOpTypes<OpType>::all_gather);
 }
 
 WorkPtr ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -331,7 +344,7 @@ WorkPtr ShmBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: reduce_scatter: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
-  return done(outputs, OpType::REDUCE_SCATTER_TENSOR_COALESCED);
+  return done(outputs, CoalescedOpTypes<OpType>::reduce_scatter);
 }
 
 WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
