@@ -20,6 +20,21 @@ namespace {
 // Every entry point may wait on a collective: let other Python threads run meanwhile.
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
+// An operator's C++ entry with its group name taken as std::string: pybind11 converts a str
+// to that, but not to c10::string_view, which is its own class before torch 2.6.
+template <typename T>
+struct PyArg {
+  using type = std::decay_t<T>;
+};
+template <>
+struct PyArg<c10::string_view> {
+  using type = std::string;
+};
+template <typename R, typename... A>
+auto py_entry(R (*fn)(A...)) {
+  return [fn](typename PyArg<A>::type... args) -> R { return fn(args...); };
+}
+
 bool built_with_cuda() {
 #ifdef TPCORE_WITH_CUDA
   return true;
@@ -134,25 +149,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // argument boxing: primitives through their typed dispatcher handles, layer ops (whose
   // kernel is CompositeImplicitAutograd, i.e. this very function) called directly.
   auto eager = m.def_submodule("eager_ops", "tpcore's custom operators entered from C++");
-  eager.def("all_reduce", &tpcore::op::all_reduce, release_gil());
-  eager.def("all_gather", &tpcore::op::all_gather, release_gil());
-  eager.def("reduce_scatter", &tpcore::op::reduce_scatter, release_gil());
-  eager.def("broadcast", &tpcore::op::broadcast, release_gil());
-  eager.def("copy_to_tensor_parallel", &tpcore::copy_to_tensor_parallel, release_gil());
-  eager.def("reduce_from_tensor_parallel", &tpcore::reduce_from_tensor_parallel, release_gil());
-  eager.def("scatter_to_tensor_parallel", &tpcore::scatter_to_tensor_parallel, release_gil());
-  eager.def("gather_from_tensor_parallel", &tpcore::gather_from_tensor_parallel, release_gil());
-  eager.def("scatter_to_sequence_parallel", &tpcore::scatter_to_sequence_parallel, release_gil());
-  eager.def("gather_from_sequence_parallel", &tpcore::gather_from_sequence_parallel, release_gil());
-  eager.def("reduce_scatter_to_sequence_parallel", &tpcore::reduce_scatter_to_sequence_parallel,
+  eager.def("all_reduce", py_entry(&tpcore::op::all_reduce), release_gil());
+  eager.def("all_gather", py_entry(&tpcore::op::all_gather), release_gil());
+  eager.def("reduce_scatter", py_entry(&tpcore::op::reduce_scatter), release_gil());
+  eager.def("broadcast", py_entry(&tpcore::op::broadcast), release_gil());
+  eager.def("copy_to_tensor_parallel", py_entry(&tpcore::copy_to_tensor_parallel), release_gil());
+  eager.def("reduce_from_tensor_parallel", py_entry(&tpcore::reduce_from_tensor_parallel),
             release_gil());
-  eager.def("column_parallel_linear", &tpcore::column_parallel_linear, release_gil());
-  eager.def("row_parallel_linear", &tpcore::row_parallel_linear, release_gil());
-  eager.def("vocab_parallel_embedding", &tpcore::vocab_parallel_embedding, release_gil());
-  eager.def("vocab_parallel_cross_entropy", &tpcore::vocab_parallel_cross_entropy, release_gil());
-  eager.def("vocab_parallel_linear_cross_entropy", &tpcore::vocab_parallel_linear_cross_entropy,
+  eager.def("scatter_to_tensor_parallel", py_entry(&tpcore::scatter_to_tensor_parallel),
             release_gil());
-  eager.def("dropout", &tpcore::dropout, release_gil());
+  eager.def("gather_from_tensor_parallel", py_entry(&tpcore::gather_from_tensor_parallel),
+            release_gil());
+  eager.def("scatter_to_sequence_parallel", py_entry(&tpcore::scatter_to_sequence_parallel),
+            release_gil());
+  eager.def("gather_from_sequence_parallel", py_entry(&tpcore::gather_from_sequence_parallel),
+            release_gil());
+  eager.def("reduce_scatter_to_sequence_parallel",
+            py_entry(&tpcore::reduce_scatter_to_sequence_parallel), release_gil());
+  eager.def("column_parallel_linear", py_entry(&tpcore::column_parallel_linear), release_gil());
+  eager.def("row_parallel_linear", py_entry(&tpcore::row_parallel_linear), release_gil());
+  eager.def("vocab_parallel_embedding", py_entry(&tpcore::vocab_parallel_embedding), release_gil());
+  eager.def("vocab_parallel_cross_entropy", py_entry(&tpcore::vocab_parallel_cross_entropy),
+            release_gil());
+  eager.def("vocab_parallel_linear_cross_entropy",
+            py_entry(&tpcore::vocab_parallel_linear_cross_entropy), release_gil());
+  eager.def("dropout", py_entry(&tpcore::dropout), release_gil());
   m.def("set_input_checks", &tpcore::set_input_checks, py::arg("enabled"),
         "Turn the value-reading input checks (ids, targets in range) on or off.");
   m.def("input_checks_enabled", &tpcore::input_checks_enabled);
