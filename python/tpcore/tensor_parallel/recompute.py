@@ -16,7 +16,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+try:  # the public selective-checkpoint API (torch 2.4 has only a private one)
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:
+    CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from .random import get_rng_tracker
 
@@ -50,7 +54,7 @@ def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.A
     return forward(), recompute()
 
 
-def _save_rng_snapshots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _save_rng_snapshots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     if op is torch.ops.tpcore.rng_state_copy.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -68,5 +72,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
         # snapshots its draws copy, which must be kept too (recomputed, they would read the
         # counters as advanced by the whole step): the policy saves them. Forks do not trace
         # (they swap generator states), so nothing else of the tracker's needs replaying.
+        if create_selective_checkpoint_contexts is None:  # torch 2.4: compiled recompute without dropout only
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_keep_rng_snapshots)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_tracker_contexts)
