@@ -169,12 +169,6 @@ GPT_CASES = [
 ]
 
 
-@compile_tested
-@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", GPT_CASES)
-def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
-    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, timeout=900)
-
-
 # Hidden and attention dropout (tpcore's counter-based dropout: the same masks compiled and
 # eager), in TP and sequence-parallel regions and replicated ones, under every recompute mode.
 DROPOUT_CASES = [
@@ -185,9 +179,12 @@ DROPOUT_CASES = [
 
 
 @compile_tested
-@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute,dynamic", DROPOUT_CASES)
-def test_compiled_gpt_with_dropout_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic):
-    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, 0.2, timeout=900)
+@pytest.mark.parametrize(
+    "tp,variant,sequence_parallel,fused,recompute,dynamic,dropout",
+    [(*case, 0.0) for case in GPT_CASES] + [(*case, 0.2) for case in DROPOUT_CASES],
+)
+def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout):
+    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, timeout=900)
 
 
 def _backward_graph_overlaps(rank, world, tp, sequence_parallel):
