@@ -113,6 +113,20 @@ def test_bad_arguments_raise_clear_errors():
     expect_error(ValueError, "rng_state is on meta", ops.dropout_apply, x, state.to("meta"), 0.5)
 
 
+def test_fork_under_compile_points_to_tracked_dropout():
+    tracker = tpcore.tensor_parallel.random.RNGStatesTracker()
+    tracker.add("tp", 3)
+
+    def forked_dropout(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("tp"):
+            return torch.nn.functional.dropout(x, 0.5)
+
+    assert forked_dropout(torch.ones(8)).shape == (8,)  # eager: fine
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="tracked_dropout"):
+        torch.compile(forked_dropout, fullgraph=True)(torch.ones(8))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_drops_the_elements_the_cpu_drops(dtype):

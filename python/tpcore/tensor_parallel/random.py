@@ -182,6 +182,11 @@ class RNGStatesTracker:
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Run the block with the named state as the default generators' state; it advances."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "tpcore: get_rng_tracker().fork() swaps torch's generator states, which torch.compile cannot trace; "
+                "draw dropout masks with tpcore.tracked_dropout(x, p, stream) instead"
+            )
         if name not in self.states:
             raise RuntimeError(f"tpcore: RNG state {name!r} is not set; call tpcore.model_parallel_manual_seed(seed) first")
         cpu, cuda = self.states[name]
