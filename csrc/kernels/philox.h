@@ -6,10 +6,12 @@
 
 #include <cstdint>
 
+// Internal linkage: the AVX2 translation unit includes this too, and an inline function
+// with one shared definition could reach the baseline build compiled for AVX2.
 #if defined(__CUDACC__)
-#define TPCORE_HOST_DEVICE __host__ __device__ __forceinline__
+#define TPCORE_HOST_DEVICE static __host__ __device__ __forceinline__
 #else
-#define TPCORE_HOST_DEVICE inline
+#define TPCORE_HOST_DEVICE static inline
 #endif
 
 namespace tpcore {
@@ -45,6 +47,15 @@ TPCORE_HOST_DEVICE Philox4 philox4x32_10(uint64_t key, uint32_t c0, uint32_t c1,
 TPCORE_HOST_DEVICE Philox4 dropout_block(uint64_t seed, uint64_t block) {
   return philox4x32_10(seed, static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u,
                        0u);
+}
+
+// words[4 b + l] = word l of dropout block (first + b), for b in [0, blocks).
+TPCORE_HOST_DEVICE void dropout_words(uint64_t seed, uint64_t first, int64_t blocks,
+                                      uint32_t* words) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Philox4 r = dropout_block(seed, first + static_cast<uint64_t>(b));
+    for (int l = 0; l < 4; ++l) words[4 * b + l] = r.v[l];
+  }
 }
 
 }  // namespace tpcore

@@ -73,7 +73,8 @@ at::Tensor dropout_apply_kernel(const at::Tensor& input, const at::Tensor& rng_s
 at::Tensor rng_state_copy_kernel(const at::Tensor& counter) { return counter.clone(); }
 
 at::Tensor dropout(const at::Tensor& input, const at::Tensor& rng_state, double p) {
-  check_dropout_args(input, rng_state, p);
+  // The arguments are checked where the mask is applied: dropout_apply's kernel, or its
+  // fake kernel when traced.
   return Dropout::apply(input, rng_state, p);
 }
 

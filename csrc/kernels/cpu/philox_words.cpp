@@ -9,23 +9,12 @@ namespace tpcore {
 void philox_words_avx2(uint64_t key, uint64_t first, int64_t blocks, uint32_t* out);
 #endif
 
-namespace {
-
-void philox_words_scalar(uint64_t key, uint64_t first, int64_t blocks, uint32_t* out) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const Philox4 r = dropout_block(key, first + static_cast<uint64_t>(b));
-    for (int l = 0; l < 4; ++l) out[4 * b + l] = r.v[l];
-  }
-}
-
-}  // namespace
-
 PhiloxWordsFn philox_words() {
 #ifdef TPCORE_HAVE_AVX2_LOOPS
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) return philox_words_avx2;
 #endif
-  return philox_words_scalar;
+  return dropout_words;
 }
 
 }  // namespace tpcore

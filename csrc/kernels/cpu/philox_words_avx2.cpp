@@ -78,10 +78,7 @@ void philox_words_avx2(uint64_t key, uint64_t first, int64_t blocks, uint32_t* o
   for (; b + kBlocksPerGroup <= blocks; b += kBlocksPerGroup) {
     group(key, first + static_cast<uint64_t>(b), out + 4 * b);
   }
-  for (; b < blocks; ++b) {
-    const Philox4 r = dropout_block(key, first + static_cast<uint64_t>(b));
-    for (int l = 0; l < 4; ++l) out[4 * b + l] = r.v[l];
-  }
+  dropout_words(key, first + static_cast<uint64_t>(b), blocks - b, out + 4 * b);
 }
 
 }  // namespace tpcore
