@@ -4,9 +4,10 @@ Attention: one column-parallel QKV projection whose shard holds whole heads of Q
 and V for this rank (GQA: whole kv heads when TP divides them, else a copy of the one kv
 head this rank's queries use, its gradient summed over the copies: `gqa.py`), causal
 `scaled_dot_product_attention` (unfused with attention dropout: `common.attention_core`),
-row-parallel output projection. MLP: column -> GeLU / SwiGLU -> row. Dropout masks come
-from the RNG tracker's counter streams (`tracked_dropout`), so they trace under torch.compile. Vocab-parallel embedding, LM head tied to it by default, loss
-through the vocab-parallel cross-entropy (optionally fused with the head).
+row-parallel output projection. MLP: column -> GeLU / SwiGLU -> row. Vocab-parallel
+embedding, LM head tied to it by default, loss through the vocab-parallel cross-entropy
+(optionally fused with the head). Dropout masks come from the RNG tracker's counter streams
+(`tracked_dropout`), so they trace under torch.compile.
 With `sequence_parallel`, norms, dropout and residuals hold `[s/tp, b, h]`; the
 column layers all-gather the sequence and the row layers reduce-scatter it.
 Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
@@ -21,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from .. import _op_entry
+from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed

@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-from .. import comm
-from .. import _op_entry
+from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group

@@ -157,12 +157,12 @@ class RNGStatesTracker:
     def set_counter_positions(self, positions: dict[str, dict[str, list[int]]]) -> None:
         """Restore `counter_positions()`; a device this process cannot use is skipped (its
         stream starts again from offset 0 there)."""
-        for name, by_device in positions.items():
-            for device, value in by_device.items():
-                if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-                    continue
-                snapshot = {(name, device): torch.tensor(value, dtype=torch.int64, device=device)}
-                self.restore_counters(snapshot)
+        self.restore_counters({
+            (name, device): torch.tensor(value, dtype=torch.int64, device=device)
+            for name, by_device in positions.items()
+            for device, value in by_device.items()
+            if torch.device(device).type != "cuda" or torch.cuda.is_available()
+        })
 
     def register_cuda_graph(self, graph: "torch.cuda.CUDAGraph") -> None:
         """Call before capturing `graph` with forks inside: gives each named state a graph-safe

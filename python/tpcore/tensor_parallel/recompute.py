@@ -5,8 +5,8 @@ backward. It is `torch.utils.checkpoint` (non-reentrant), which restores the CPU
 generators and the autocast state and gives gradients to parameters used inside `fn`
 even when no input requires grad, plus the model-parallel RNG tracker: its generator states
 and dropout counters are put back as they were during the forward, so dropout in TP regions
-draws the same masks. The
-C++ collectives inside `fn` run again, in the same order on every rank.
+draws the same masks. The C++ collectives inside `fn` run again, in the same order on every
+rank.
 """
 
 from __future__ import annotations
