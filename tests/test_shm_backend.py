@@ -44,10 +44,16 @@ class _env:
                 os.environ[k] = v
 
 
-def _groups(rank: int, world: int) -> dict[int, dist.ProcessGroup]:
-    """A shared-memory group of ranks [0, k) for every k (created by every rank, in order)."""
+def _groups(rank: int, world: int, stream_bytes: str = "0") -> dict[int, dist.ProcessGroup]:
+    """A shared-memory group of ranks [0, k) for every k (created by every rank, in order).
+    `stream_bytes` "1": every all-gather and reduce-scatter writes with streaming stores."""
     groups = {}
-    with _env(TPCORE_SHM_SLOT_BYTES=str(SLOT_BYTES), TPCORE_SHM_CELL_BYTES="1024", TPCORE_SHM_TWO_STEP_BYTES="2048"):
+    with _env(
+        TPCORE_SHM_SLOT_BYTES=str(SLOT_BYTES),
+        TPCORE_SHM_CELL_BYTES="1024",
+        TPCORE_SHM_TWO_STEP_BYTES="2048",
+        TPCORE_SHM_STREAM_BYTES=stream_bytes,
+    ):
         for k in range(1, world + 1):
             g = dist.new_group(list(range(k)), backend="tpcore")
             if rank < k:
@@ -98,8 +104,8 @@ REDUCE_OPS = {
 }
 
 
-def _every_op(rank, world):
-    groups = _groups(rank, world)
+def _every_op(rank, world, stream_bytes):
+    groups = _groups(rank, world, stream_bytes)
     digests: dict[int, list] = {k: [] for k in groups}
     for k, group in groups.items():
         for di, dtype in enumerate(FLOATS + INTS):
@@ -141,6 +147,8 @@ def _every_op(rank, world):
                         buffer = ins[rank].clone()
                         dist.reduce_scatter_tensor(buffer.view(k, n)[rank], buffer, group=group)
                         _check(buffer.view(k, n)[rank], want, f"reduce_scatter_tensor into its own input {what}")
+                        # Same arithmetic in the same order whether or not the output is an input.
+                        assert torch.equal(buffer.view(k, n)[rank], got), f"in-place reduce_scatter differs in bits {what}"
                         buffer = torch.zeros(k * n, dtype=dtype)
                         buffer.view(k, n)[rank] = xs[rank]
                         dist.all_gather_into_tensor(buffer, buffer.view(k, n)[rank], group=group)
@@ -162,11 +170,36 @@ def _every_op(rank, world):
     return digests
 
 
-def test_every_op_dtype_size_and_group_size(cpu_ranks):
-    digests = cpu_ranks.run(_every_op, timeout=600)
+@pytest.mark.parametrize("stream_bytes", ["0", "1"], ids=["plain_stores", "streaming_stores"])
+def test_every_op_dtype_size_and_group_size(cpu_ranks, stream_bytes):
+    digests = cpu_ranks.run(_every_op, stream_bytes, timeout=600)
     for k in range(1, 5):
         ranks = [digests[r][k] for r in range(k)]
         assert all(d == ranks[0] for d in ranks), f"group of {k}: results differ between ranks"
+
+
+def _streaming_matches_plain(rank, world):
+    # Outputs and inputs one element past an aligned address, so streaming copies have
+    # unaligned heads and tails.
+    plain, streaming = _groups(rank, world, "0"), _groups(rank, world, "1")
+    for k in plain:
+        for dtype in FLOATS:
+            n = 3 * SLOT_BYTES // torch.empty(0, dtype=dtype).element_size() + 5
+            x = _contribution(rank, k * n + 1, dtype, seed=k)[1:]
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+                got = [torch.zeros(n + 1, dtype=dtype)[1:] for _ in range(2)]
+                for out, group in zip(got, (plain[k], streaming[k])):
+                    dist.reduce_scatter_tensor(out, x, op=op, group=group)
+                assert torch.equal(got[0], got[1]), f"reduce_scatter k={k} {dtype} {op}: streaming changes the bits"
+            gathered = [torch.zeros(k * n + 1, dtype=dtype)[1:] for _ in range(2)]
+            for out, group in zip(gathered, (plain[k], streaming[k])):
+                dist.all_gather_into_tensor(out, x[:n], group=group)
+            assert torch.equal(gathered[0], gathered[1]), f"all_gather k={k} {dtype}: streaming changes the bits"
+    return True
+
+
+def test_streaming_stores_give_the_same_bits(cpu_ranks):
+    cpu_ranks.run(_streaming_matches_plain)
 
 
 def _fallback_and_errors(rank, world):

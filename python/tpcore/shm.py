@@ -17,7 +17,9 @@ Tuning (environment, read when a group is created; the same on every rank):
 ``TPCORE_SHM_SLOT_BYTES`` (256 KiB: bytes per rank and step; larger messages go in chunks),
 ``TPCORE_SHM_CELL_BYTES`` (256 KiB) and ``TPCORE_SHM_CELLS`` (4) for point-to-point links,
 ``TPCORE_SHM_TWO_STEP_BYTES`` (32 KiB: from this size groups of 3+ ranks all-reduce by
-reduce-scatter + all-gather). The defaults were measured on a 2-core machine
+reduce-scatter + all-gather), ``TPCORE_SHM_STREAM_BYTES`` (the last-level cache's size:
+all-gathers and reduce-scatters moving at least this many bytes, input and output, write
+with streaming stores; 0 = never). The defaults were measured on a 2-core machine
 (benchmarks/RESULTS.md). ``TPCORE_HOST_ID`` overrides the host identity (tests use it
 to pose ranks of one machine as several hosts).
 """
@@ -53,7 +55,7 @@ def host_id() -> str:
     return "/".join(parts)
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -61,8 +63,8 @@ def _env_int(name: str, default: int) -> int:
         parsed = int(value)
     except ValueError:
         raise ValueError(f"tpcore: {name}={value!r} is not an integer") from None
-    if parsed <= 0:
-        raise ValueError(f"tpcore: {name}={value!r} must be positive")
+    if parsed < minimum:
+        raise ValueError(f"tpcore: {name}={value!r} must be at least {minimum}")
     return parsed
 
 
@@ -90,6 +92,7 @@ def _create(opts, backend_options=None):
         cell_bytes=_env_int("TPCORE_SHM_CELL_BYTES", 256 << 10),
         cells=max(2, _env_int("TPCORE_SHM_CELLS", 4)),
         two_step_bytes=_env_int("TPCORE_SHM_TWO_STEP_BYTES", 32 << 10),
+        stream_bytes=_env_int("TPCORE_SHM_STREAM_BYTES", -1, minimum=0),  # -1: the C++ default
         make_fallback=make_gloo,
     )
 
