@@ -168,7 +168,7 @@ void Group::sync(uint32_t step, const OpHeader& h) {
 }
 
 void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int64_t n,
-                            at::ScalarType dtype, ReduceKind kind, bool stream) {
+                            at::ScalarType dtype, ReduceKind kind) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   // Threads only for blocks large enough to pay for waking them.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / es);
@@ -176,7 +176,7 @@ void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int
     std::vector<const void*> part(srcs.size());
     for (size_t i = 0; i < srcs.size(); ++i) part[i] = static_cast<const char*>(srcs[i]) + lo * es;
     reduce(static_cast<char*>(out) + lo * es, part.data(), static_cast<int>(part.size()), hi - lo,
-           dtype, kind, stream);
+           dtype, kind);
   });
 }
 
@@ -288,24 +288,21 @@ void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKi
   const OpHeader h = header(OpCode::kReduceScatter, in, static_cast<int64_t>(kind));
   // Where chunk d sits in a slot written by rank r (r's own chunk is not there).
   auto place = [](int d, int r) { return d < r ? d : d - 1; };
-  const bool stream = streams((world_ + 1) * n * es);
-  const auto copy = stream ? stream_copy : plain_copy;
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
     const uint32_t step = ++step_;
     char* slot = layout_.slot(base(), rank_, step);
     for (int d = 0; d < world_; ++d)
-      if (d != rank_) copy(slot + place(d, rank_) * m * es, src + (d * n + off) * es, m * es);
-    if (stream) store_fence();  // the slot's bytes before the step that publishes them
+      if (d != rank_)
+        std::memcpy(slot + place(d, rank_) * m * es, src + (d * n + off) * es, m * es);
     sync(step, h);
     for (int r = 0; r < world_; ++r)
       srcs[r] = r == rank_ ? src + (rank_ * n + off) * es
                            : layout_.slot(base(), r, step) + place(rank_, r) * m * es;
-    reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind, stream);
+    reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind);
     if (n == 0) break;
   }
-  if (stream) store_fence();
 }
 
 void Group::broadcast(const at::Tensor& t, int root) {

@@ -24,16 +24,16 @@ const ReduceLoops& loops() {
 
 // Integers: sums and products in the unsigned type, so overflow wraps without UB.
 template <class T>
-void int_loop(void* out, const void* const* srcs, int nsrc, int64_t n, ReduceKind k, bool stream) {
+void int_loop(void* out, const void* const* srcs, int nsrc, int64_t n, ReduceKind k) {
   using U = std::make_unsigned_t<T>;
   // Reduce the unsigned view for sums and products; max/min need the signed order.
   if (k == ReduceKind::kSum || k == ReduceKind::kProduct) {
     reduce_blocks<U, U>(
-        static_cast<U*>(out), reinterpret_cast<const U* const*>(srcs), nsrc, n, k, stream,
+        static_cast<U*>(out), reinterpret_cast<const U* const*>(srcs), nsrc, n, k,
         [](U x) { return x; }, [](U x) { return x; });
   } else {
     reduce_blocks<T, T>(
-        static_cast<T*>(out), reinterpret_cast<const T* const*>(srcs), nsrc, n, k, stream,
+        static_cast<T*>(out), reinterpret_cast<const T* const*>(srcs), nsrc, n, k,
         [](T x) { return x; }, [](T x) { return x; });
   }
 }
@@ -59,31 +59,31 @@ bool reducible(at::ScalarType dtype, ReduceKind kind) {
 }
 
 void reduce(void* out, const void* const* srcs, int nsrc, int64_t n, at::ScalarType dtype,
-            ReduceKind kind, bool stream) {
+            ReduceKind kind) {
   const ReduceLoops& l = loops();
   switch (dtype) {
     case at::kFloat:
       return l.f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(srcs), nsrc, n,
-                   kind, stream);
+                   kind);
     case at::kDouble:
       return l.f64(static_cast<double*>(out), reinterpret_cast<const double* const*>(srcs), nsrc, n,
-                   kind, stream);
+                   kind);
     case at::kBFloat16:
       return l.bf16(static_cast<uint16_t*>(out), reinterpret_cast<const uint16_t* const*>(srcs),
-                    nsrc, n, kind, stream);
+                    nsrc, n, kind);
     case at::kHalf:
       return l.f16(static_cast<uint16_t*>(out), reinterpret_cast<const uint16_t* const*>(srcs),
-                   nsrc, n, kind, stream);
+                   nsrc, n, kind);
     case at::kChar:
-      return int_loop<int8_t>(out, srcs, nsrc, n, kind, stream);
+      return int_loop<int8_t>(out, srcs, nsrc, n, kind);
     case at::kByte:
-      return int_loop<uint8_t>(out, srcs, nsrc, n, kind, stream);
+      return int_loop<uint8_t>(out, srcs, nsrc, n, kind);
     case at::kShort:
-      return int_loop<int16_t>(out, srcs, nsrc, n, kind, stream);
+      return int_loop<int16_t>(out, srcs, nsrc, n, kind);
     case at::kInt:
-      return int_loop<int32_t>(out, srcs, nsrc, n, kind, stream);
+      return int_loop<int32_t>(out, srcs, nsrc, n, kind);
     case at::kLong:
-      return int_loop<int64_t>(out, srcs, nsrc, n, kind, stream);
+      return int_loop<int64_t>(out, srcs, nsrc, n, kind);
     default:
       TORCH_CHECK(false, "tpcore shm: cannot reduce dtype ", dtype);
   }

@@ -16,17 +16,16 @@ bool reducible(at::ScalarType dtype, ReduceKind kind);
 
 // out[i] = srcs[0][i] (op) srcs[1][i] (op) ... for i < n; kAvg divides the sum by nsrc.
 // `out` may be one of the sources (the same address: every block is loaded from all sources
-// before it is stored), never a partial overlap. `stream`: write `out` with streaming stores
-// (stream_store.h; the caller fences).
+// before it is stored), never a partial overlap.
 void reduce(void* out, const void* const* srcs, int nsrc, int64_t n, at::ScalarType dtype,
-            ReduceKind kind, bool stream = false);
+            ReduceKind kind);
 
 // The typed loops, one table per instruction set (baseline and AVX2+F16C), picked at run time.
 struct ReduceLoops {
-  void (*f32)(float*, const float* const*, int, int64_t, ReduceKind, bool);
-  void (*f64)(double*, const double* const*, int, int64_t, ReduceKind, bool);
-  void (*bf16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind, bool);
-  void (*f16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind, bool);
+  void (*f32)(float*, const float* const*, int, int64_t, ReduceKind);
+  void (*f64)(double*, const double* const*, int, int64_t, ReduceKind);
+  void (*bf16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind);
+  void (*f16)(uint16_t*, const uint16_t* const*, int, int64_t, ReduceKind);
 };
 
 }  // namespace tpcore::shm

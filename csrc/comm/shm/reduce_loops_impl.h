@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "comm/shm/reduce_loops.h"
-#include "comm/shm/stream_store.h"
 
 namespace {
 
@@ -50,68 +49,66 @@ inline void combine_into(T* __restrict o, const A* __restrict a, const T* __rest
 // Block by block: out = store(post(load(src_0) (op) load(src_1) (op) ...)) in source order,
 // the last source combined in the pass that writes the output (with two sources, no
 // accumulator at all): reading the sources and writing the output in one pass made a
-// 2-rank 16 MiB all-reduce about 35% faster here than loading source 0 alone first. With
-// `stream`, each block is finished in L1 and then streamed out (writing the lines from the
-// loop instead measured slower). Every way does the same arithmetic in the same order, so
-// the bits do not depend on the path.
+// 2-rank 16 MiB all-reduce about 35% faster here than loading source 0 alone first. When
+// `out` is one of the sources, every source of a block is read before the block is
+// written. Both ways do the same arithmetic in the same order: the bits do not depend on
+// the path.
 template <class T, class Acc, class Load, class Store, class Op, class Post>
-inline void reduce_with(T* out, const T* const* srcs, int nsrc, int64_t n, bool stream, Load load,
-                        Store store, Op op, Post post) {
+inline void reduce_with(T* out, const T* const* srcs, int nsrc, int64_t n, Load load, Store store,
+                        Op op, Post post) {
   bool out_is_source = false;
   for (int s = 0; s < nsrc; ++s) out_is_source = out_is_source || srcs[s] == out;
   auto same = [](Acc x) { return x; };
   Acc acc[kBlock];
-  T finished[kBlock];  // with `stream`, a block's result before it is streamed out
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int64_t m = n - i0 < kBlock ? n - i0 : kBlock;
     const T* s0 = srcs[0] + i0;
-    // `finished` is never a source, so writing it needs no care about overlap.
-    T* o = stream ? finished : out + i0;
-    const bool o_is_source = !stream && out_is_source;
+    T* o = out + i0;
     if (nsrc == 1) {
-      for (int64_t j = 0; j < m; ++j) o[j] = store(post(load(s0[j])));
-    } else if (nsrc == 2 && !o_is_source) {
-      combine_into(o, s0, srcs[1] + i0, m, load, load, store, op, post);
+      for (int64_t j = 0; j < m; ++j) acc[j] = load(s0[j]);
     } else {
       const T* s1 = srcs[1] + i0;
+      if (nsrc == 2 && !out_is_source) {
+        combine_into(o, s0, s1, m, load, load, store, op, post);
+        continue;
+      }
       for (int64_t j = 0; j < m; ++j) acc[j] = op(load(s0[j]), load(s1[j]));
-      if (o_is_source) {  // every source of this block is read before `o` is written
-        fold<T, Acc>(acc, srcs, 2, nsrc, i0, m, load, op);
-        for (int64_t j = 0; j < m; ++j) o[j] = store(post(acc[j]));
-      } else {
+      if (!out_is_source) {
         fold<T, Acc>(acc, srcs, 2, nsrc - 1, i0, m, load, op);
         combine_into(o, acc, srcs[nsrc - 1] + i0, m, same, load, store, op, post);
+        continue;
       }
+      fold<T, Acc>(acc, srcs, 2, nsrc, i0, m, load, op);
     }
-    if (stream) tpcore::shm::stream_copy(out + i0, finished, m * sizeof(T));
+    for (int64_t j = 0; j < m; ++j) o[j] = store(post(acc[j]));
   }
 }
 
 // Separate instantiations per kind so each loop vectorizes without a switch inside.
 template <class T, class Acc, class Load, class Store>
 inline void reduce_blocks(T* out, const T* const* srcs, int nsrc, int64_t n, ReduceKind k,
-                          bool stream, Load load, Store store) {
+                          Load load, Store store) {
   auto same = [](Acc x) { return x; };
   switch (k) {
     case ReduceKind::kSum:
       return reduce_with<T, Acc>(
-          out, srcs, nsrc, n, stream, load, store, [](Acc a, Acc b) { return a + b; }, same);
+          out, srcs, nsrc, n, load, store, [](Acc a, Acc b) { return a + b; }, same);
     case ReduceKind::kAvg: {
       const Acc inv = Acc(1) / Acc(nsrc);
       return reduce_with<T, Acc>(
-          out, srcs, nsrc, n, stream, load, store, [](Acc a, Acc b) { return a + b; },
+          out, srcs, nsrc, n, load, store, [](Acc a, Acc b) { return a + b; },
           [inv](Acc x) { return x * inv; });
     }
     case ReduceKind::kProduct:
       return reduce_with<T, Acc>(
-          out, srcs, nsrc, n, stream, load, store, [](Acc a, Acc b) { return a * b; }, same);
+          out, srcs, nsrc, n, load, store, [](Acc a, Acc b) { return a * b; }, same);
     case ReduceKind::kMax:
       return reduce_with<T, Acc>(
-          out, srcs, nsrc, n, stream, load, store,
+          out, srcs, nsrc, n, load, store,
           [](Acc a, Acc b) { return combine<Acc>(a, b, ReduceKind::kMax); }, same);
     case ReduceKind::kMin:
       return reduce_with<T, Acc>(
-          out, srcs, nsrc, n, stream, load, store,
+          out, srcs, nsrc, n, load, store,
           [](Acc a, Acc b) { return combine<Acc>(a, b, ReduceKind::kMin); }, same);
   }
 }
@@ -144,26 +141,22 @@ inline uint16_t float_to_f16(float f) {
   return h;
 }
 
-void loop_f32(float* out, const float* const* srcs, int nsrc, int64_t n, ReduceKind k,
-              bool stream) {
+void loop_f32(float* out, const float* const* srcs, int nsrc, int64_t n, ReduceKind k) {
   reduce_blocks<float, float>(
-      out, srcs, nsrc, n, k, stream, [](float x) { return x; }, [](float x) { return x; });
+      out, srcs, nsrc, n, k, [](float x) { return x; }, [](float x) { return x; });
 }
 
-void loop_f64(double* out, const double* const* srcs, int nsrc, int64_t n, ReduceKind k,
-              bool stream) {
+void loop_f64(double* out, const double* const* srcs, int nsrc, int64_t n, ReduceKind k) {
   reduce_blocks<double, double>(
-      out, srcs, nsrc, n, k, stream, [](double x) { return x; }, [](double x) { return x; });
+      out, srcs, nsrc, n, k, [](double x) { return x; }, [](double x) { return x; });
 }
 
-void loop_bf16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, ReduceKind k,
-               bool stream) {
-  reduce_blocks<uint16_t, float>(out, srcs, nsrc, n, k, stream, bf16_to_float, float_to_bf16);
+void loop_bf16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, ReduceKind k) {
+  reduce_blocks<uint16_t, float>(out, srcs, nsrc, n, k, bf16_to_float, float_to_bf16);
 }
 
-void loop_f16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, ReduceKind k,
-              bool stream) {
-  reduce_blocks<uint16_t, float>(out, srcs, nsrc, n, k, stream, f16_to_float, float_to_f16);
+void loop_f16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, ReduceKind k) {
+  reduce_blocks<uint16_t, float>(out, srcs, nsrc, n, k, f16_to_float, float_to_f16);
 }
 
 }  // namespace
