@@ -373,6 +373,15 @@ def test_bad_opt_out_value_is_named(monkeypatch):
         tpcore.shm.cpu_backend_for([0], ["h"])
 
 
+def test_bad_tuning_values_are_named(monkeypatch):
+    monkeypatch.setenv("TPCORE_SHM_STREAM_BYTES", "0")  # 0 means never stream: allowed
+    assert tpcore.shm._env_int("TPCORE_SHM_STREAM_BYTES", -1, minimum=0) == 0
+    for name, value, minimum in (("TPCORE_SHM_STREAM_BYTES", "-5", 0), ("TPCORE_SHM_SLOT_BYTES", "0", 1), ("TPCORE_SHM_CELLS", "4k", 1)):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            tpcore.shm._env_int(name, 1, minimum=minimum)
+
+
 def _layer_batch_mismatch(rank, world):
     # Issue 22 item 8: a different batch size per rank into RowParallelLinear aborted the
     # process inside gloo; on the shared-memory backend the step header names the mismatch.
