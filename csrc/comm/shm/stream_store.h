@@ -14,7 +14,7 @@ void stream_copy(void* dst, const void* src, size_t bytes);
 // Orders earlier streaming stores before later stores (sfence): before publishing a step,
 // and before a collective returns.
 void store_fence();
-// The last-level cache's size in bytes (sysconf, else sysfs, else 32 MiB).
+// The last-level cache's size in bytes (sysfs, else sysconf, else 32 MiB).
 size_t last_level_cache_bytes();
 
 }  // namespace tpcore::shm
