@@ -46,7 +46,8 @@ class _env:
 
 def _groups(rank: int, world: int, stream_bytes: str = "0") -> dict[int, dist.ProcessGroup]:
     """A shared-memory group of ranks [0, k) for every k (created by every rank, in order).
-    `stream_bytes` "1": every all-gather writes with streaming stores."""
+    `stream_bytes` "1": every all-gather and reduce-scatter writes its output with
+    streaming stores."""
     groups = {}
     with _env(
         TPCORE_SHM_SLOT_BYTES=str(SLOT_BYTES),
@@ -179,19 +180,25 @@ def test_every_op_dtype_size_and_group_size(cpu_ranks, stream_bytes):
 
 
 def _streaming_matches_plain(rank, world):
-    # Inputs and outputs one element past an aligned address, so streaming copies have
+    # Inputs and outputs one element past an aligned address, so streaming writes have
     # unaligned heads and tails.
     plain, streaming = _groups(rank, world, "0"), _groups(rank, world, "1")
     for k in plain:
         for dtype in FLOATS + INTS[:1]:
             n = 3 * SLOT_BYTES // torch.empty(0, dtype=dtype).element_size() + 5
-            x = _contribution(rank, n + 1, dtype, seed=k)[1:]
+            x = _contribution(rank, k * n + 1, dtype, seed=k)[1:]
             gathered = [torch.zeros(k * n + 1, dtype=dtype)[1:] for _ in range(2)]
             for out, group in zip(gathered, (plain[k], streaming[k])):
-                dist.all_gather_into_tensor(out, x, group=group)
+                dist.all_gather_into_tensor(out, x[:n], group=group)
             assert torch.equal(gathered[0], gathered[1]), f"all_gather k={k} {dtype}: streaming changes the bytes"
-            want = torch.cat([_contribution(r, n + 1, dtype, seed=k)[1:] for r in range(k)])
+            want = torch.cat([_contribution(r, k * n + 1, dtype, seed=k)[1 : n + 1] for r in range(k)])
             assert torch.equal(gathered[1], want), f"all_gather k={k} {dtype}: wrong bytes"
+            ops = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX) if dtype.is_floating_point else (dist.ReduceOp.SUM,)
+            for op in ops:
+                got = [torch.zeros(n + 1, dtype=dtype)[1:] for _ in range(2)]
+                for out, group in zip(got, (plain[k], streaming[k])):
+                    dist.reduce_scatter_tensor(out, x, op=op, group=group)
+                assert torch.equal(got[0], got[1]), f"reduce_scatter k={k} {dtype} {op}: streaming changes the bits"
     return True
 
 

@@ -168,7 +168,7 @@ void Group::sync(uint32_t step, const OpHeader& h) {
 }
 
 void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int64_t n,
-                            at::ScalarType dtype, ReduceKind kind) {
+                            at::ScalarType dtype, ReduceKind kind, bool stream) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   // Threads only for blocks large enough to pay for waking them.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / es);
@@ -176,7 +176,7 @@ void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int
     std::vector<const void*> part(srcs.size());
     for (size_t i = 0; i < srcs.size(); ++i) part[i] = static_cast<const char*>(srcs[i]) + lo * es;
     reduce(static_cast<char*>(out) + lo * es, part.data(), static_cast<int>(part.size()), hi - lo,
-           dtype, kind);
+           dtype, kind, stream);
   });
 }
 
@@ -259,8 +259,7 @@ void Group::all_gather(const at::Tensor& out, const at::Tensor& in) {
   for (int64_t off = 0; off < bytes || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, bytes - off);
     const uint32_t step = ++step_;
-    if (world_ > 1) copy(layout_.slot(base(), rank_, step), src + off, m);
-    if (stream) store_fence();  // the slot's bytes before the step that publishes them
+    if (world_ > 1) std::memcpy(layout_.slot(base(), rank_, step), src + off, m);
     sync(step, h);
     for (int r = 0; r < world_; ++r) {
       const char* part = r == rank_ ? src + off : layout_.slot(base(), r, step);
@@ -288,6 +287,7 @@ void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKi
   const OpHeader h = header(OpCode::kReduceScatter, in, static_cast<int64_t>(kind));
   // Where chunk d sits in a slot written by rank r (r's own chunk is not there).
   auto place = [](int d, int r) { return d < r ? d : d - 1; };
+  const bool stream = streams((world_ + 1) * n * es);
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
@@ -300,9 +300,10 @@ void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKi
     for (int r = 0; r < world_; ++r)
       srcs[r] = r == rank_ ? src + (rank_ * n + off) * es
                            : layout_.slot(base(), r, step) + place(rank_, r) * m * es;
-    reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind);
+    reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind, stream);
     if (n == 0) break;
   }
+  if (stream) store_fence();
 }
 
 void Group::broadcast(const at::Tensor& t, int root) {

@@ -48,11 +48,11 @@ struct Config {
   // reduce-scatter + all-gather (each rank reduces 1/world) instead of one shot; it pays
   // from 32-64 KiB at 3 and 4 ranks here.
   size_t two_step_bytes = 32 << 10;
-  // All-gathers that move at least this many bytes (input + output) write their slots and
-  // output with streaming stores: that data cannot stay in the cache anyway, and peers then
-  // read slots from memory rather than out of this core's cache. 10-20% faster at 16-64
-  // MiB on the 2-core VM, slower while the data fits in the cache; for reduce-scatter it
-  // was faster or slower depending on the VM's state, so reduce-scatter does not stream
+  // All-gathers and reduce-scatters that move at least this many bytes (input + output)
+  // write their output with streaming stores: it cannot stay in the cache anyway, and they
+  // save a read-for-ownership of every line. 8-12% faster at 16-64 MiB on the 2-core VM,
+  // slower while the data fits in the cache. Slots keep plain stores: a peer reads them
+  // next, and streaming them was up to 30% slower in one of the VM's two states
   // (benchmarks/RESULTS.md). The default is the last-level cache's size; 0 = never.
   size_t stream_bytes = last_level_cache_bytes();
   std::chrono::milliseconds timeout{600000};
@@ -116,7 +116,7 @@ class Group {
   void all_reduce_one_shot(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind);
   void all_reduce_two_step(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind);
   void reduce_parallel(void* out, const std::vector<const void*>& srcs, int64_t n,
-                       at::ScalarType dtype, ReduceKind kind);
+                       at::ScalarType dtype, ReduceKind kind, bool stream = false);
   bool streams(int64_t moved_bytes) const {
     return config_.stream_bytes > 0 && static_cast<size_t>(moved_bytes) >= config_.stream_bytes;
   }

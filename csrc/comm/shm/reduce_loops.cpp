@@ -59,8 +59,13 @@ bool reducible(at::ScalarType dtype, ReduceKind kind) {
 }
 
 void reduce(void* out, const void* const* srcs, int nsrc, int64_t n, at::ScalarType dtype,
-            ReduceKind kind) {
+            ReduceKind kind, bool stream) {
   const ReduceLoops& l = loops();
+  if (stream && l.f32_pair_streaming && dtype == at::kFloat && nsrc == 2 &&
+      (kind == ReduceKind::kSum || kind == ReduceKind::kAvg) && srcs[0] != out && srcs[1] != out)
+    return l.f32_pair_streaming(static_cast<float*>(out), static_cast<const float*>(srcs[0]),
+                                static_cast<const float*>(srcs[1]), n, kind == ReduceKind::kAvg,
+                                1.0f / 2);
   switch (dtype) {
     case at::kFloat:
       return l.f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(srcs), nsrc, n,

@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "comm/shm/reduce_loops.h"
 
 namespace {
@@ -158,5 +162,27 @@ void loop_bf16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, 
 void loop_f16(uint16_t* out, const uint16_t* const* srcs, int nsrc, int64_t n, ReduceKind k) {
   reduce_blocks<uint16_t, float>(out, srcs, nsrc, n, k, f16_to_float, float_to_f16);
 }
+
+#if defined(__AVX2__)
+// out = a + b (times `inv` when averaging), float32, with streaming stores 8 lanes at a time
+// (plain stores up to the first 32-byte-aligned element and after the last whole vector).
+// The same operations as the plain loops, so the same bits. `out` overlaps neither source.
+void pair_f32_streaming(float* out, const float* a, const float* b, int64_t n, bool average,
+                        float inv) {
+  int64_t j = 0;
+  auto one = [&](int64_t i) {
+    const float s = a[i] + b[i];
+    out[i] = average ? s * inv : s;
+  };
+  for (; j < n && reinterpret_cast<uintptr_t>(out + j) % 32 != 0; ++j) one(j);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; j + 8 <= n; j += 8) {
+    __m256 s = _mm256_add_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j));
+    if (average) s = _mm256_mul_ps(s, vinv);
+    _mm256_stream_ps(out + j, s);
+  }
+  for (; j < n; ++j) one(j);
+}
+#endif
 
 }  // namespace

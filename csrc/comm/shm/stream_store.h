@@ -1,6 +1,6 @@
-// Streaming (non-temporal) stores for collectives whose data cannot stay in cache: they
-// write around the caches, which saves the read-for-ownership of every output line and
-// keeps a peer from fetching a slot out of this core's cache. See Config::stream_bytes.
+// Streaming (non-temporal) stores for collective outputs that cannot stay in cache: they
+// write around the caches, which saves the read-for-ownership of every output line. See
+// Config::stream_bytes.
 #pragma once
 
 #include <cstddef>
@@ -11,8 +11,8 @@ namespace tpcore::shm {
 // everywhere on CPUs without SSE2). Call store_fence() before other threads or processes
 // may read what it wrote.
 void stream_copy(void* dst, const void* src, size_t bytes);
-// Orders earlier streaming stores before later stores (sfence): before publishing a step,
-// and before a collective returns.
+// Orders earlier streaming stores before later stores (sfence): before a collective
+// returns.
 void store_fence();
 // The last-level cache's size in bytes (sysfs, else sysconf, else 32 MiB).
 size_t last_level_cache_bytes();
