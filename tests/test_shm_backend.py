@@ -46,8 +46,8 @@ class _env:
 
 def _groups(rank: int, world: int, stream_bytes: str = "0") -> dict[int, dist.ProcessGroup]:
     """A shared-memory group of ranks [0, k) for every k (created by every rank, in order).
-    `stream_bytes` "1": every all-gather and reduce-scatter writes its output with
-    streaming stores."""
+    `stream_bytes` "1": every reduce-scatter writes its output with streaming stores (where
+    a streaming loop exists: float32 sum or average over two ranks)."""
     groups = {}
     with _env(
         TPCORE_SHM_SLOT_BYTES=str(SLOT_BYTES),
@@ -180,19 +180,13 @@ def test_every_op_dtype_size_and_group_size(cpu_ranks, stream_bytes):
 
 
 def _streaming_matches_plain(rank, world):
-    # Inputs and outputs one element past an aligned address, so streaming writes have
-    # unaligned heads and tails.
+    # Outputs one element past an aligned address, so the streaming loop has an unaligned
+    # head and tail.
     plain, streaming = _groups(rank, world, "0"), _groups(rank, world, "1")
     for k in plain:
         for dtype in FLOATS + INTS[:1]:
             n = 3 * SLOT_BYTES // torch.empty(0, dtype=dtype).element_size() + 5
             x = _contribution(rank, k * n + 1, dtype, seed=k)[1:]
-            gathered = [torch.zeros(k * n + 1, dtype=dtype)[1:] for _ in range(2)]
-            for out, group in zip(gathered, (plain[k], streaming[k])):
-                dist.all_gather_into_tensor(out, x[:n], group=group)
-            assert torch.equal(gathered[0], gathered[1]), f"all_gather k={k} {dtype}: streaming changes the bytes"
-            want = torch.cat([_contribution(r, k * n + 1, dtype, seed=k)[1 : n + 1] for r in range(k)])
-            assert torch.equal(gathered[1], want), f"all_gather k={k} {dtype}: wrong bytes"
             ops = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX) if dtype.is_floating_point else (dist.ReduceOp.SUM,)
             for op in ops:
                 got = [torch.zeros(n + 1, dtype=dtype)[1:] for _ in range(2)]

@@ -18,8 +18,8 @@ Tuning (environment, read when a group is created; the same on every rank):
 ``TPCORE_SHM_CELL_BYTES`` (256 KiB) and ``TPCORE_SHM_CELLS`` (4) for point-to-point links,
 ``TPCORE_SHM_TWO_STEP_BYTES`` (32 KiB: from this size groups of 3+ ranks all-reduce by
 reduce-scatter + all-gather), ``TPCORE_SHM_STREAM_BYTES`` (the last-level cache's size:
-all-gathers and reduce-scatters moving at least this many bytes, input and output, write
-their output with streaming stores; 0 = never). The defaults were measured on a 2-core machine
+reduce-scatters moving at least this many bytes, input and output, write their output
+with streaming stores; 0 = never). The defaults were measured on a 2-core machine
 (benchmarks/RESULTS.md). ``TPCORE_HOST_ID`` overrides the host identity (tests use it
 to pose ranks of one machine as several hosts).
 """

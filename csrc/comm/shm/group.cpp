@@ -36,8 +36,6 @@ OpHeader header(OpCode op, const at::Tensor& t, int64_t extra) {
                   static_cast<uint64_t>(t.numel()), extra, 0};
 }
 
-void plain_copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
-
 bool same(const OpHeader& a, const OpHeader& b) {
   return a.op == b.op && a.dtype == b.dtype && a.numel == b.numel && a.extra == b.extra;
 }
@@ -254,8 +252,6 @@ void Group::all_gather(const at::Tensor& out, const at::Tensor& in) {
   const char* src = static_cast<const char*>(in.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const OpHeader h = header(OpCode::kAllGather, in, 0);
-  const bool stream = streams((world_ + 1) * bytes);
-  const auto copy = stream ? stream_copy : plain_copy;
   for (int64_t off = 0; off < bytes || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, bytes - off);
     const uint32_t step = ++step_;
@@ -264,11 +260,10 @@ void Group::all_gather(const at::Tensor& out, const at::Tensor& in) {
     for (int r = 0; r < world_; ++r) {
       const char* part = r == rank_ ? src + off : layout_.slot(base(), r, step);
       // `in` may be this rank's part of `out` (Megatron's parameter all-gather is).
-      if (part != dst + r * bytes + off) copy(dst + r * bytes + off, part, m);
+      if (part != dst + r * bytes + off) std::memcpy(dst + r * bytes + off, part, m);
     }
     if (bytes == 0) break;
   }
-  if (stream) store_fence();
 }
 
 void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKind kind) {

@@ -48,12 +48,13 @@ struct Config {
   // reduce-scatter + all-gather (each rank reduces 1/world) instead of one shot; it pays
   // from 32-64 KiB at 3 and 4 ranks here.
   size_t two_step_bytes = 32 << 10;
-  // All-gathers and reduce-scatters that move at least this many bytes (input + output)
-  // write their output with streaming stores: it cannot stay in the cache anyway, and they
-  // save a read-for-ownership of every line. 8-12% faster at 16-64 MiB on the 2-core VM,
-  // slower while the data fits in the cache. Slots keep plain stores: a peer reads them
-  // next, and streaming them was up to 30% slower in one of the VM's two states
-  // (benchmarks/RESULTS.md). The default is the last-level cache's size; 0 = never.
+  // Reduce-scatters that move at least this many bytes (input + output) write their output
+  // with streaming stores (float32 sums and averages over two ranks, with AVX2): it cannot
+  // stay in the cache anyway, and they save a read-for-ownership of every line. 5-15% faster
+  // at 16-64 MiB in both of the 2-core VM's states. All-gathers do not stream (faster in one
+  // state, slower in the other), nor do slots, which a peer reads next (up to 50% slower in
+  // one state). benchmarks/RESULTS.md has the figures. Default: the last-level cache's size;
+  // 0 = never.
   size_t stream_bytes = last_level_cache_bytes();
   std::chrono::milliseconds timeout{600000};
 };
