@@ -175,6 +175,9 @@ void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int
     for (size_t i = 0; i < srcs.size(); ++i) part[i] = static_cast<const char*>(srcs[i]) + lo * es;
     reduce(static_cast<char*>(out) + lo * es, part.data(), static_cast<int>(part.size()), hi - lo,
            dtype, kind, stream);
+    // Each thread fences its own streaming stores: before the collective returns, whoever
+    // reads the output next must see every line, whichever thread wrote it.
+    if (stream) store_fence();
   });
 }
 
@@ -298,7 +301,6 @@ void Group::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceKi
     reduce_parallel(dst + off * es, srcs, m, in.scalar_type(), kind, stream);
     if (n == 0) break;
   }
-  if (stream) store_fence();
 }
 
 void Group::broadcast(const at::Tensor& t, int root) {
