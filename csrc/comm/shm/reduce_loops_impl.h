@@ -1,6 +1,8 @@
 // The floating-point loops behind ReduceLoops; included once per instruction set by
 // reduce_loops*.cpp. Plain loops over blocks that GCC and Clang vectorize (-O3); the
-// accumulator block stays in L1. Everything has internal linkage.
+// accumulator block stays in L1. The one exception, written with intrinsics because
+// compilers do not emit streaming stores, is the AVX2 build's pair_f32_streaming at the end.
+// Everything has internal linkage.
 #include <cstdint>
 #include <cstring>
 
