@@ -51,7 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<tpcore::PendingCollective>(m, "PendingCollective",
                                         "A collective in flight; wait() returns its result.")
-      .def("wait", &tpcore::PendingCollective::wait, release_gil());
+      .def("wait", &tpcore::PendingCollective::wait, release_gil())
+      .def("is_completed", &tpcore::PendingCollective::is_completed,
+           "Whether wait() would return at once.");
 
   // Collectives in flight (eager only); the synchronous collectives, the mappings and the
   // layers are custom operators: torch.ops.tpcore.* (ops/schemas.cpp).

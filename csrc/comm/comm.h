@@ -34,6 +34,8 @@ class PendingCollective {
   }
 
   at::Tensor wait();
+  // Whether wait() would return without blocking.
+  bool is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
   // The tensor wait() will return, when it is known before the work completes (the
   // collective writes into it); nullopt when a finishing step builds it.
   std::optional<at::Tensor> output() const {
