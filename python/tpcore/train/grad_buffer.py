@@ -74,7 +74,9 @@ class GradBuffer:
     order of use in the forward). A new bucket starts once the current one holds
     `bucket_size` elements, and around every parameter in `separate` (the tied word
     embedding: its own bucket, laid out alike on the first and the last pipeline stage, so
-    that both stages' DP ranks own the same slice of it)."""
+    that both stages' DP ranks own the same slice of it). Over the last `bucket_size`
+    elements the limit is a quarter of that: the last bucket's reduction is the one nothing
+    can overlap, so it is kept small."""
 
     def __init__(
         self, params: Sequence[tuple[str, nn.Parameter]], *, grad_dtype: torch.dtype, bucket_size: int, dp_size: int,
@@ -92,12 +94,15 @@ class GradBuffer:
         separate_ids = {id(p) for p in separate}
         pad = BUCKET_ALIGNMENT * dp_size
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+        left = sum(p.numel() for _, p in params)  # elements from this parameter on
         for name, p in params:
             alone = id(p) in separate_ids
             if alone and groups[-1]:
                 groups.append([])
             groups[-1].append((name, p))
-            if alone or sum(q.numel() for _, q in groups[-1]) >= bucket_size:
+            left -= p.numel()
+            limit = bucket_size if left >= bucket_size else max(1, bucket_size // 4)
+            if alone or sum(q.numel() for _, q in groups[-1]) >= limit:
                 groups.append([])
         groups = [g for g in groups if g]
         # Layout: each bucket's parameters back to back, the bucket padded to `pad`.
