@@ -83,5 +83,5 @@ class Run:
         return {f"{c}/{n}": p.detach().clone() for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
 
 
-def setup(tp: int = 1, pp: int = 1) -> None:
-    tpcore.initialize_model_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+def setup(tp: int = 1, pp: int = 1, backend: str | None = None) -> None:
+    tpcore.initialize_model_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, backend=backend)

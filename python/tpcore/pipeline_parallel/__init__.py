@@ -10,6 +10,7 @@ from .gpt_stages import (
     duplicate_parameter_names,
     split_layers,
     sync_tied_embeddings,
+    lookup_and_head_weights,
     tied_embedding_copies,
 )
 from .schedule_table import SCHEDULES, Action, ScheduleTable, check_schedule, rank_actions, schedule_table
@@ -29,6 +30,7 @@ __all__ = [
     "build_gpt_stages",
     "activation_shape",
     "gpt_forward_step",
+    "lookup_and_head_weights",
     "tied_embedding_copies",
     "duplicate_parameter_names",
     "sync_tied_embeddings",

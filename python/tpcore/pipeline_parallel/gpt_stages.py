@@ -148,6 +148,15 @@ def tied_embedding_copies(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     ]
 
 
+def lookup_and_head_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
+    """The tied word-embedding weights this rank uses both for the lookup and as the LM head
+    of one chunk (a chunk holding the first and the last stage: no pipeline parallelism)."""
+    return [
+        p for chunk in chunks if chunk.config.tie_embeddings and chunk.pre_process and chunk.post_process
+        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
+    ]
+
+
 def duplicate_parameter_names(chunks: Sequence[GPTModel]) -> set[str]:
     """Names of this rank's parameters that copy one held by another stage: the last
     stage's tied embedding (its gradient equals the first stage's after

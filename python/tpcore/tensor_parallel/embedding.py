@@ -19,6 +19,7 @@ from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
+from .gradient_sink import route_gradient
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
@@ -138,9 +139,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
+        # route_gradient: the lookup's gradient may go to a sink (see gradient_sink.py),
+        # which is told the local rows it reads.
+        weight = route_gradient(self.weight, lambda: self._local_rows(ids))
         return _op_entry.vocab_parallel_embedding(
-            ids, self.weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
+            ids, weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
         )
+
+    def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """`[n]` int64: this rank's rows that `ids` look up (local indices, repeats kept)."""
+        local = ids.reshape(-1).to(torch.int64) - self.vocab_start
+        return local[(local >= 0) & (local < self.weight.shape[0])]
 
     def extra_repr(self) -> str:
         return (

@@ -10,6 +10,18 @@ of a bucket is ready the bucket's reduction (all-reduce, or reduce-scatter for t
 distributed optimizer) is started asynchronously. Buckets start strictly in order within a
 buffer, so every DP rank issues the same collectives in the same order even when a
 parameter is unused (its bucket then starts in `finish_grad_sync`, with the ones after it).
+Each bucket is divided by the DP size as it starts (the mean, computed during the
+backward), and the results of finished reductions are put in place from the hooks, so that
+what is left after the backward is the waiting for the last buckets.
+
+A word embedding that is also the LM head in the same chunk (`lookup_and_head`) would be
+complete only when the backward ends, since autograd sums its two uses. With overlap it
+gets a bucket of its own, first in order, and its lookup's gradient goes to a sink
+(`tensor_parallel/gradient_sink.py`): the bucket starts once the LM head's gradient of the
+last micro-batch is in. The last lookup's gradient, which arrives later and is zero outside
+the rows of that micro-batch's tokens, is summed over DP row by row after the backward
+(`sparse_rows.py`; the union of the rows is started from the ids in that lookup's
+forward) and added to the reduced bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..tensor_parallel.gradient_sink import attach_gradient_sink, detach_gradient_sink
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
+from .sparse_rows import RowUnion, sum_touched_rows
 
 __all__ = ["DataParallelGrads"]
 
@@ -35,19 +49,29 @@ class DataParallelGrads:
     sequence-parallel parameters and over `embedding_group` for the `tied` copies; with
     `reduce_scatter` only this DP rank's slice of each bucket is valid), then the optimizer,
     then `zero_grad()`. Frozen parameters (`requires_grad=False`) get no buffer.
+    `lookup_and_head`: word embeddings each used as the lookup table and as the LM head of
+    one chunk (used with `overlap_grad_reduce` only; see the module's docstring).
     """
 
     def __init__(
         self, chunks: nn.Module | Sequence[nn.Module], *, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None = None,
         overlap_grad_reduce: bool = False, reduce_scatter: bool = False, grad_dtype: torch.dtype = torch.float32,
         bucket_size: int | None = None, tied: Sequence[nn.Parameter] = (), embedding_group: dist.ProcessGroup | None = None,
+        lookup_and_head: Sequence[nn.Parameter] = (),
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.overlap, self.reduce_scatter = overlap_grad_reduce, reduce_scatter
+        # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's chunk
+        # at wait(), whose work never reports completion: an all-reduce in place on the
+        # bucket sends the same bytes and leaves this rank's slice where it belongs.
+        self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
         self.tied = list(tied) if embedding_sum else []
+        # Splitting the embedding's two uses only pays when its reduction can start early.
+        self.split = [p for p in lookup_and_head if p.requires_grad] if overlap_grad_reduce and self.dp_size > 1 else []
+        split_ids = {id(p) for p in self.split}
         if any(getattr(p, "sequence_parallel", False) for c in chunks for p in c.parameters()) and tp_group is None:
             raise ValueError("tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their gradients are summed over TP)")
         self.buffers: list[GradBuffer] = []
@@ -61,8 +85,10 @@ class DataParallelGrads:
             mine = []
             for dtype in dict.fromkeys(p.dtype for _, p in named):
                 group = [(n, p) for n, p in reversed(named) if p.dtype == dtype]  # reverse order of use
+                # A split embedding is ready when the LM head's gradient is: first.
+                group = [x for x in group if id(x[1]) in split_ids] + [x for x in group if id(x[1]) not in split_ids]
                 mine.append(GradBuffer(group, grad_dtype=grad_dtype, bucket_size=size, dp_size=self.dp_size,
-                                       separate=self.tied, keep_params=reduce_scatter))
+                                       separate=self.tied + self.split, keep_params=reduce_scatter))
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
         self.params = [p for b in self.buffers for p in b.params]
@@ -71,9 +97,19 @@ class DataParallelGrads:
         self._counts: dict[int, int] = {}
         self._waiting: list[list[int]] = []  # per buffer, per bucket: parameters not yet ready
         self._next: list[int] = []  # per buffer: index of the next bucket to start
+        self._done: list[int] = []  # per buffer: buckets (from the first) whose result is in place
         self._pending: dict[tuple[int, int], comm.PendingCollective | None] = {}
+        # id(split embedding) -> (lookup gradient that came after its bucket started, the
+        # rows it may be nonzero in, or None if a lookup did not say)
+        self._late: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._lookups: dict[int, int] = {}  # id(split embedding) -> lookups in this step's forward passes
+        self._union: dict[int, RowUnion] = {}  # id(split embedding) -> rows of the last lookup, union started
+        self.rows_summed = 0
+        """Rows of split embeddings' late lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
+        for p in self.split:
+            attach_gradient_sink(p, _weak_sink(self, p), _weak_use(self, p))
         self._reset()
 
     @property
@@ -91,7 +127,9 @@ class DataParallelGrads:
         self._counts = {id(p): 0 for p in self.params}
         self._waiting = [[len(bucket.params) for bucket in b.buckets] for b in self.buffers]
         self._next = [0] * len(self.buffers)
+        self._done = [0] * len(self.buffers)
         self._pending = {}
+        self._late, self._lookups, self._union = {}, {}, {}
         self.finished = False
 
     def start_step(self, num_micro_batches: int) -> None:
@@ -100,6 +138,7 @@ class DataParallelGrads:
         if num_micro_batches < 1:
             raise ValueError(f"tpcore: DataParallelGrads.start_step: num_micro_batches must be >= 1, got {num_micro_batches}")
         self._expected = num_micro_batches
+        self._lookups, self._union = {}, {}
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """After autograd accumulated into `p.grad`: move it into `main_grad`."""
@@ -119,6 +158,30 @@ class DataParallelGrads:
         if self.overlap and self._expected is not None and self._counts[id(p)] == self._expected:
             self._waiting[i][entry.bucket] -= 1
             self._start_ready(i)
+            self._complete_finished()
+
+    def _on_lookup_grad(self, p: nn.Parameter, grad: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """A split embedding's lookup gradient: into `main_grad`, or set aside for
+        `finish_grad_sync` once the bucket's reduction has started."""
+        i = self._index_of[id(p)]
+        entry = self.buffers[i].entry(p)
+        if self.finished:
+            raise RuntimeError(f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward after the step's?)")
+        if (i, entry.bucket) not in self._pending:
+            p.main_grad.add_(grad)
+        elif id(p) in self._late:
+            before, seen = self._late[id(p)]
+            self._late[id(p)] = (before + grad, torch.cat([seen, rows]) if seen is not None and rows is not None else None)
+        else:
+            self._late[id(p)] = (grad, rows)
+
+    def _on_lookup(self, p: nn.Parameter, rows: torch.Tensor | None) -> None:
+        """A split embedding's lookup in a forward pass: at the step's last one (the last
+        micro-batch's, whose gradient will come after the bucket started), start the union
+        of the rows it reads over DP, so that it is known when the backward ends."""
+        count = self._lookups[id(p)] = self._lookups.get(id(p), 0) + 1
+        if count == self._expected and rows is not None:
+            self._union[id(p)] = RowUnion(p.shape[0], self.dp_group, rows=rows, async_op=True)
 
     def _start_ready(self, i: int) -> None:
         """Start, in order, the buckets of buffer `i` whose parameters are all ready."""
@@ -127,37 +190,74 @@ class DataParallelGrads:
             self._start(i, buckets[self._next[i]])
             self._next[i] += 1
 
+    def _complete_finished(self) -> None:
+        """Put in place, during the backward, the results of the reductions that are done."""
+        for i, buffer in enumerate(self.buffers):
+            while self._done[i] < self._next[i]:
+                pending = self._pending[(i, self._done[i])]
+                if pending is not None and not pending.is_completed():
+                    break
+                self._complete(i, buffer.buckets[self._done[i]])
+
+    def _complete(self, i: int, bucket: Bucket) -> None:
+        """Wait for bucket `bucket.index` of buffer `i` (the next one not completed) and put its
+        result in place: with reduce-scatter, copy this rank's slice into the buffer."""
+        pending = self._pending[(i, bucket.index)]
+        if pending is not None:
+            result = pending.wait()
+            if self.reduce_scatter and not self._scatter_by_all_reduce:
+                lo, hi = bucket.shard(self.dp_rank)
+                self.buffers[i].grad_data[lo:hi].copy_(result)
+            self._pending[(i, bucket.index)] = None  # started: a late gradient still raises
+        self._done[i] += 1
+
     def _start(self, i: int, bucket: Bucket) -> None:
         if self.dp_size == 1:
             self._pending[(i, bucket.index)] = None
-        elif self.reduce_scatter:
+            return
+        # The DP mean: scaled before the sum (exact for a power-of-two DP size), so that
+        # with overlap this pass runs during the backward and not after it.
+        bucket.grad.div_(self.dp_size)
+        if self.reduce_scatter and not self._scatter_by_all_reduce:
             self._pending[(i, bucket.index)] = comm.reduce_scatter_async(bucket.grad, 0, self.dp_group)
         else:
             self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(bucket.grad, self.dp_group)
 
     def finish_grad_sync(self) -> None:
         """Start the buckets not started yet (all of them without overlap), wait for every
-        reduction, average over DP, then sum sequence-parallel gradients over TP and the tied
+        reduction (each is the DP mean), then sum sequence-parallel gradients over TP and the tied
         embedding's over the embedding group. Collectives: the same on every DP rank."""
         for i, buffer in enumerate(self.buffers):
             while self._next[i] < len(buffer.buckets):
                 self._start(i, buffer.buckets[self._next[i]])
                 self._next[i] += 1
+        late = self._sum_late_lookups()
         for i, buffer in enumerate(self.buffers):
-            for bucket in buffer.buckets:
-                pending = self._pending[(i, bucket.index)]
-                if pending is None:
-                    continue
-                result = pending.wait()
-                if self.reduce_scatter:
-                    lo, hi = bucket.shard(self.dp_rank)
-                    buffer.grad_data[lo:hi].copy_(result).div_(self.dp_size)
-                else:
-                    bucket.grad.div_(self.dp_size)
-        self._pending = {k: None for k in self._pending}  # started: a late gradient still raises
+            while self._done[i] < len(buffer.buckets):
+                self._complete(i, buffer.buckets[self._done[i]])
+        for p in self.split:
+            if id(p) in late:
+                _add_rows(p.main_grad, *late[id(p)])
         self._sum_sequence_parallel()
         self._sum_tied()
         self.finished = True
+
+    def _sum_late_lookups(self) -> dict[int, tuple[torch.Tensor | None, torch.Tensor]]:
+        """Every split embedding's set-aside lookup gradient summed over DP, touched rows
+        only: `id(p) -> (row index or None for all rows, values)`. Called on every DP rank
+        alike, whether or not a gradient was set aside."""
+        out = {}
+        for p in self.split:
+            grad, rows = self._late.pop(id(p), (None, None))
+            if grad is None:  # nothing came late here: zeros (other ranks may have rows)
+                grad, rows = torch.zeros_like(p.detach()), torch.zeros(0, dtype=torch.int64, device=p.device)
+            dtype = self.buffers[self._index_of[id(p)]].grad_dtype
+            summed = sum_touched_rows(grad, self.dp_group, dtype, rows, self._union.pop(id(p), None))
+            if summed is not None:
+                summed[1].div_(self.dp_size)  # the DP mean, as the buckets'
+                out[id(p)] = summed
+                self.rows_summed += summed[1].shape[0]
+        return out
 
     def _sum_sequence_parallel(self) -> None:
         # Each TP rank saw only its sequence shard: sum over TP (after the DP mean; both are sums).
@@ -196,6 +296,45 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.split:
+            detach_gradient_sink(p)
+
+
+def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
+    if index is None:
+        target.add_(values)
+    else:
+        target.index_add_(0, index, values)
+
+
+def _weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+    """`grads._on_lookup_grad` for `p`, without strong references (see `_weak_hook`). Once
+    `grads` is gone the gradient goes back to `p.grad`, as without a sink."""
+    ref, param = weakref.ref(grads), weakref.ref(p)
+
+    def sink(grad: torch.Tensor, rows: torch.Tensor | None) -> None:
+        owner, target = ref(), param()
+        if target is None:
+            return
+        if owner is not None:
+            owner._on_lookup_grad(target, grad, rows)
+            return
+        detach_gradient_sink(target)
+        target.grad = grad if target.grad is None else target.grad + grad
+
+    return sink
+
+
+def _weak_use(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor | None], None]:
+    """`grads._on_lookup` for `p`, without strong references (see `_weak_hook`)."""
+    ref, param = weakref.ref(grads), weakref.ref(p)
+
+    def on_use(rows: torch.Tensor | None) -> None:
+        owner, target = ref(), param()
+        if owner is not None and target is not None:
+            owner._on_lookup(target, rows)
+
+    return on_use
 
 
 def _weak_hook(grads: DataParallelGrads) -> Callable[[nn.Parameter], None]:

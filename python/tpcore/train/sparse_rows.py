@@ -1,0 +1,92 @@
+"""Sum a row-sparse gradient over a process group, sending only the rows some rank touched.
+
+An embedding lookup's gradient `[vocab/tp, h]` is zero outside the rows of the batch's
+tokens: a few hundred or thousand rows of tens of thousands. Summing it over data
+parallelism needs only the union of the ranks' touched rows: an all-reduce (MAX) of a
+one-byte mask `[vocab/tp]` finds it (`RowUnion`), a second all-reduce sums those rows.
+When the union covers half the table or more, the whole table is summed instead.
+
+The mask comes from the looked-up ids when the caller has them (no pass over the table),
+else from the gradient's values. It can be started early, from the ids seen in the
+forward pass (`RowUnion(..., async_op=True)`); the sum then checks that every rank's
+gradient stays inside it, and agrees on that through a flag summed with the rows, so a
+wrong prediction costs a second exchange, never a wrong sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+__all__ = ["RowUnion", "sum_touched_rows"]
+
+
+class RowUnion:
+    """The union over `group` of the rows each rank touched: this rank's `rows` (int64
+    `[n]`, repeats allowed) or, without them, the nonzero rows of `grad` `[num_rows, h]`."""
+
+    def __init__(self, num_rows: int, group: dist.ProcessGroup, *, rows: torch.Tensor | None = None,
+                 grad: torch.Tensor | None = None, async_op: bool = False) -> None:
+        if rows is not None:
+            self.mask = torch.zeros(num_rows, dtype=torch.uint8, device=rows.device)
+            self.mask[rows] = 1
+        elif grad is not None:
+            self.mask = grad.ne(0).any(dim=1).to(torch.uint8)  # NaN and inf rows count as touched
+        else:
+            raise ValueError("tpcore: RowUnion needs the rows or the gradient")
+        self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+
+    def index(self) -> torch.Tensor:
+        """`[u]` int64: the rows some rank touched, ascending (the same on every rank)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self.mask.nonzero().squeeze(1)
+
+    def covers(self, rows: torch.Tensor) -> bool:
+        self.index()
+        return bool(self.mask[rows].all()) if rows.numel() else True
+
+
+def sum_touched_rows(
+    grad: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype, rows: torch.Tensor | None = None,
+    union: RowUnion | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The sum over `group` of every rank's `grad` `[num_rows, h]`.
+
+    `rows` (int64 `[n]`, repeats allowed), if given, holds every row where this rank's
+    `grad` may be nonzero. `union`, if given, is a union started earlier by every rank.
+    Returns `(index, values)`: `values` `[u, h]` (in `dtype`) are the sums of the rows
+    `index` `[u]`, every other row summing to zero; `index` is None when `values` is the
+    whole table; None when every rank's gradient is zero. The result is the same on every
+    rank, bit for bit, and so is the sequence of collectives.
+    """
+    if grad.dim() != 2:
+        raise ValueError(f"tpcore: sum_touched_rows: expected a [rows, h] gradient, got shape {list(grad.shape)}")
+    if union is not None:
+        outside = rows is None or not union.covers(rows)
+        result, anyone_outside = _sum_rows(grad, union.index(), group, dtype, outside)
+        if not anyone_outside:
+            return result
+    result, _ = _sum_rows(grad, RowUnion(grad.shape[0], group, rows=rows, grad=grad).index(), group, dtype, None)
+    return result
+
+
+def _sum_rows(grad: torch.Tensor, index: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype,
+              flag: bool | None) -> tuple[tuple[torch.Tensor | None, torch.Tensor] | None, bool]:
+    """All-reduce `grad`'s rows `index` (the whole table if they are half of it or more),
+    with `flag` (if not None) summed beside them: (result, whether any rank's flag was set)."""
+    if index.numel() == 0 and flag is None:
+        return None, False
+    whole = 2 * index.numel() >= grad.shape[0]
+    values = grad.to(dtype) if whole else grad.index_select(0, index).to(dtype)
+    if flag is None:
+        values, anyone = comm.all_reduce(values, group), False
+    else:
+        flat = comm.all_reduce(torch.cat([values.reshape(-1), values.new_full((1,), float(flag))]), group)
+        values, anyone = flat[:-1].view(values.shape), bool(flat[-1] > 0)
+    if index.numel() == 0:
+        return None, anyone
+    return (None if whole else index, values), anyone

@@ -1,0 +1,178 @@
+"""The tied word embedding with --overlap-grad-reduce, when one chunk uses it both for the
+lookup and as the LM head: its bucket comes first and alone, starts with the LM head's
+gradient of the last micro-batch, and the lookup's gradient, which arrives after that, is
+summed over DP on its own, touched rows only (or the whole table when the batch touches
+most of it). Every step must equal today's optimizer (`.grad`, one concatenated
+all-reduce) on the same batches."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checks import assert_close
+from dp_checks import BASELINE, DISTRIBUTED_OVERLAP, OVERLAP, Run, batches, config_for, groups, setup
+from tpcore.models import GPTModel
+from tpcore.train import data_parallel, sparse_rows
+from tpcore.train.data_parallel import DataParallelGrads
+from tpcore.train.sparse_rows import RowUnion, sum_touched_rows
+
+CLIP = 0.05
+
+
+def _count_unions():
+    """Count the row unions started: by DataParallelGrads from the last lookup's ids
+    ("predicted"), and by sum_touched_rows when a rank's rows fell outside it ("again")."""
+    made = {"predicted": 0, "again": 0}
+
+    def counting(key):
+        def make(*args, **kwargs):
+            made[key] += 1
+            return RowUnion(*args, **kwargs)
+        return make
+    data_parallel.RowUnion, sparse_rows.RowUnion = counting("predicted"), counting("again")
+    return made
+
+
+def _restore_unions():
+    data_parallel.RowUnion = sparse_rows.RowUnion = RowUnion
+
+
+def _lookup_and_head(rank, world, tp, options_name, backend):
+    setup(tp, backend=backend)
+    dp_group = groups()[1]
+    assert backend is None or dist.get_backend(dp_group) == backend, dist.get_backend(dp_group)
+    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP}[options_name]
+    # 600 ids: the last micro-batch (16 tokens per DP rank) touches a few rows of each TP
+    # rank's 300 (or 600). 4 ids: it touches every row.
+    made = _count_unions()
+    for vocab, sparse in ((600, True), (4, False)):
+        config = config_for("gpt2", 2, vocab_size=vocab, make_vocab_size_divisible_by=1)
+        run, base = Run(config, options), Run(config, BASELINE)
+        weight = run.chunks[0].embedding.word.weight
+        assert run.grads.buffers[0].buckets[0].params == [weight], "the tied embedding should be alone in the first bucket"
+        for step, lr in enumerate([1e-2, 5e-3]):
+            data = batches(config, 3, dp, seed=step)[dp_rank]
+            before = run.grads.rows_summed
+            _, norm, _ = run.step(data, lr, CLIP)
+            _, base_norm, _ = base.step(data, lr, CLIP)
+            assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
+            rows = run.grads.rows_summed - before
+            assert made == {"predicted": step + 1, "again": 0}, made
+            if sparse:
+                assert 0 < rows <= dp * 16 < weight.shape[0] // 2, f"vocab {vocab}: {rows} of {weight.shape[0]} rows summed on their own"
+            else:
+                assert rows == weight.shape[0], f"vocab {vocab}: {rows} of {weight.shape[0]} rows: expected the whole table"
+        want, got = base.params(), run.params()
+        for key, value in want.items():
+            assert_close(got[key], value, f"vocab {vocab}, {options_name}: {key}")
+        made.update(predicted=0)
+    _restore_unions()
+
+
+# gloo: its reduce-scatter is replaced by an all-reduce in place (data_parallel.py).
+@pytest.mark.parametrize("backend", [None, "gloo"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("options", ["overlap", "distributed+overlap"])
+def test_tied_embedding_bucket_starts_early_and_sums_touched_rows(cpu_ranks, tp, options, backend):
+    cpu_ranks.run(_lookup_and_head, tp, options, backend)
+
+
+def _backward_in_reverse(rank, world):
+    """Forwards of micro-batches 0, 1, 2, then backwards 2, 1, 0: the lookup that comes late
+    is micro-batch 0's, not the last forward's whose rows were predicted. Every rank notices,
+    sums again from its own rows, and the step still equals today's optimizer."""
+    setup(1)
+    config = config_for("gpt2", 2, vocab_size=600, make_vocab_size_divisible_by=1)
+    run, base = Run(config, OVERLAP), Run(config, BASELINE)
+    data = batches(config, 3, world, seed=5)[rank]
+    made = _count_unions()
+    try:
+        run.grads.start_step(3)
+        losses = [run.chunks[0](ids, target) / 3 for ids, target in data]
+        for loss in reversed(losses):
+            loss.backward()
+        run.grads.finish_grad_sync()
+    finally:
+        _restore_unions()
+    assert made == {"predicted": 1, "again": 1}, made
+    norm, _ = run.opt.step(1e-2, CLIP)
+    _, base_norm, _ = base.step(data, 1e-2, CLIP)
+    assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
+    for key, value in base.params().items():
+        assert_close(run.params()[key], value, key)
+
+
+def test_a_wrong_row_prediction_is_summed_again(cpu_ranks):
+    cpu_ranks.run(_backward_in_reverse)
+
+
+def _sink_outlives_its_owner(rank, world):
+    """Once the buffers are gone, the lookup's gradient reaches `.grad` again."""
+    setup(1)
+    config = config_for("gpt2", 2)
+    tp_group, dp_group, _ = groups()
+    torch.manual_seed(0)
+    model, plain = GPTModel(config, group=tp_group), GPTModel(config, group=tp_group)
+    plain.load_state_dict(model.state_dict())
+    grads = DataParallelGrads(model, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=True,
+                              lookup_and_head=[model.embedding.word.weight])
+    assert grads.split, "the tied embedding should be split with overlap at DP > 1"
+    del grads
+    gc.collect()
+    ids, target = batches(config, 1, 1, seed=rank)[0][0]
+    model(ids, target).backward()
+    plain(ids, target).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad, name)
+
+
+def test_lookup_gradient_returns_to_grad_without_buffers(cpu_ranks):
+    cpu_ranks.run(_sink_outlives_its_owner)
+
+
+def _touched_rows(rank, world):
+    """sum_touched_rows against the dense sum of every rank's gradient, computed here, with
+    the touched rows found from the values and from a list of rows."""
+    setup(1)
+    group = groups()[1]
+    grads = []
+    for r in range(world):
+        g = torch.zeros(64, 3)
+        rows = torch.tensor([r, 2 * r + 5, 40]) if r != 1 else torch.tensor([], dtype=torch.long)
+        g[rows] = torch.randn(rows.numel(), 3, generator=torch.Generator().manual_seed(r))
+        grads.append(g)
+    index, values = sum_touched_rows(grads[rank], group, torch.float64)
+    dense = torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values)
+    assert index.tolist() == sorted({0, 5, 40, 2, 9, 3, 11}), index.tolist()
+    assert_close(dense, sum(g.double() for g in grads), "touched rows")
+    # The rows each rank says it read (repeats, and row 63 whose gradient is zero): the same sums.
+    listed = torch.tensor([rank, rank, 2 * rank + 5, 40, 63]) if rank != 1 else torch.tensor([], dtype=torch.long)
+    index, values = sum_touched_rows(grads[rank], group, torch.float64, listed)
+    assert index.tolist() == sorted({0, 5, 40, 2, 9, 3, 11, 63}), index.tolist()
+    assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, "touched rows, listed")
+    assert sum_touched_rows(torch.zeros(64, 3), group, torch.float32) is None
+    # A union started early from predicted rows: inside it, one exchange; with rank 2's
+    # row 9 (no other rank's) outside it, every rank sums again; either way the same sums.
+    predicted = listed if rank != 2 else listed[listed != 9]
+    for outside in (False, True):
+        union = RowUnion(64, group, rows=predicted if outside else listed, async_op=True)
+        made = _count_unions()
+        try:
+            index, values = sum_touched_rows(grads[rank], group, torch.float64, listed, union)
+        finally:
+            _restore_unions()
+        assert made["again"] == int(outside), (outside, made)
+        assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, f"union, outside: {outside}")
+    full = torch.ones(4, 2) if rank == 0 else torch.zeros(4, 2)  # every row touched: the whole table
+    index, values = sum_touched_rows(full, group, torch.float32)
+    assert index is None and torch.equal(values, torch.ones(4, 2))
+
+
+def test_sum_touched_rows(cpu_ranks):
+    cpu_ranks.run(_touched_rows)
