@@ -37,13 +37,15 @@ class RowUnion:
         else:
             raise ValueError("tpcore: RowUnion needs the rows or the gradient")
         self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+        self._index: torch.Tensor | None = None
 
     def index(self) -> torch.Tensor:
         """`[u]` int64: the rows some rank touched, ascending (the same on every rank)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return self.mask.nonzero().squeeze(1)
+        if self._index is None:
+            if self._work is not None:
+                self._work.wait()
+            self._index = self.mask.nonzero().squeeze(1)
+        return self._index
 
     def covers(self, rows: torch.Tensor) -> bool:
         self.index()
