@@ -7,7 +7,11 @@ measured in the same run.
     python benchmarks/bench_comm.py --tune             # slot size and two-step threshold sweep
 
 Contenders, fp32, one thread per rank:
-- `tpcore.comm`: what tpcore's layers call (C++; the backend is called directly),
+- `tpcore.comm`: what tpcore's layers call (C++; the backend is called directly). Its
+  all-gather and reduce-scatter return a fresh output, the `dist.*` calls write into a
+  preallocated one: an output over glibc's 32 MiB mmap threshold is mapped and page-faulted
+  on every call (a 128 MiB all-gather output: about 60 ms on the 2-core VM, 8 ms into a
+  preallocated tensor),
 - `dist.*` on a `tpcore` group: what any torch.distributed program gets,
 - `dist.*` on a gloo group,
 - DeepSpeed's `inference_all_reduce` (all-reduce only; `pip install deepspeed`, else skipped),
