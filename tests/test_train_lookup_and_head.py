@@ -112,6 +112,31 @@ def test_a_wrong_row_prediction_is_summed_again(cpu_ranks):
     cpu_ranks.run(_backward_in_reverse)
 
 
+def _head_copy_first(rank, world):
+    """PP 2 x DP 2: the last stage uses its tied embedding copy only as the LM head, whose
+    gradient is complete first: its bucket is first in order (it was last, and so started
+    only when the backward ended). The steps equal today's optimizer."""
+    setup(1, 2)
+    _, dp_group, pp_group = groups()
+    config = config_for("gpt2", 2, vocab_size=600, make_vocab_size_divisible_by=1)
+    run, base = Run(config, OVERLAP), Run(config, BASELINE)
+    chunk = run.chunks[0]
+    if chunk.post_process:
+        assert run.grads.buffers[0].buckets[0].params == [chunk.embedding.word.weight]
+        assert not run.grads.split, "no chunk here holds both the lookup and the LM head"
+    for step in range(2):
+        data = batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)]
+        _, norm, _ = run.step(data, 1e-2, CLIP)
+        _, base_norm, _ = base.step(data, 1e-2, CLIP)
+        assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
+    for key, value in base.params().items():
+        assert_close(run.params()[key], value, f"PP rank {dist.get_rank(pp_group)}: {key}")
+
+
+def test_last_stage_puts_the_tied_head_copy_first(cpu_ranks):
+    cpu_ranks.run(_head_copy_first)
+
+
 def _sink_outlives_its_owner(rank, world):
     """Once the buffers are gone, the lookup's gradient reaches `.grad` again."""
     setup(1)

@@ -10,6 +10,7 @@ from .gpt_stages import (
     duplicate_parameter_names,
     split_layers,
     sync_tied_embeddings,
+    head_only_tied_weights,
     lookup_and_head_weights,
     tied_embedding_copies,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "build_gpt_stages",
     "activation_shape",
     "gpt_forward_step",
+    "head_only_tied_weights",
     "lookup_and_head_weights",
     "tied_embedding_copies",
     "duplicate_parameter_names",

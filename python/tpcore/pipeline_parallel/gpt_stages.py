@@ -157,6 +157,15 @@ def lookup_and_head_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     ]
 
 
+def head_only_tied_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
+    """The tied word-embedding copies this rank uses only as the LM head (a last pipeline
+    stage's chunk without the embedding): their gradient is complete early in the backward."""
+    return [
+        p for chunk in chunks if chunk.config.tie_embeddings and chunk.post_process and not chunk.pre_process
+        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
+    ]
+
+
 def duplicate_parameter_names(chunks: Sequence[GPTModel]) -> set[str]:
     """Names of this rank's parameters that copy one held by another stage: the last
     stage's tied embedding (its gradient equals the first stage's after

@@ -51,13 +51,15 @@ class DataParallelGrads:
     then `zero_grad()`. Frozen parameters (`requires_grad=False`) get no buffer.
     `lookup_and_head`: word embeddings each used as the lookup table and as the LM head of
     one chunk (used with `overlap_grad_reduce` only; see the module's docstring).
+    `head_first`: parameters whose gradient is complete at the start of the backward though
+    registered early (a last stage's copy of the tied embedding): first in bucket order.
     """
 
     def __init__(
         self, chunks: nn.Module | Sequence[nn.Module], *, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None = None,
         overlap_grad_reduce: bool = False, reduce_scatter: bool = False, grad_dtype: torch.dtype = torch.float32,
         bucket_size: int | None = None, tied: Sequence[nn.Parameter] = (), embedding_group: dist.ProcessGroup | None = None,
-        lookup_and_head: Sequence[nn.Parameter] = (),
+        lookup_and_head: Sequence[nn.Parameter] = (), head_first: Sequence[nn.Parameter] = (),
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
@@ -71,7 +73,7 @@ class DataParallelGrads:
         self.tied = list(tied) if embedding_sum else []
         # Splitting the embedding's two uses only pays when its reduction can start early.
         self.split = [p for p in lookup_and_head if p.requires_grad] if overlap_grad_reduce and self.dp_size > 1 else []
-        split_ids = {id(p) for p in self.split}
+        first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
         if any(getattr(p, "sequence_parallel", False) for c in chunks for p in c.parameters()) and tp_group is None:
             raise ValueError("tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their gradients are summed over TP)")
         self.buffers: list[GradBuffer] = []
@@ -85,8 +87,8 @@ class DataParallelGrads:
             mine = []
             for dtype in dict.fromkeys(p.dtype for _, p in named):
                 group = [(n, p) for n, p in reversed(named) if p.dtype == dtype]  # reverse order of use
-                # A split embedding is ready when the LM head's gradient is: first.
-                group = [x for x in group if id(x[1]) in split_ids] + [x for x in group if id(x[1]) not in split_ids]
+                # An LM head's weight (a split embedding's too) is ready first: put it first.
+                group = [x for x in group if id(x[1]) in first_ids] + [x for x in group if id(x[1]) not in first_ids]
                 mine.append(GradBuffer(group, grad_dtype=grad_dtype, bucket_size=size, dp_size=self.dp_size,
                                        separate=self.tied + self.split, keep_params=reduce_scatter))
             self.chunk_buffers.append(mine)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..models.sharding import rule_for, tp_copy_range
 from ..parallel_state import get_parallel_state
-from ..pipeline_parallel import duplicate_parameter_names, lookup_and_head_weights, tied_embedding_copies
+from ..pipeline_parallel import duplicate_parameter_names, head_only_tied_weights, lookup_and_head_weights, tied_embedding_copies
 from .data_parallel import DataParallelGrads
 from .distributed_optimizer import DistributedAdamW
 from .optimizer import LossScaler, ParallelAdamW
@@ -78,7 +78,7 @@ def make_optimizer(
         chunks, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=options.overlap_grad_reduce,
         reduce_scatter=options.use_distributed_optimizer, grad_dtype=torch.bfloat16 if options.grad_reduce_in_bf16 else torch.float32,
         bucket_size=options.bucket_size, tied=tied, embedding_group=embedding_group if tied else None,
-        lookup_and_head=lookup_and_head_weights(chunks),
+        lookup_and_head=lookup_and_head_weights(chunks), head_first=head_only_tied_weights(chunks),
     )
     if options.use_distributed_optimizer:
         return DistributedAdamW(grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common), grads
