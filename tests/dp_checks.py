@@ -6,12 +6,13 @@ optimizer (`make_optimizer`), so that runs can be compared step by step."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
 
 import tpcore
-from checks import GPT_VARIANTS, GQA_VARIANTS
+from checks import GPT_VARIANTS, GQA_VARIANTS, assert_close
 from tpcore import parallel_state
 from tpcore.pipeline_parallel import activation_shape, build_gpt_stages, finalize_model_grads, forward_backward, gpt_forward_step, sync_tied_embeddings
 from tpcore.train import LossScaler
@@ -81,6 +82,20 @@ class Run:
         """Every parameter of this rank (all gathers waited for), by name and chunk."""
         self.opt.finish_param_sync()
         return {f"{c}/{n}": p.detach().clone() for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
+
+
+def step_alike(run: Run, base: Run, micro_batches, lr: float, clip: float) -> None:
+    """One step of `run` and of `base` on the same micro-batches: the same gradient norm."""
+    _, norm, _ = run.step(micro_batches, lr, clip)
+    _, base_norm, _ = base.step(micro_batches, lr, clip)
+    assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
+
+
+def assert_same_params(run: Run, base: Run, what: str = "") -> None:
+    """Every parameter of `run` equals `base`'s up to rounding."""
+    got = run.params()
+    for key, value in base.params().items():
+        assert_close(got[key], value, f"{what}: {key}")
 
 
 def setup(tp: int = 1, pp: int = 1, backend: str | None = None) -> None:

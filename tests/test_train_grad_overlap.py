@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checks import assert_close
-from dp_checks import BASELINE, DISTRIBUTED, DISTRIBUTED_OVERLAP, OVERLAP, SEQ, Run, batches, config_for, groups, setup
+from dp_checks import BASELINE, DISTRIBUTED, DISTRIBUTED_OVERLAP, OVERLAP, SEQ, Run, assert_same_params, batches, config_for, groups, setup
 from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.train.data_parallel import DataParallelGrads
 from tpcore.train.distributed_optimizer import DistributedAdamW
@@ -61,8 +61,7 @@ def _micro_by_micro(rank, world):
         norm, _ = run.opt.step(1e-2, CLIP)
         base_loss, base_norm, _ = base.step(data, 1e-2, CLIP)
         assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
-        for key, value in base.params().items():
-            assert_close(run.params()[key], value, f"unused={unused}: {key}")
+        assert_same_params(run, base, f"unused={unused}")
 
 
 def test_buckets_start_in_the_last_micro_batch_backward(cpu_ranks):

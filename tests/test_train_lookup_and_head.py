@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_close
-from dp_checks import BASELINE, DISTRIBUTED_OVERLAP, OVERLAP, Run, batches, config_for, groups, setup
+from dp_checks import BASELINE, DISTRIBUTED_OVERLAP, OVERLAP, Run, assert_same_params, batches, config_for, groups, setup, step_alike
 from tpcore.models import GPTModel
 from tpcore.train import data_parallel, sparse_rows
 from tpcore.train.data_parallel import DataParallelGrads
@@ -57,20 +57,15 @@ def _lookup_and_head(rank, world, tp, options_name, backend):
         weight = run.chunks[0].embedding.word.weight
         assert run.grads.buffers[0].buckets[0].params == [weight], "the tied embedding should be alone in the first bucket"
         for step, lr in enumerate([1e-2, 5e-3]):
-            data = batches(config, 3, dp, seed=step)[dp_rank]
             before = run.grads.rows_summed
-            _, norm, _ = run.step(data, lr, CLIP)
-            _, base_norm, _ = base.step(data, lr, CLIP)
-            assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
+            step_alike(run, base, batches(config, 3, dp, seed=step)[dp_rank], lr, CLIP)
             rows = run.grads.rows_summed - before
             assert made == {"predicted": step + 1, "again": 0}, made
             if sparse:
                 assert 0 < rows <= dp * 16 < weight.shape[0] // 2, f"vocab {vocab}: {rows} of {weight.shape[0]} rows summed on their own"
             else:
                 assert rows == weight.shape[0], f"vocab {vocab}: {rows} of {weight.shape[0]} rows: expected the whole table"
-        want, got = base.params(), run.params()
-        for key, value in want.items():
-            assert_close(got[key], value, f"vocab {vocab}, {options_name}: {key}")
+        assert_same_params(run, base, f"vocab {vocab}, {options_name}")
         made.update(predicted=0)
     _restore_unions()
 
@@ -104,8 +99,7 @@ def _backward_in_reverse(rank, world):
     norm, _ = run.opt.step(1e-2, CLIP)
     _, base_norm, _ = base.step(data, 1e-2, CLIP)
     assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
-    for key, value in base.params().items():
-        assert_close(run.params()[key], value, key)
+    assert_same_params(run, base, "backward in reverse")
 
 
 def test_a_wrong_row_prediction_is_summed_again(cpu_ranks):
@@ -125,12 +119,8 @@ def _head_copy_first(rank, world):
         assert run.grads.buffers[0].buckets[0].params == [chunk.embedding.word.weight]
         assert not run.grads.split, "no chunk here holds both the lookup and the LM head"
     for step in range(2):
-        data = batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)]
-        _, norm, _ = run.step(data, 1e-2, CLIP)
-        _, base_norm, _ = base.step(data, 1e-2, CLIP)
-        assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
-    for key, value in base.params().items():
-        assert_close(run.params()[key], value, f"PP rank {dist.get_rank(pp_group)}: {key}")
+        step_alike(run, base, batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)], 1e-2, CLIP)
+    assert_same_params(run, base, f"PP rank {dist.get_rank(pp_group)}")
 
 
 def test_last_stage_puts_the_tied_head_copy_first(cpu_ranks):
