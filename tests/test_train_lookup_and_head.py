@@ -7,6 +7,7 @@ all-reduce) on the same batches."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from checks import assert_close
 from dp_checks import BASELINE, DISTRIBUTED_OVERLAP, OVERLAP, Run, assert_same_params, batches, config_for, groups, setup, step_alike
 from tpcore.models import GPTModel
+from tpcore.tensor_parallel import gradient_sink
 from tpcore.train import data_parallel, sparse_rows
 from tpcore.train.data_parallel import DataParallelGrads
 from tpcore.train.sparse_rows import RowUnion, sum_touched_rows
@@ -128,23 +130,32 @@ def test_last_stage_puts_the_tied_head_copy_first(cpu_ranks):
 
 
 def _sink_outlives_its_owner(rank, world):
-    """Once the buffers are gone, the lookup's gradient reaches `.grad` again."""
+    """A deep copy of the weight does not share the buffers' sink; once the buffers are
+    gone, the lookup's gradient reaches `.grad` again and new buffers can be built."""
     setup(1)
     config = config_for("gpt2", 2)
     tp_group, dp_group, _ = groups()
     torch.manual_seed(0)
     model, plain = GPTModel(config, group=tp_group), GPTModel(config, group=tp_group)
     plain.load_state_dict(model.state_dict())
-    grads = DataParallelGrads(model, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=True,
-                              lookup_and_head=[model.embedding.word.weight])
+    ids, target = batches(config, 1, 1, seed=rank)[0][0]
+    plain(ids, target).backward()
+    weight = model.embedding.word.weight
+
+    def make():
+        return DataParallelGrads(model, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=True, lookup_and_head=[weight])
+    grads = make()
     assert grads.split, "the tied embedding should be split with overlap at DP > 1"
+    twin = copy.deepcopy(weight)
+    assert gradient_sink.route_gradient(twin) is twin, "a deep copy of the weight shares its sink"
+    assert gradient_sink.route_gradient(weight) is not weight
     del grads
     gc.collect()
-    ids, target = batches(config, 1, 1, seed=rank)[0][0]
+    assert not gradient_sink._SINKS, "the buffers' sinks should go with them"
     model(ids, target).backward()
-    plain(ids, target).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert_close(p.grad, q.grad, name)
+    make().remove_hooks()  # a second owner is welcome once the first is gone
 
 
 def test_lookup_gradient_returns_to_grad_without_buffers(cpu_ranks):

@@ -147,9 +147,11 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """`[n]` int64: this rank's rows that `ids` look up (local indices, repeats kept)."""
+        """`[n]` int64: the local row each id looks up, `rows` (one past the last) for ids
+        of other ranks; no boolean indexing, so no host sync on a GPU."""
         local = ids.reshape(-1).to(torch.int64) - self.vocab_start
-        return local[(local >= 0) & (local < self.weight.shape[0])]
+        rows = self.weight.shape[0]
+        return torch.where((local >= 0) & (local < rows), local, rows)
 
     def extra_repr(self) -> str:
         return (

@@ -112,6 +112,8 @@ class DataParallelGrads:
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
         for p in self.split:
             attach_gradient_sink(p, _weak_sink(self, p), _weak_use(self, p))
+        # Sinks go with their owner, so a model outlives its buffers unchanged.
+        weakref.finalize(self, _detach_sinks, list(self.split))
         self._reset()
 
     @property
@@ -249,6 +251,8 @@ class DataParallelGrads:
         only: `id(p) -> (row index or None for all rows, values)`. Called on every DP rank
         alike, whether or not a gradient was set aside."""
         out = {}
+        if self._expected is None:  # no step started: no bucket started early, nothing came late
+            return out
         for p in self.split:
             grad, rows = self._late.pop(id(p), (None, None))
             if grad is None:  # nothing came late here: zeros (other ranks may have rows)
@@ -302,6 +306,11 @@ class DataParallelGrads:
             detach_gradient_sink(p)
 
 
+def _detach_sinks(params: list[nn.Parameter]) -> None:
+    for p in params:
+        detach_gradient_sink(p)
+
+
 def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
     if index is None:
         target.add_(values)
@@ -320,9 +329,8 @@ def _weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Ten
             return
         if owner is not None:
             owner._on_lookup_grad(target, grad, rows)
-            return
-        detach_gradient_sink(target)
-        target.grad = grad if target.grad is None else target.grad + grad
+        else:  # a backward in flight when the buffers went: as without a sink
+            target.grad = grad if target.grad is None else target.grad + grad
 
     return sink
 

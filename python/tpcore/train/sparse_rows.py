@@ -25,13 +25,15 @@ __all__ = ["RowUnion", "sum_touched_rows"]
 
 class RowUnion:
     """The union over `group` of the rows each rank touched: this rank's `rows` (int64
-    `[n]`, repeats allowed) or, without them, the nonzero rows of `grad` `[num_rows, h]`."""
+    `[n]`, repeats allowed, `num_rows` standing for none) or, without them, the nonzero rows
+    of `grad` `[num_rows, h]`."""
 
     def __init__(self, num_rows: int, group: dist.ProcessGroup, *, rows: torch.Tensor | None = None,
                  grad: torch.Tensor | None = None, async_op: bool = False) -> None:
         if rows is not None:
-            self.mask = torch.zeros(num_rows, dtype=torch.uint8, device=rows.device)
-            self.mask[rows] = 1
+            padded = torch.zeros(num_rows + 1, dtype=torch.uint8, device=rows.device)
+            padded[rows] = 1  # index_put: no host sync
+            self.mask = padded[:num_rows]
         elif grad is not None:
             self.mask = grad.ne(0).any(dim=1).to(torch.uint8)  # NaN and inf rows count as touched
         else:
@@ -48,8 +50,10 @@ class RowUnion:
         return self._index
 
     def covers(self, rows: torch.Tensor) -> bool:
+        """Whether every one of `rows` (`num_rows` standing for none) is in the union."""
         self.index()
-        return bool(self.mask[rows].all()) if rows.numel() else True
+        padded = torch.cat([self.mask, self.mask.new_ones(1)])
+        return bool(padded[rows].all()) if rows.numel() else True
 
 
 def sum_touched_rows(
@@ -58,8 +62,8 @@ def sum_touched_rows(
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """The sum over `group` of every rank's `grad` `[num_rows, h]`.
 
-    `rows` (int64 `[n]`, repeats allowed), if given, holds every row where this rank's
-    `grad` may be nonzero. `union`, if given, is a union started earlier by every rank.
+    `rows` (int64 `[n]`, repeats allowed, `num_rows` standing for none), if given, holds
+    every row where this rank's `grad` may be nonzero. `union`, if given, is a union started earlier by every rank.
     Returns `(index, values)`: `values` `[u, h]` (in `dtype`) are the sums of the rows
     `index` `[u]`, every other row summing to zero; `index` is None when `values` is the
     whole table; None when every rank's gradient is zero. The result is the same on every
