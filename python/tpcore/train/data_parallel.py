@@ -240,8 +240,8 @@ class DataParallelGrads:
             while self._done[i] < len(buffer.buckets):
                 self._complete(i, buffer.buckets[self._done[i]])
         for p in self.split:
-            if id(p) in late:
-                _add_rows(p.main_grad, *late[id(p)])
+            if id(p) in late:  # the DP mean, as the buckets'
+                _add_rows(p.main_grad, *late[id(p)], scale=1 / self.dp_size)
         self._sum_sequence_parallel()
         self._sum_tied()
         self.finished = True
@@ -260,7 +260,6 @@ class DataParallelGrads:
             dtype = self.buffers[self._index_of[id(p)]].grad_dtype
             summed = sum_touched_rows(grad, self.dp_group, dtype, rows, self._union.pop(id(p), None))
             if summed is not None:
-                summed[1].div_(self.dp_size)  # the DP mean, as the buckets'
                 out[id(p)] = summed
                 self.rows_summed += summed[1].shape[0]
         return out
@@ -311,11 +310,11 @@ def _detach_sinks(params: list[nn.Parameter]) -> None:
         detach_gradient_sink(p)
 
 
-def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
+def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float) -> None:
     if index is None:
-        target.add_(values)
+        target.add_(values, alpha=scale)
     else:
-        target.index_add_(0, index, values)
+        target.index_add_(0, index, values, alpha=scale)
 
 
 def _weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor | None], None]:

@@ -30,14 +30,16 @@ class RowUnion:
 
     def __init__(self, num_rows: int, group: dist.ProcessGroup, *, rows: torch.Tensor | None = None,
                  grad: torch.Tensor | None = None, async_op: bool = False) -> None:
-        if rows is not None:
-            padded = torch.zeros(num_rows + 1, dtype=torch.uint8, device=rows.device)
-            padded[rows] = 1  # index_put: no host sync
-            self.mask = padded[:num_rows]
-        elif grad is not None:
-            self.mask = grad.ne(0).any(dim=1).to(torch.uint8)  # NaN and inf rows count as touched
-        else:
+        if rows is None and grad is None:
             raise ValueError("tpcore: RowUnion needs the rows or the gradient")
+        # The mask with one more entry, always set, for `num_rows` (none) in `rows`.
+        self._padded = torch.zeros(num_rows + 1, dtype=torch.uint8, device=(rows if rows is not None else grad).device)
+        self.mask = self._padded[:num_rows]
+        if rows is not None:
+            self._padded[rows] = 1  # index_put: no host sync
+        else:
+            self.mask.copy_(grad.ne(0).any(dim=1))  # NaN and inf rows count as touched
+        self._padded[num_rows] = 1
         self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
         self._index: torch.Tensor | None = None
 
@@ -52,8 +54,7 @@ class RowUnion:
     def covers(self, rows: torch.Tensor) -> bool:
         """Whether every one of `rows` (`num_rows` standing for none) is in the union."""
         self.index()
-        padded = torch.cat([self.mask, self.mask.new_ones(1)])
-        return bool(padded[rows].all()) if rows.numel() else True
+        return bool(self._padded[rows].all())
 
 
 def sum_touched_rows(
@@ -87,12 +88,20 @@ def _sum_rows(grad: torch.Tensor, index: torch.Tensor, group: dist.ProcessGroup,
     if index.numel() == 0 and flag is None:
         return None, False
     whole = 2 * index.numel() >= grad.shape[0]
-    values = grad.to(dtype) if whole else grad.index_select(0, index).to(dtype)
-    if flag is None:
-        values, anyone = comm.all_reduce(values, group), False
+    u, h = grad.shape[0] if whole else index.numel(), grad.shape[1]
+    # One buffer for the rows and the flag: the fewest small operations after the backward.
+    flat = torch.empty(u * h + (flag is not None), dtype=dtype, device=grad.device)
+    body = flat[: u * h].view(u, h)
+    if whole:
+        body.copy_(grad)
+    elif grad.dtype == dtype:
+        torch.index_select(grad, 0, index, out=body)
     else:
-        flat = comm.all_reduce(torch.cat([values.reshape(-1), values.new_full((1,), float(flag))]), group)
-        values, anyone = flat[:-1].view(values.shape), bool(flat[-1] > 0)
+        body.copy_(grad.index_select(0, index))
+    if flag is not None:
+        flat[-1] = float(flag)
+    flat = comm.all_reduce(flat, group)
+    anyone = flag is not None and flat[-1].item() > 0
     if index.numel() == 0:
         return None, anyone
-    return (None if whole else index, values), anyone
+    return (None if whole else index, flat[: u * h].view(u, h)), anyone
