@@ -64,8 +64,8 @@ def sum_touched_rows(
     """The sum over `group` of every rank's `grad` `[num_rows, h]`.
 
     `rows` (int64 `[n]`, repeats allowed, `num_rows` standing for none), if given, holds
-    every row where this rank's `grad` may be nonzero. `union`, if given, is a union started earlier by every rank.
-    Returns `(index, values)`: `values` `[u, h]` (in `dtype`) are the sums of the rows
+    every row where this rank's `grad` may be nonzero. `union`, if given, is a union every
+    rank started earlier (from predicted rows). Returns `(index, values)`: `values` `[u, h]` (in `dtype`) are the sums of the rows
     `index` `[u]`, every other row summing to zero; `index` is None when `values` is the
     whole table; None when every rank's gradient is zero. The result is the same on every
     rank, bit for bit, and so is the sequence of collectives.
