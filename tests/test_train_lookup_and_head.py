@@ -120,13 +120,53 @@ def _head_copy_first(rank, world):
     if chunk.post_process:
         assert run.grads.buffers[0].buckets[0].params == [chunk.embedding.word.weight]
         assert not run.grads.split, "no chunk here holds both the lookup and the LM head"
+    else:
+        assert run.grads.lookup_only == [chunk.embedding.word.weight]
     for step in range(2):
         step_alike(run, base, batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)], 1e-2, CLIP)
     assert_same_params(run, base, f"PP rank {dist.get_rank(pp_group)}")
+    # The first stage sums its copy's rows (3 micro-batches x 16 tokens on 2 DP ranks).
+    assert (0 < run.grads.rows_summed <= 2 * 2 * 48) if chunk.pre_process else run.grads.rows_summed == 0
 
 
 def test_last_stage_puts_the_tied_head_copy_first(cpu_ranks):
     cpu_ranks.run(_head_copy_first)
+
+
+def _untied_lookup(rank, world, tp, options_name):
+    """An untied embedding (Llama style) is only looked up: its bucket sends nothing dense,
+    and after the backward the rows of all the step's lookups are summed over DP."""
+    setup(tp)
+    dp_group = groups()[1]
+    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP}[options_name]
+    # 2000 ids: a step's 48 tokens per DP rank touch a few rows; 8 ids: all of them (the
+    # whole table, summed in place).
+    for vocab, sparse in ((2000, True), (8, False)):
+        config = config_for("llama", 2, vocab_size=vocab, make_vocab_size_divisible_by=1)
+        run, base = Run(config, options), Run(config, BASELINE)
+        weight = run.chunks[0].embedding.word.weight
+        assert run.grads.lookup_only == [weight] and not run.grads.split
+        made = _count_unions()
+        try:
+            for step in range(2):
+                before = run.grads.rows_summed
+                step_alike(run, base, batches(config, 3, dp, seed=step)[dp_rank], 1e-2, CLIP)
+                rows = run.grads.rows_summed - before
+                if sparse:
+                    assert 0 < rows <= dp * 48 < weight.shape[0] // 2, f"{rows} of {weight.shape[0]} rows"
+                else:
+                    assert rows == weight.shape[0], f"{rows} of {weight.shape[0]} rows: expected the whole table"
+        finally:
+            _restore_unions()
+        assert made == {"predicted": 2, "again": 0}, made
+        assert_same_params(run, base, f"untied, vocab {vocab}, TP {tp}, {options_name}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("options", ["overlap", "distributed+overlap"])
+def test_untied_embedding_sums_the_rows_of_every_lookup(cpu_ranks, tp, options):
+    cpu_ranks.run(_untied_lookup, tp, options)
 
 
 def _sink_outlives_its_owner(rank, world):

@@ -12,6 +12,7 @@ from .gpt_stages import (
     sync_tied_embeddings,
     head_only_tied_weights,
     lookup_and_head_weights,
+    lookup_only_weights,
     tied_embedding_copies,
 )
 from .schedule_table import SCHEDULES, Action, ScheduleTable, check_schedule, rank_actions, schedule_table
@@ -33,6 +34,7 @@ __all__ = [
     "gpt_forward_step",
     "head_only_tied_weights",
     "lookup_and_head_weights",
+    "lookup_only_weights",
     "tied_embedding_copies",
     "duplicate_parameter_names",
     "sync_tied_embeddings",

@@ -157,6 +157,15 @@ def lookup_and_head_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     ]
 
 
+def lookup_only_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
+    """The word-embedding weights this rank uses only for the lookup: untied, or a first
+    pipeline stage's tied copy. Their gradient is zero outside the looked-up rows."""
+    return [
+        p for chunk in chunks if chunk.pre_process and not (chunk.config.tie_embeddings and chunk.post_process)
+        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
+    ]
+
+
 def head_only_tied_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding copies this rank uses only as the LM head (a last pipeline
     stage's chunk without the embedding): their gradient is complete early in the backward."""

@@ -21,7 +21,10 @@ gets a bucket of its own, first in order, and its lookup's gradient goes to a si
 last micro-batch is in. The last lookup's gradient, which arrives later and is zero outside
 the rows of that micro-batch's tokens, is summed over DP row by row after the backward
 (`sparse_rows.py`; the union of the rows is started from the ids in that lookup's
-forward) and added to the reduced bucket.
+forward) and added to the reduced bucket. A word embedding used only for the lookup
+(`lookup_only`: untied, or a first pipeline stage's tied copy) has nothing but such
+gradients: its bucket sends no dense reduction, and after the backward its accumulated
+gradient is summed over DP as the rows of all the step's lookups.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class DataParallelGrads:
     one chunk (used with `overlap_grad_reduce` only; see the module's docstring).
     `head_first`: parameters whose gradient is complete at the start of the backward though
     registered early (a last stage's copy of the tied embedding): first in bucket order.
+    `lookup_only`: word embeddings used only for the lookup (with `overlap_grad_reduce`).
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class DataParallelGrads:
         overlap_grad_reduce: bool = False, reduce_scatter: bool = False, grad_dtype: torch.dtype = torch.float32,
         bucket_size: int | None = None, tied: Sequence[nn.Parameter] = (), embedding_group: dist.ProcessGroup | None = None,
         lookup_and_head: Sequence[nn.Parameter] = (), head_first: Sequence[nn.Parameter] = (),
+        lookup_only: Sequence[nn.Parameter] = (),
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
@@ -72,7 +77,10 @@ class DataParallelGrads:
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
         self.tied = list(tied) if embedding_sum else []
         # Splitting the embedding's two uses only pays when its reduction can start early.
-        self.split = [p for p in lookup_and_head if p.requires_grad] if overlap_grad_reduce and self.dp_size > 1 else []
+        sparse = overlap_grad_reduce and self.dp_size > 1
+        self.split = [p for p in lookup_and_head if p.requires_grad] if sparse else []
+        self.lookup_only = [p for p in lookup_only if p.requires_grad] if sparse else []
+        self._lookup_only_ids = {id(p) for p in self.lookup_only}
         first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
         if any(getattr(p, "sequence_parallel", False) for c in chunks for p in c.parameters()) and tp_group is None:
             raise ValueError("tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their gradients are summed over TP)")
@@ -90,7 +98,7 @@ class DataParallelGrads:
                 # An LM head's weight (a split embedding's too) is ready first: put it first.
                 group = [x for x in group if id(x[1]) in first_ids] + [x for x in group if id(x[1]) not in first_ids]
                 mine.append(GradBuffer(group, grad_dtype=grad_dtype, bucket_size=size, dp_size=self.dp_size,
-                                       separate=self.tied + self.split, keep_params=reduce_scatter))
+                                       separate=self.tied + self.split + self.lookup_only, keep_params=reduce_scatter))
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
         self.params = [p for b in self.buffers for p in b.params]
@@ -105,15 +113,16 @@ class DataParallelGrads:
         # rows it may be nonzero in, or None if a lookup did not say)
         self._late: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._lookups: dict[int, int] = {}  # id(split embedding) -> lookups in this step's forward passes
-        self._union: dict[int, RowUnion] = {}  # id(split embedding) -> rows of the last lookup, union started
+        self._union: dict[int, RowUnion] = {}  # id(embedding) -> union of its rows, started in the last forward
+        self._rows: dict[int, list[torch.Tensor | None]] = {}  # id(lookup-only embedding) -> rows of each lookup
         self.rows_summed = 0
-        """Rows of split embeddings' late lookup gradients summed over DP on their own (for tests)."""
+        """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
-        for p in self.split:
+        for p in self.split + self.lookup_only:
             attach_gradient_sink(p, _weak_sink(self, p), _weak_use(self, p))
         # Sinks go with their owner, so a model outlives its buffers unchanged.
-        weakref.finalize(self, _detach_sinks, list(self.split))
+        weakref.finalize(self, _detach_sinks, self.split + self.lookup_only)
         self._reset()
 
     @property
@@ -129,11 +138,13 @@ class DataParallelGrads:
 
     def _reset(self) -> None:
         self._counts = {id(p): 0 for p in self.params}
-        self._waiting = [[len(bucket.params) for bucket in b.buckets] for b in self.buffers]
+        # A lookup-only embedding is never "ready" (no accumulation hook): it holds nothing back.
+        self._waiting = [[sum(id(q) not in self._lookup_only_ids for q in bucket.params) for bucket in b.buckets]
+                         for b in self.buffers]
         self._next = [0] * len(self.buffers)
         self._done = [0] * len(self.buffers)
         self._pending = {}
-        self._late, self._lookups, self._union = {}, {}, {}
+        self._late, self._lookups, self._union, self._rows = {}, {}, {}, {}
         self.finished = False
 
     def start_step(self, num_micro_batches: int) -> None:
@@ -142,7 +153,7 @@ class DataParallelGrads:
         if num_micro_batches < 1:
             raise ValueError(f"tpcore: DataParallelGrads.start_step: num_micro_batches must be >= 1, got {num_micro_batches}")
         self._expected = num_micro_batches
-        self._lookups, self._union = {}, {}
+        self._lookups, self._union, self._rows = {}, {}, {}
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """After autograd accumulated into `p.grad`: move it into `main_grad`."""
@@ -171,7 +182,7 @@ class DataParallelGrads:
         entry = self.buffers[i].entry(p)
         if self.finished:
             raise RuntimeError(f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward after the step's?)")
-        if (i, entry.bucket) not in self._pending:
+        if id(p) in self._lookup_only_ids or (i, entry.bucket) not in self._pending:
             p.main_grad.add_(grad)
         elif id(p) in self._late:
             before, seen = self._late[id(p)]
@@ -184,6 +195,10 @@ class DataParallelGrads:
         micro-batch's, whose gradient will come after the bucket started), start the union
         of the rows it reads over DP, so that it is known when the backward ends."""
         count = self._lookups[id(p)] = self._lookups.get(id(p), 0) + 1
+        if id(p) in self._lookup_only_ids:  # every lookup of the step counts
+            seen = self._rows.setdefault(id(p), [])
+            seen.append(rows)
+            rows = None if any(r is None for r in seen) else torch.cat(seen)
         if count == self._expected and rows is not None:
             self._union[id(p)] = RowUnion(p.shape[0], self.dp_group, rows=rows, async_op=True)
 
@@ -216,8 +231,8 @@ class DataParallelGrads:
         self._done[i] += 1
 
     def _start(self, i: int, bucket: Bucket) -> None:
-        if self.dp_size == 1:
-            self._pending[(i, bucket.index)] = None
+        if self.dp_size == 1 or (len(bucket.params) == 1 and id(bucket.params[0]) in self._lookup_only_ids):
+            self._pending[(i, bucket.index)] = None  # nothing to send, or rows after the backward
             return
         # The DP mean: scaled before the sum (exact for a power-of-two DP size), so that
         # with overlap this pass runs during the backward and not after it.
@@ -242,6 +257,7 @@ class DataParallelGrads:
         for p in self.split:
             if id(p) in late:  # the DP mean, as the buckets'
                 _add_rows(p.main_grad, *late[id(p)], scale=1 / self.dp_size)
+        self._sum_lookup_only()
         self._sum_sequence_parallel()
         self._sum_tied()
         self.finished = True
@@ -263,6 +279,29 @@ class DataParallelGrads:
                 out[id(p)] = summed
                 self.rows_summed += summed[1].shape[0]
         return out
+
+    def _sum_lookup_only(self) -> None:
+        """Every lookup-only embedding's gradient, the DP mean of the rows its lookups read.
+        Called on every DP rank alike."""
+        for p in self.lookup_only:
+            seen = self._rows.pop(id(p), [])
+            if not seen:  # no lookup here this step (other ranks may have rows)
+                rows = torch.zeros(0, dtype=torch.int64, device=p.device)
+            else:
+                rows = None if any(r is None for r in seen) else torch.cat(seen)
+            union = self._union.pop(id(p), None)
+            if union is not None and 2 * union.index().numel() >= p.shape[0]:
+                # Most of the table (large batches): in place, as a dense bucket, no copies.
+                p.main_grad.div_(self.dp_size)
+                comm.all_reduce_inplace_async(p.main_grad, self.dp_group).wait()
+                self.rows_summed += p.shape[0]
+                continue
+            dtype = self.buffers[self._index_of[id(p)]].grad_dtype
+            summed = sum_touched_rows(p.main_grad, self.dp_group, dtype, rows, union)
+            p.main_grad.zero_()
+            if summed is not None:
+                _add_rows(p.main_grad, *summed, scale=1 / self.dp_size)
+                self.rows_summed += summed[1].shape[0]
 
     def _sum_sequence_parallel(self) -> None:
         # Each TP rank saw only its sequence shard: sum over TP (after the DP mean; both are sums).

@@ -13,7 +13,9 @@ from torch import nn
 
 from ..models.sharding import rule_for, tp_copy_range
 from ..parallel_state import get_parallel_state
-from ..pipeline_parallel import duplicate_parameter_names, head_only_tied_weights, lookup_and_head_weights, tied_embedding_copies
+from ..pipeline_parallel import (
+    duplicate_parameter_names, head_only_tied_weights, lookup_and_head_weights, lookup_only_weights, tied_embedding_copies,
+)
 from .data_parallel import DataParallelGrads
 from .distributed_optimizer import DistributedAdamW
 from .optimizer import LossScaler, ParallelAdamW
@@ -79,6 +81,7 @@ def make_optimizer(
         reduce_scatter=options.use_distributed_optimizer, grad_dtype=torch.bfloat16 if options.grad_reduce_in_bf16 else torch.float32,
         bucket_size=options.bucket_size, tied=tied, embedding_group=embedding_group if tied else None,
         lookup_and_head=lookup_and_head_weights(chunks), head_first=head_only_tied_weights(chunks),
+        lookup_only=lookup_only_weights(chunks),
     )
     if options.use_distributed_optimizer:
         return DistributedAdamW(grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common), grads
