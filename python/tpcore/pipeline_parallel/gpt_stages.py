@@ -9,7 +9,7 @@ the full model's (`layers.7.…`), so a stage's state dict is a subset of `Refer
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,39 +140,32 @@ def gpt_forward_step(
     return step
 
 
+def _word_weights(chunks: Sequence[GPTModel], keep: Callable[[GPTModel], bool]) -> list[nn.Parameter]:
+    """`embedding.word.weight` of every chunk that has one and passes `keep`."""
+    return [p for chunk in chunks if keep(chunk) for name, p in chunk.named_parameters() if name == TIED_WEIGHT]
+
+
 def tied_embedding_copies(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding weights on this rank (first and/or last stage chunk)."""
-    return [
-        p for chunk in chunks if chunk.config.tie_embeddings and (chunk.pre_process or chunk.post_process)
-        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
-    ]
+    return _word_weights(chunks, lambda c: c.config.tie_embeddings and (c.pre_process or c.post_process))
 
 
 def lookup_and_head_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding weights this rank uses both for the lookup and as the LM head
     of one chunk (a chunk holding the first and the last stage: no pipeline parallelism)."""
-    return [
-        p for chunk in chunks if chunk.config.tie_embeddings and chunk.pre_process and chunk.post_process
-        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
-    ]
+    return _word_weights(chunks, lambda c: c.config.tie_embeddings and c.pre_process and c.post_process)
 
 
 def lookup_only_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The word-embedding weights this rank uses only for the lookup: untied, or a first
     pipeline stage's tied copy. Their gradient is zero outside the looked-up rows."""
-    return [
-        p for chunk in chunks if chunk.pre_process and not (chunk.config.tie_embeddings and chunk.post_process)
-        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
-    ]
+    return _word_weights(chunks, lambda c: c.pre_process and not (c.config.tie_embeddings and c.post_process))
 
 
 def head_only_tied_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding copies this rank uses only as the LM head (a last pipeline
     stage's chunk without the embedding): their gradient is complete early in the backward."""
-    return [
-        p for chunk in chunks if chunk.config.tie_embeddings and chunk.post_process and not chunk.pre_process
-        for name, p in chunk.named_parameters() if name == TIED_WEIGHT
-    ]
+    return _word_weights(chunks, lambda c: c.config.tie_embeddings and c.post_process and not c.pre_process)
 
 
 def duplicate_parameter_names(chunks: Sequence[GPTModel]) -> set[str]:
