@@ -112,7 +112,7 @@ class DataParallelGrads:
         # id(split embedding) -> (lookup gradient that came after its bucket started, the
         # rows it may be nonzero in, or None if a lookup did not say)
         self._late: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._lookups: dict[int, int] = {}  # id(split embedding) -> lookups in this step's forward passes
+        self._lookups: dict[int, int] = {}  # id(embedding) -> lookups in this step's forward passes
         self._union: dict[int, RowUnion] = {}  # id(embedding) -> union of its rows, started in the last forward
         self._rows: dict[int, list[torch.Tensor | None]] = {}  # id(lookup-only embedding) -> rows of each lookup
         self.rows_summed = 0
@@ -176,8 +176,8 @@ class DataParallelGrads:
             self._complete_finished()
 
     def _on_lookup_grad(self, p: nn.Parameter, grad: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """A split embedding's lookup gradient: into `main_grad`, or set aside for
-        `finish_grad_sync` once the bucket's reduction has started."""
+        """An embedding's lookup gradient: into `main_grad`, or, for a split embedding whose
+        bucket's reduction has started, set aside for `finish_grad_sync`."""
         i = self._index_of[id(p)]
         entry = self.buffers[i].entry(p)
         if self.finished:
@@ -186,20 +186,23 @@ class DataParallelGrads:
             p.main_grad.add_(grad)
         elif id(p) in self._late:
             before, seen = self._late[id(p)]
-            self._late[id(p)] = (before + grad, torch.cat([seen, rows]) if seen is not None and rows is not None else None)
+            self._late[id(p)] = (before + grad, _join_rows([seen, rows]))
         else:
             self._late[id(p)] = (grad, rows)
 
     def _on_lookup(self, p: nn.Parameter, rows: torch.Tensor | None) -> None:
-        """A split embedding's lookup in a forward pass: at the step's last one (the last
-        micro-batch's, whose gradient will come after the bucket started), start the union
-        of the rows it reads over DP, so that it is known when the backward ends."""
+        """An embedding's lookup in a forward pass. At the step's last one, start the union
+        over DP of the rows whose gradient will be summed after the backward, so that it is
+        known when the backward ends: that lookup's rows for a split embedding (its gradient
+        comes after the bucket started), every lookup's for a lookup-only one."""
         count = self._lookups[id(p)] = self._lookups.get(id(p), 0) + 1
-        if id(p) in self._lookup_only_ids:  # every lookup of the step counts
-            seen = self._rows.setdefault(id(p), [])
-            seen.append(rows)
-            rows = None if any(r is None for r in seen) else torch.cat(seen)
-        if count == self._expected and rows is not None:
+        if id(p) in self._lookup_only_ids:
+            self._rows.setdefault(id(p), []).append(rows)
+        if count != self._expected:
+            return
+        if id(p) in self._lookup_only_ids:
+            rows = _join_rows(self._rows[id(p)])
+        if rows is not None:
             self._union[id(p)] = RowUnion(p.shape[0], self.dp_group, rows=rows, async_op=True)
 
     def _start_ready(self, i: int) -> None:
@@ -285,10 +288,8 @@ class DataParallelGrads:
         Called on every DP rank alike."""
         for p in self.lookup_only:
             seen = self._rows.pop(id(p), [])
-            if not seen:  # no lookup here this step (other ranks may have rows)
-                rows = torch.zeros(0, dtype=torch.int64, device=p.device)
-            else:
-                rows = None if any(r is None for r in seen) else torch.cat(seen)
+            # No lookup here this step: no rows (other ranks may have some).
+            rows = _join_rows(seen) if seen else torch.zeros(0, dtype=torch.int64, device=p.device)
             union = self._union.pop(id(p), None)
             if union is not None and 2 * union.index().numel() >= p.shape[0]:
                 # Most of the table (large batches): in place, as a dense bucket, no copies.
@@ -347,6 +348,11 @@ class DataParallelGrads:
 def _detach_sinks(params: list[nn.Parameter]) -> None:
     for p in params:
         detach_gradient_sink(p)
+
+
+def _join_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The rows of several lookups; None (unknown) if any of them did not say."""
+    return None if any(r is None for r in parts) else torch.cat(parts)
 
 
 def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float) -> None:
