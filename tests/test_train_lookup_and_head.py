@@ -161,6 +161,8 @@ def _untied_lookup(rank, world, tp, options_name):
             _restore_unions()
         assert made == {"predicted": 2, "again": 0}, made
         assert_same_params(run, base, f"untied, vocab {vocab}, TP {tp}, {options_name}")
+        run.grads.remove_hooks()  # the lookup's gradient goes back to autograd
+        assert gradient_sink.route_gradient(weight) is weight, "remove_hooks left the lookup-only sink attached"
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -341,8 +341,7 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for p in self.split:
-            detach_gradient_sink(p)
+        _detach_sinks(self.split + self.lookup_only)
 
 
 def _detach_sinks(params: list[nn.Parameter]) -> None:
