@@ -21,27 +21,35 @@ from tpcore.models import GPTModel
 from tpcore.tensor_parallel import gradient_sink
 from tpcore.train import data_parallel, sparse_rows
 from tpcore.train.data_parallel import DataParallelGrads
-from tpcore.train.sparse_rows import RowUnion, sum_touched_rows
+from tpcore.train.sparse_rows import GatheredRows, RowUnion, sum_touched_rows
 
 CLIP = 0.05
 
 
 def _count_unions():
     """Count the row unions started: by DataParallelGrads from the last lookup's ids
-    ("predicted"), and by sum_touched_rows when a rank's rows fell outside it ("again")."""
-    made = {"predicted": 0, "again": 0}
+    ("predicted"), and by sum_touched_rows when a rank's rows fell outside it ("again");
+    and the late gradients cut down to a union's rows when they arrived ("gathered")."""
+    made = {"predicted": 0, "again": 0, "gathered": 0}
 
     def counting(key):
         def make(*args, **kwargs):
             made[key] += 1
             return RowUnion(*args, **kwargs)
         return make
+
+    class Gathered(GatheredRows):
+        def __init__(self, *args):
+            made["gathered"] += 1
+            super().__init__(*args)
     data_parallel.RowUnion, sparse_rows.RowUnion = counting("predicted"), counting("again")
+    sparse_rows.GatheredRows = Gathered
     return made
 
 
 def _restore_unions():
     data_parallel.RowUnion = sparse_rows.RowUnion = RowUnion
+    sparse_rows.GatheredRows = GatheredRows
 
 
 def _lookup_and_head(rank, world, tp, options_name, backend):
@@ -62,13 +70,14 @@ def _lookup_and_head(rank, world, tp, options_name, backend):
             before = run.grads.rows_summed
             step_alike(run, base, batches(config, 3, dp, seed=step)[dp_rank], lr, CLIP)
             rows = run.grads.rows_summed - before
-            assert made == {"predicted": step + 1, "again": 0}, made
+            # A sparse late gradient is cut down to its rows as it arrives; the whole table is not.
+            assert made == {"predicted": step + 1, "again": 0, "gathered": (step + 1) * sparse}, made
             if sparse:
                 assert 0 < rows <= dp * 16 < weight.shape[0] // 2, f"vocab {vocab}: {rows} of {weight.shape[0]} rows summed on their own"
             else:
                 assert rows == weight.shape[0], f"vocab {vocab}: {rows} of {weight.shape[0]} rows: expected the whole table"
         assert_same_params(run, base, f"vocab {vocab}, {options_name}")
-        made.update(predicted=0)
+        made.update(predicted=0, gathered=0)
     _restore_unions()
 
 
@@ -97,7 +106,7 @@ def _backward_in_reverse(rank, world):
         run.grads.finish_grad_sync()
     finally:
         _restore_unions()
-    assert made == {"predicted": 1, "again": 1}, made
+    assert made == {"predicted": 1, "again": 1, "gathered": 0}, made  # outside the union: kept whole
     norm, _ = run.opt.step(1e-2, CLIP)
     _, base_norm, _ = base.step(data, 1e-2, CLIP)
     assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
@@ -159,7 +168,7 @@ def _untied_lookup(rank, world, tp, options_name):
                     assert rows == weight.shape[0], f"{rows} of {weight.shape[0]} rows: expected the whole table"
         finally:
             _restore_unions()
-        assert made == {"predicted": 2, "again": 0}, made
+        assert made == {"predicted": 2, "again": 0, "gathered": 0}, made
         assert_same_params(run, base, f"untied, vocab {vocab}, TP {tp}, {options_name}")
         run.grads.remove_hooks()  # the lookup's gradient goes back to autograd
         assert gradient_sink.route_gradient(weight) is weight, "remove_hooks left the lookup-only sink attached"
@@ -229,14 +238,18 @@ def _touched_rows(rank, world):
     # row 9 (no other rank's) outside it, every rank sums again; either way the same sums.
     predicted = listed if rank != 2 else listed[listed != 9]
     for outside in (False, True):
-        union = RowUnion(64, group, rows=predicted if outside else listed, async_op=True)
-        made = _count_unions()
-        try:
-            index, values = sum_touched_rows(grads[rank], group, torch.float64, listed, union)
-        finally:
-            _restore_unions()
-        assert made["again"] == int(outside), (outside, made)
-        assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, f"union, outside: {outside}")
+        for gather in (False, True):  # the gradient as is, or cut down to the union's rows first
+            union = RowUnion(64, group, rows=predicted if outside else listed, async_op=True)
+            made = _count_unions()
+            try:
+                gathered = union.gather(grads[rank], listed) if gather else None
+                assert (gathered is None) == (not gather or rank == 2 and outside), (gather, outside)
+                index, values = sum_touched_rows(grads[rank] if gathered is None else gathered, group, torch.float64, listed, union)
+            finally:
+                _restore_unions()
+            assert made["again"] == int(outside), (outside, made)
+            what = f"union, outside: {outside}, gathered: {gathered is not None}"
+            assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, what)
     full = torch.ones(4, 2) if rank == 0 else torch.zeros(4, 2)  # every row touched: the whole table
     index, values = sum_touched_rows(full, group, torch.float32)
     assert index is None and torch.equal(values, torch.ones(4, 2))

@@ -39,7 +39,7 @@ from torch import nn
 from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink, detach_gradient_sink
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
-from .sparse_rows import RowUnion, sum_touched_rows
+from .sparse_rows import GatheredRows, RowUnion, sum_touched_rows
 
 __all__ = ["DataParallelGrads"]
 
@@ -109,9 +109,10 @@ class DataParallelGrads:
         self._next: list[int] = []  # per buffer: index of the next bucket to start
         self._done: list[int] = []  # per buffer: buckets (from the first) whose result is in place
         self._pending: dict[tuple[int, int], comm.PendingCollective | None] = {}
-        # id(split embedding) -> (lookup gradient that came after its bucket started, the
-        # rows it may be nonzero in, or None if a lookup did not say)
-        self._late: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # id(split embedding) -> (lookup gradient that came after its bucket started, whole
+        # or cut down to the predicted rows, and the rows it may be nonzero in, or None if a
+        # lookup did not say)
+        self._late: dict[int, tuple[torch.Tensor | GatheredRows, torch.Tensor | None]] = {}
         self._lookups: dict[int, int] = {}  # id(embedding) -> lookups in this step's forward passes
         self._union: dict[int, RowUnion] = {}  # id(embedding) -> union of its rows, started in the last forward
         self._rows: dict[int, list[torch.Tensor | None]] = {}  # id(lookup-only embedding) -> rows of each lookup
@@ -184,11 +185,16 @@ class DataParallelGrads:
             raise RuntimeError(f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward after the step's?)")
         if id(p) in self._lookup_only_ids or (i, entry.bucket) not in self._pending:
             p.main_grad.add_(grad)
-        elif id(p) in self._late:
+        elif id(p) in self._late:  # a second late lookup (more lookups than micro-batches)
             before, seen = self._late[id(p)]
+            before = before.dense() if isinstance(before, GatheredRows) else before
             self._late[id(p)] = (before + grad, _join_rows([seen, rows]))
         else:
-            self._late[id(p)] = (grad, rows)
+            # Cut down to the predicted rows now, so that the full-table gradient is freed
+            # in the backward (as autograd frees it without a sink), not after it.
+            union = self._union.get(id(p))
+            gathered = union.gather(grad, rows) if union is not None else None
+            self._late[id(p)] = (grad if gathered is None else gathered, rows)
 
     def _on_lookup(self, p: nn.Parameter, rows: torch.Tensor | None) -> None:
         """An embedding's lookup in a forward pass. At the step's last one, start the union
