@@ -30,15 +30,16 @@ gradient is summed over DP as the rows of all the step's lookups.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..tensor_parallel.gradient_sink import attach_gradient_sink, detach_gradient_sink
+from ..tensor_parallel.gradient_sink import attach_gradient_sink
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
+from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
 from .sparse_rows import GatheredRows, RowUnion, sum_touched_rows
 
 __all__ = ["DataParallelGrads"]
@@ -119,11 +120,11 @@ class DataParallelGrads:
         self.rows_summed = 0
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
-        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in self.params]
         for p in self.split + self.lookup_only:
-            attach_gradient_sink(p, _weak_sink(self, p), _weak_use(self, p))
+            attach_gradient_sink(p, weak_sink(self, p), weak_use(self, p))
         # Sinks go with their owner, so a model outlives its buffers unchanged.
-        weakref.finalize(self, _detach_sinks, self.split + self.lookup_only)
+        weakref.finalize(self, detach_sinks, self.split + self.lookup_only)
         self._reset()
 
     @property
@@ -347,12 +348,7 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        _detach_sinks(self.split + self.lookup_only)
-
-
-def _detach_sinks(params: list[nn.Parameter]) -> None:
-    for p in params:
-        detach_gradient_sink(p)
+        detach_sinks(self.split + self.lookup_only)
 
 
 def _join_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -365,47 +361,3 @@ def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Te
         target.add_(values, alpha=scale)
     else:
         target.index_add_(0, index, values, alpha=scale)
-
-
-def _weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
-    """`grads._on_lookup_grad` for `p`, without strong references (see `_weak_hook`). Once
-    `grads` is gone the gradient goes back to `p.grad`, as without a sink."""
-    ref, param = weakref.ref(grads), weakref.ref(p)
-
-    def sink(grad: torch.Tensor, rows: torch.Tensor | None) -> None:
-        owner, target = ref(), param()
-        if target is None:
-            return
-        if owner is not None:
-            owner._on_lookup_grad(target, grad, rows)
-        else:  # a backward in flight when the buffers went: as without a sink
-            target.grad = grad if target.grad is None else target.grad + grad
-
-    return sink
-
-
-def _weak_use(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor | None], None]:
-    """`grads._on_lookup` for `p`, without strong references (see `_weak_hook`)."""
-    ref, param = weakref.ref(grads), weakref.ref(p)
-
-    def on_use(rows: torch.Tensor | None) -> None:
-        owner, target = ref(), param()
-        if owner is not None and target is not None:
-            owner._on_lookup(target, rows)
-
-    return on_use
-
-
-def _weak_hook(grads: DataParallelGrads) -> Callable[[nn.Parameter], None]:
-    """`grads._on_grad` without a strong reference to `grads`. A parameter's hooks live in
-    C++, where Python's garbage collector cannot see them: a bound method there would make
-    parameter -> hook -> grads -> parameter a cycle nothing frees, keeping the model, the
-    buffers and the process groups alive until the interpreter exits."""
-    ref = weakref.ref(grads)
-
-    def hook(p: nn.Parameter) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._on_grad(p)
-
-    return hook
