@@ -114,7 +114,7 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, results)
     for _ in range(steps):
         micro = [(torch.randint(0, args.vocab, (args.micro, args.seq), generator=g),) * 2 for _ in range(args.accumulation)]
         record["exposed"] = 0.0
-        dist.barrier()
+        dist.barrier(group=ps.get_data_parallel_group())  # on the backend under test (a gloo barrier's thread would compete)
         t0 = time.perf_counter()
         if grads is not None:
             grads.start_step(args.accumulation)
