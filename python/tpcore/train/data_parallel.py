@@ -306,10 +306,17 @@ class DataParallelGrads:
                 continue
             dtype = self.buffers[self._index_of[id(p)]].grad_dtype
             summed = sum_touched_rows(p.main_grad, self.dp_group, dtype, rows, union)
-            p.main_grad.zero_()
-            if summed is not None:
-                _add_rows(p.main_grad, *summed, scale=1 / self.dp_size)
-                self.rows_summed += summed[1].shape[0]
+            if summed is None:  # every rank's gradient is zero, this one's too
+                continue
+            index, values = summed
+            # This rank's gradient is zero outside `index` (it holds every rank's rows): clear
+            # those rows only, not the whole table (a pass over [vocab, h] after the backward).
+            if index is None:
+                p.main_grad.zero_()
+            else:
+                p.main_grad.index_fill_(0, index, 0)
+            _add_rows(p.main_grad, index, values, scale=1 / self.dp_size)
+            self.rows_summed += values.shape[0]
 
     def _sum_sequence_parallel(self) -> None:
         # Each TP rank saw only its sequence shard: sum over TP (after the DP mean; both are sums).
