@@ -19,7 +19,7 @@ from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import resolve_tensor_group
-from .gradient_sink import route_gradient
+from .gradient_sink import has_gradient_sink, route_lookup_gradient
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
@@ -138,20 +138,35 @@ class VocabParallelEmbedding(nn.Module):
         return dense
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` `[...]` -> `[..., embedding_dim]` (with sequence parallelism, dim 0 split over TP)."""
+        if has_gradient_sink(self.weight):  # the gradient goes to a sink (see gradient_sink.py)
+            return self._lookup_to_sink(ids)
+        return self._lookup(ids, self.weight)
+
+    def _lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        # route_gradient: the lookup's gradient may go to a sink (see gradient_sink.py),
-        # which is told the local rows it reads.
-        weight = route_gradient(self.weight, lambda: self._local_rows(ids))
         return _op_entry.vocab_parallel_embedding(
             ids, weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
         )
 
+    @torch.compiler.disable
+    def _lookup_to_sink(self, ids: torch.Tensor) -> torch.Tensor:
+        # The same forward on the detached weight; the backward hands each token's gradient
+        # to the sink, after the all-gather over the sequence that the op's own backward makes.
+        gather = (lambda g: comm.all_gather(g, 0, self.group)) if self.sequence_parallel and self.tp_size > 1 else None
+        return route_lookup_gradient(self.weight, self._lookup(ids, self.weight.detach()), self._local_rows(ids), gather)
+
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """`[n]` int64: the local row each id looks up, `rows` (one past the last) for ids
-        of other ranks; no boolean indexing, so no host sync on a GPU."""
-        local = ids.reshape(-1).to(torch.int64) - self.vocab_start
+        of other ranks and the padding id (they get no gradient); no boolean indexing, so
+        no host sync on a GPU."""
+        flat = ids.reshape(-1).to(torch.int64)
+        local = flat - self.vocab_start
         rows = self.weight.shape[0]
-        return torch.where((local >= 0) & (local < rows), local, rows)
+        mine = (local >= 0) & (local < rows)
+        if self.padding_idx is not None:
+            mine &= flat != self.padding_idx
+        return torch.where(mine, local, rows)
 
     def extra_repr(self) -> str:
         return (

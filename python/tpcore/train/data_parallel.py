@@ -17,14 +17,14 @@ what is left after the backward is the waiting for the last buckets.
 A word embedding that is also the LM head in the same chunk (`lookup_and_head`) would be
 complete only when the backward ends, since autograd sums its two uses. With overlap it
 gets a bucket of its own, first in order, and its lookup's gradient goes to a sink
-(`tensor_parallel/gradient_sink.py`): the bucket starts once the LM head's gradient of the
-last micro-batch is in. The last lookup's gradient, which arrives later and is zero outside
-the rows of that micro-batch's tokens, is summed over DP row by row after the backward
-(`sparse_rows.py`; the union of the rows is started from the ids in that lookup's
-forward) and added to the reduced bucket. A word embedding used only for the lookup
-(`lookup_only`: untied, or a first pipeline stage's tied copy) has nothing but such
-gradients: its bucket sends no dense reduction, and after the backward its accumulated
-gradient is summed over DP as the rows of all the step's lookups.
+(`tensor_parallel/gradient_sink.py`), token by token, never as a `[vocab/tp, h]` table:
+the bucket starts once the LM head's gradient of the last micro-batch is in. The last
+lookup's gradient, which arrives later, is summed into the rows predicted from the ids in
+that lookup's forward (the union over DP, started then) as it arrives, summed over DP after
+the backward (`sparse_rows.py`) and added to the reduced bucket. A word embedding used only
+for the lookup (`lookup_only`: untied, or a first pipeline stage's tied copy) has nothing
+but such gradients: they are added into `main_grad` row by row, its bucket sends no dense
+reduction, and after the backward it is summed over DP as the rows of all the step's lookups.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
-from .sparse_rows import GatheredRows, RowUnion, sum_touched_rows
+from .sparse_rows import GatheredRows, RowUnion, add_token_rows, sum_touched_rows
 
 __all__ = ["DataParallelGrads"]
 
@@ -110,13 +110,12 @@ class DataParallelGrads:
         self._next: list[int] = []  # per buffer: index of the next bucket to start
         self._done: list[int] = []  # per buffer: buckets (from the first) whose result is in place
         self._pending: dict[tuple[int, int], comm.PendingCollective | None] = {}
-        # id(split embedding) -> (lookup gradient that came after its bucket started, whole
-        # or cut down to the predicted rows, and the rows it may be nonzero in, or None if a
-        # lookup did not say)
-        self._late: dict[int, tuple[torch.Tensor | GatheredRows, torch.Tensor | None]] = {}
+        # id(split embedding) -> the lookup gradients that came after its bucket started:
+        # summed into the predicted rows, or (rows [n], grads [n, h]) per lookup
+        self._late: dict[int, GatheredRows | list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: dict[int, int] = {}  # id(embedding) -> lookups in this step's forward passes
         self._union: dict[int, RowUnion] = {}  # id(embedding) -> union of its rows, started in the last forward
-        self._rows: dict[int, list[torch.Tensor | None]] = {}  # id(lookup-only embedding) -> rows of each lookup
+        self._rows: dict[int, list[torch.Tensor]] = {}  # id(lookup-only embedding) -> rows of each lookup
         self.rows_summed = 0
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
@@ -177,27 +176,29 @@ class DataParallelGrads:
             self._start_ready(i)
             self._complete_finished()
 
-    def _on_lookup_grad(self, p: nn.Parameter, grad: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """An embedding's lookup gradient: into `main_grad`, or, for a split embedding whose
-        bucket's reduction has started, set aside for `finish_grad_sync`."""
+    def _on_lookup_grad(self, p: nn.Parameter, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """An embedding's lookup gradient, token by token (`rows` `[n]`, `grads` `[n, h]`):
+        into `main_grad`, or, for a split embedding whose bucket's reduction has started,
+        set aside for `finish_grad_sync`."""
         i = self._index_of[id(p)]
         entry = self.buffers[i].entry(p)
         if self.finished:
             raise RuntimeError(f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward after the step's?)")
         if id(p) in self._lookup_only_ids or (i, entry.bucket) not in self._pending:
-            p.main_grad.add_(grad)
-        elif id(p) in self._late:  # a second late lookup (more lookups than micro-batches)
-            before, seen = self._late[id(p)]
-            before = before.dense() if isinstance(before, GatheredRows) else before
-            self._late[id(p)] = (before + grad, _join_rows([seen, rows]))
-        else:
-            # Cut down to the predicted rows now, so that the full-table gradient is freed
-            # in the backward (as autograd frees it without a sink), not after it.
-            union = self._union.get(id(p))
-            gathered = union.gather(grad, rows) if union is not None else None
-            self._late[id(p)] = (grad if gathered is None else gathered, rows)
+            add_token_rows(p.main_grad, rows, grads)
+            return
+        late, union = self._late.get(id(p)), self._union.get(id(p))
+        if late is None and union is not None:
+            # Summed into the predicted rows now, in the backward, not after it.
+            gathered = union.gather(rows, grads, self.buffers[i].grad_dtype)
+            if gathered is not None:
+                self._late[id(p)] = gathered
+                return
+        if isinstance(late, GatheredRows):  # a second late lookup: its rows are tokens too
+            late = [(late.index, late.values)]
+        self._late[id(p)] = (late or []) + [(rows, grads)]
 
-    def _on_lookup(self, p: nn.Parameter, rows: torch.Tensor | None) -> None:
+    def _on_lookup(self, p: nn.Parameter, rows: torch.Tensor) -> None:
         """An embedding's lookup in a forward pass. At the step's last one, start the union
         over DP of the rows whose gradient will be summed after the backward, so that it is
         known when the backward ends: that lookup's rows for a split embedding (its gradient
@@ -208,9 +209,8 @@ class DataParallelGrads:
         if count != self._expected:
             return
         if id(p) in self._lookup_only_ids:
-            rows = _join_rows(self._rows[id(p)])
-        if rows is not None:
-            self._union[id(p)] = RowUnion(p.shape[0], self.dp_group, rows=rows, async_op=True)
+            rows = torch.cat(self._rows[id(p)])
+        self._union[id(p)] = RowUnion(p.shape[0], self.dp_group, rows=rows, async_op=True)
 
     def _start_ready(self, i: int) -> None:
         """Start, in order, the buckets of buffer `i` whose parameters are all ready."""
@@ -280,11 +280,21 @@ class DataParallelGrads:
         if self._expected is None:  # no step started: no bucket started early, nothing came late
             return out
         for p in self.split:
-            grad, rows = self._late.pop(id(p), (None, None))
-            if grad is None:  # nothing came late here: zeros (other ranks may have rows)
-                grad, rows = torch.zeros_like(p.detach()), torch.zeros(0, dtype=torch.int64, device=p.device)
             dtype = self.buffers[self._index_of[id(p)]].grad_dtype
-            summed = sum_touched_rows(grad, self.dp_group, dtype, rows, self._union.pop(id(p), None))
+            union = self._union.pop(id(p), None)
+            source = self._late.pop(id(p), None)
+            if isinstance(source, GatheredRows):
+                rows = source.index
+            else:
+                # Nothing late here: no tokens (other ranks may have some).
+                tokens = source or [(p.new_zeros(0, dtype=torch.int64), p.new_zeros(0, p.shape[1]))]
+                rows, grads = (torch.cat(t) for t in zip(*tokens))
+                # Into the predicted rows, or, when they do not hold this rank's or are most of
+                # the table, into a whole table.
+                source = union.gather(rows, grads, dtype) if union is not None else None
+                if source is None:
+                    source = add_token_rows(torch.zeros(p.shape, dtype=dtype, device=p.device), rows, grads)
+            summed = sum_touched_rows(source, self.dp_group, dtype, rows, union)
             if summed is not None:
                 out[id(p)] = summed
                 self.rows_summed += summed[1].shape[0]
@@ -296,7 +306,7 @@ class DataParallelGrads:
         for p in self.lookup_only:
             seen = self._rows.pop(id(p), [])
             # No lookup here this step: no rows (other ranks may have some).
-            rows = _join_rows(seen) if seen else torch.zeros(0, dtype=torch.int64, device=p.device)
+            rows = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.int64, device=p.device)
             union = self._union.pop(id(p), None)
             if union is not None and 2 * union.index().numel() >= p.shape[0]:
                 # Most of the table (large batches): in place, as a dense bucket, no copies.
@@ -356,11 +366,6 @@ class DataParallelGrads:
             h.remove()
         self._hooks = []
         detach_sinks(self.split + self.lookup_only)
-
-
-def _join_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """The rows of several lookups; None (unknown) if any of them did not say."""
-    return None if any(r is None for r in parts) else torch.cat(parts)
 
 
 def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float) -> None:

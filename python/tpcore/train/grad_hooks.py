@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..tensor_parallel.gradient_sink import detach_gradient_sink
+from .sparse_rows import add_token_rows
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallelGrads
@@ -29,28 +30,29 @@ def detach_sinks(params: list[nn.Parameter]) -> None:
         detach_gradient_sink(p)
 
 
-def weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+def weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """`grads._on_lookup_grad` for `p`, without strong references (see `weak_hook`). Once
     `grads` is gone the gradient goes back to `p.grad`, as without a sink."""
     ref, param = weakref.ref(grads), weakref.ref(p)
 
-    def sink(grad: torch.Tensor, rows: torch.Tensor | None) -> None:
+    def sink(rows: torch.Tensor, token_grads: torch.Tensor) -> None:
         owner, target = ref(), param()
         if target is None:
             return
         if owner is not None:
-            owner._on_lookup_grad(target, grad, rows)
+            owner._on_lookup_grad(target, rows, token_grads)
         else:  # a backward in flight when the buffers went: as without a sink
+            grad = add_token_rows(torch.zeros_like(target), rows, token_grads)
             target.grad = grad if target.grad is None else target.grad + grad
 
     return sink
 
 
-def weak_use(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor | None], None]:
+def weak_use(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
     """`grads._on_lookup` for `p`, without strong references (see `weak_hook`)."""
     ref, param = weakref.ref(grads), weakref.ref(p)
 
-    def on_use(rows: torch.Tensor | None) -> None:
+    def on_use(rows: torch.Tensor) -> None:
         owner, target = ref(), param()
         if owner is not None and target is not None:
             owner._on_lookup(target, rows)

@@ -10,9 +10,9 @@ The mask comes from the looked-up ids when the caller has them (no pass over the
 else from the gradient's values. It can be started early, from the ids seen in the
 forward pass (`RowUnion(..., async_op=True)`); the sum then checks that every rank's
 gradient stays inside it, and agrees on that through a flag summed with the rows, so a
-wrong prediction costs a second exchange, never a wrong sum. A gradient already inside such
-a union can be cut down to its rows as soon as it is computed (`RowUnion.gather`), so the
-full-table tensor is freed then and not after the backward.
+wrong prediction costs a second exchange, never a wrong sum. A lookup's gradient given
+token by token (`[tokens, h]`, see `tensor_parallel/gradient_sink.py`) is summed straight
+into the union's rows (`RowUnion.gather`) or into a table (`add_token_rows`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import comm
 
-__all__ = ["GatheredRows", "RowUnion", "sum_touched_rows"]
+__all__ = ["GatheredRows", "RowUnion", "add_token_rows", "sum_touched_rows"]
 
 
 class GatheredRows:
@@ -70,13 +70,31 @@ class RowUnion:
         self.index()
         return bool(self._padded[rows].all())
 
-    def gather(self, grad: torch.Tensor, rows: torch.Tensor | None) -> GatheredRows | None:
-        """`grad` `[num_rows, h]` cut down to the union's rows, if `rows` (where it may be
-        nonzero) are all in the union and the union is less than half the table (else the
-        whole table is summed and nothing is gained); None otherwise."""
-        if rows is None or 2 * self.index().numel() >= self.mask.numel() or not self.covers(rows):
+    def gather(self, rows: torch.Tensor, grads: torch.Tensor, dtype: torch.dtype) -> GatheredRows | None:
+        """The gradient given token by token (`rows` `[n]`, `num_rows` for none; `grads`
+        `[n, h]`) summed (in `dtype`) into the union's rows, if they are all in the union
+        and it is less than half the table (else the whole table is summed); None otherwise."""
+        index = self.index()
+        if 2 * index.numel() >= self.mask.numel() or not self.covers(rows):
             return None
-        return GatheredRows(self._index, grad.index_select(0, self._index), self.mask.numel())
+        values = torch.zeros(index.numel(), grads.shape[1], dtype=dtype, device=grads.device)
+        if index.numel():
+            # Each token's place in the union; tokens with no row add zeros somewhere.
+            at = torch.searchsorted(index, rows).clamp_(max=index.numel() - 1)
+            add_token_rows(values, at, grads, valid=rows < self.mask.numel())
+        return GatheredRows(index, values, self.mask.numel())
+
+
+def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Add each token's gradient `grads` `[n, h]` to its row `rows` `[n]` of `out`
+    `[num_rows, h]`, skipping tokens whose row is `num_rows` (none) or, if given, where
+    `valid` is False. Deterministic on every device (`index_put_` with `accumulate`)."""
+    if valid is None:
+        valid = rows < out.shape[0]
+    # torch.where, not boolean indexing: no host sync on a GPU. Skipped tokens add zeros to row 0.
+    values = torch.where(valid.unsqueeze(1), grads, 0).to(out.dtype)
+    return out.index_put_((torch.where(valid, rows, 0),), values, accumulate=True)
 
 
 def sum_touched_rows(

@@ -1,0 +1,56 @@
+"""A vocab-parallel embedding whose lookup gradient goes to a sink, token by token: the
+sink's tokens, added into a table, equal the `.grad` the same lookup gives without a sink
+(computed here), for TP 1 and 2, with sequence parallelism and a padding id; the union of
+the rows it reports holds every row with a gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcore
+from checks import assert_close
+from tpcore import parallel_state
+from tpcore.tensor_parallel import VocabParallelEmbedding, gradient_sink
+from tpcore.train.sparse_rows import add_token_rows
+
+VOCAB, DIM, SEQ, BATCH = 40, 6, 8, 3
+
+
+def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
+    tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+    group = parallel_state.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    plain = VocabParallelEmbedding(VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx)
+    routed = VocabParallelEmbedding(VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx)
+    routed.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)  # the same ids on every TP rank
+    ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
+    ids[0, 0] = ids[3, 1] = ids[5, 2]  # a repeated id
+    if padding_idx is not None:
+        ids[1] = padding_idx
+    seen, used = [], []
+    gradient_sink.attach_gradient_sink(routed.weight, lambda rows, grads: seen.append((rows, grads)), used.append)
+    try:
+        out_plain, out_routed = plain(ids), routed(ids)
+        assert torch.equal(out_plain, out_routed), "the routed lookup's forward differs"
+        upstream = torch.randn(out_plain.shape, generator=torch.Generator().manual_seed(2 + parallel_state.get_tensor_model_parallel_rank()))
+        (out_plain * upstream).sum().backward()
+        (out_routed * upstream).sum().backward()
+    finally:
+        gradient_sink.detach_gradient_sink(routed.weight)
+    assert routed.weight.grad is None, "the sink's gradient also reached .grad"
+    assert len(seen) == 1 and len(used) == 1
+    rows, grads = seen[0]
+    assert torch.equal(rows, used[0]) and rows.shape == (SEQ * BATCH,) and grads.shape == (SEQ * BATCH, DIM)
+    table = add_token_rows(torch.zeros_like(routed.weight), rows, grads)
+    assert_close(table, plain.weight.grad, f"TP {tp}, sequence parallel {sequence_parallel}, padding {padding_idx}")
+    touched = plain.weight.grad.ne(0).any(1).nonzero().squeeze(1)
+    assert set(touched.tolist()) <= set(rows.tolist()), "a row with a gradient is missing from the reported rows"
+    if padding_idx is not None and routed.vocab_start <= padding_idx < routed.vocab_end:
+        assert not (rows == padding_idx - routed.vocab_start).any(), "the padding row was reported"
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,padding_idx", [(1, False, None), (2, False, 3), (2, True, None), (2, True, 25)])
+def test_lookup_gradient_to_sink_equals_grad(cpu_ranks, tp, sequence_parallel, padding_idx):
+    cpu_ranks.run(_sink_equals_grad, tp, sequence_parallel, padding_idx)
