@@ -54,3 +54,32 @@ def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
 @pytest.mark.parametrize("tp,sequence_parallel,padding_idx", [(1, False, None), (2, False, 3), (2, True, None), (2, True, 25)])
 def test_lookup_gradient_to_sink_equals_grad(cpu_ranks, tp, sequence_parallel, padding_idx):
     cpu_ranks.run(_sink_equals_grad, tp, sequence_parallel, padding_idx)
+
+
+def _compiled_lookup_to_sink(rank, world):
+    """Under torch.compile the routed lookup runs eagerly (a graph break): the sink still gets
+    the same tokens; with fullgraph=True compiling refuses it."""
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    group = parallel_state.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    plain = VocabParallelEmbedding(VOCAB, DIM, group=group)
+    routed = VocabParallelEmbedding(VOCAB, DIM, group=group)
+    routed.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
+    seen = []
+    gradient_sink.attach_gradient_sink(routed.weight, lambda rows, grads: seen.append((rows, grads)))
+    try:
+        torch._dynamo.reset()
+        (torch.compile(routed)(ids) * 2).sum().backward()
+        with pytest.raises(Exception, match="(?i)disable|skip|graph break"):
+            torch._dynamo.reset()
+            torch.compile(routed, fullgraph=True)(ids)
+    finally:
+        gradient_sink.detach_gradient_sink(routed.weight)
+    (plain(ids) * 2).sum().backward()
+    assert routed.weight.grad is None and len(seen) == 1
+    assert_close(add_token_rows(torch.zeros_like(routed.weight), *seen[0]), plain.weight.grad, "compiled, routed")
+
+
+def test_compiled_lookup_to_sink_runs_eagerly(cpu_ranks):
+    cpu_ranks.run(_compiled_lookup_to_sink, timeout=600)
