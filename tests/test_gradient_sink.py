@@ -34,6 +34,7 @@ def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
     try:
         out_plain, out_routed = plain(ids), routed(ids)
         assert torch.equal(out_plain, out_routed), "the routed lookup's forward differs"
+        out_plain.mul_(2), out_routed.mul_(2)  # in place, as `x += positions` would be
         upstream = torch.randn(out_plain.shape, generator=torch.Generator().manual_seed(2 + parallel_state.get_tensor_model_parallel_rank()))
         (out_plain * upstream).sum().backward()
         (out_routed * upstream).sum().backward()
@@ -83,3 +84,22 @@ def _compiled_lookup_to_sink(rank, world):
 
 def test_compiled_lookup_to_sink_runs_eagerly(cpu_ranks):
     cpu_ranks.run(_compiled_lookup_to_sink, timeout=600)
+
+
+def test_add_token_rows_sums_in_fp32_in_a_fixed_order():
+    """Low-precision tables get each row's sum rounded once (2048 tokens of 1 on one row give
+    2048 in bf16, not 256); fp32 sums are the same bits on every run with several threads."""
+    rows = torch.tensor([3] * 2048 + [7, 40, 3])  # 40: no row (a table of 40)
+    grads = torch.ones(rows.numel(), 4)
+    table = add_token_rows(torch.zeros(40, 4, dtype=torch.bfloat16), rows, grads)
+    expected = torch.zeros(40, 4).index_add_(0, rows[rows < 40], grads[rows < 40]).to(torch.bfloat16)
+    assert torch.equal(table, expected), table[[3, 7]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        rows, grads = torch.randint(0, 300, (4096,), generator=g), torch.randn(4096, 64, generator=g)
+        first = add_token_rows(torch.zeros(300, 64), rows, grads)
+        assert all(torch.equal(add_token_rows(torch.zeros(300, 64), rows, grads), first) for _ in range(10))
+    finally:
+        torch.set_num_threads(threads)

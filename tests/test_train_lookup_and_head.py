@@ -257,7 +257,13 @@ def _sink_outlives_its_owner(rank, world):
     model(ids, target).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert_close(p.grad, q.grad, name)
-    make().remove_hooks()  # a second owner is welcome once the first is gone
+    first = make()  # a second owner is welcome once the first is gone
+    first.remove_hooks()
+    second = make()
+    del first
+    gc.collect()
+    assert gradient_sink.has_gradient_sink(weight), "the first owner, going away, detached the second one's sink"
+    second.remove_hooks()
 
 
 def test_lookup_gradient_returns_to_grad_without_buffers(cpu_ranks):

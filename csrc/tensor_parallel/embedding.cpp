@@ -83,8 +83,11 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
   auto shape = ids.sizes().vec();
   shape.push_back(weight.size(1));
+  // _unsafe_view: the reshaped kernel output is not an autograd view (its base is a temporary
+  // nobody else sees), so callers may change the embedding in place (`x += positions`), as
+  // with nn.Embedding; a view returned from an autograd Function forbids that.
   at::Tensor local =
-      lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)).view(shape);
+      at::_unsafe_view(lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)), shape);
   if (sequence_parallel) return reduce_scatter(local, 0, group).contiguous();
   return all_reduce_inplace_async(local, group).wait();
 }

@@ -154,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
         # The same forward on the detached weight; the backward hands each token's gradient
         # to the sink, after the all-gather over the sequence that the op's own backward makes.
         gather = (lambda g: comm.all_gather(g, 0, self.group)) if self.sequence_parallel and self.tp_size > 1 else None
-        return route_lookup_gradient(self.weight, self._lookup(ids, self.weight.detach()), self._local_rows(ids), gather)
+        return route_lookup_gradient(self.weight, lambda: self._lookup(ids, self.weight.detach()), self._local_rows(ids), gather)
 
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """`[n]` int64: the local row each id looks up, `rows` (one past the last) for ids

@@ -50,15 +50,16 @@ def _forget(key: int) -> None:
 
 
 class _LookupToSink(torch.autograd.Function):
-    """Identity on the lookup's `output` (computed from the detached weight); backward hands
-    the gradient of each token's row to `sink`. `anchor`, a fresh empty tensor that requires
-    grad, only makes the output differentiable."""
+    """The lookup `lookup()` (of the detached weight); backward hands the gradient of each
+    token's row to `sink`. `anchor`, a fresh empty tensor that requires grad, only makes the
+    output differentiable. The output is the lookup's own tensor, not a view, so that
+    in-place changes to it (`x += positions`) work as without a sink."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, output: torch.Tensor, sink: GradientSink, rows: torch.Tensor,
+    def forward(ctx, anchor: torch.Tensor, lookup: Callable[[], torch.Tensor], sink: GradientSink, rows: torch.Tensor,
                 gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         ctx.sink, ctx.rows, ctx.gather = sink, rows, gather
-        return output.view_as(output)
+        return lookup()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
@@ -77,9 +78,11 @@ def attach_gradient_sink(weight: torch.nn.Parameter, sink: GradientSink, on_use:
     _SINKS[id(weight)] = (weakref.ref(weight), sink, on_use, weakref.finalize(weight, _forget, id(weight)))
 
 
-def detach_gradient_sink(weight: torch.nn.Parameter) -> None:
+def detach_gradient_sink(weight: torch.nn.Parameter, sink: GradientSink | None = None) -> None:
+    """Give `weight`'s lookup gradients back to autograd; with `sink`, only if that is the
+    sink attached (an owner going away leaves a newer owner's sink alone)."""
     entry = _entry(weight)
-    if entry is not None:
+    if entry is not None and (sink is None or entry[1] is sink):
         entry[3].detach()
         del _SINKS[id(weight)]
 
@@ -97,15 +100,18 @@ def has_gradient_sink(weight: torch.Tensor) -> bool:
     return _entry(weight) is not None and weight.requires_grad and torch.is_grad_enabled()
 
 
-def route_lookup_gradient(weight: torch.Tensor, output: torch.Tensor, rows: torch.Tensor,
+def route_lookup_gradient(weight: torch.Tensor, lookup: Callable[[], torch.Tensor], rows: torch.Tensor,
                           gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """`output`, a lookup of `weight.detach()`, made differentiable so that its gradient goes
-    to the weight's sink: `rows` `[n]` as the sink takes them, in the order of the output's
-    tokens once `gather` (if given) has been applied to the output's gradient (sequence
-    parallelism: the all-gather of the lookup's own backward)."""
-    _, sink, on_use, _ = _entry(weight)
+    """`lookup()`, a lookup of `weight.detach()`, made differentiable so that its gradient
+    goes to the weight's sink: `rows` `[n]` as the sink takes them, in the order of the
+    output's tokens once `gather` (if given) has been applied to the output's gradient
+    (sequence parallelism: the all-gather of the lookup's own backward)."""
+    entry = _entry(weight)
+    if entry is None:
+        raise RuntimeError("tpcore: route_lookup_gradient: this weight has no gradient sink (check has_gradient_sink first)")
+    _, sink, on_use, _ = entry
     if on_use is not None:
         on_use(rows)
     anchor = torch.empty(0, device=weight.device, requires_grad=True)
-    return _LookupToSink.apply(anchor, output, sink, rows, gather)
+    return _LookupToSink.apply(anchor, lookup, sink, rows, gather)
 

@@ -120,10 +120,11 @@ class DataParallelGrads:
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in self.params]
-        for p in self.split + self.lookup_only:
-            attach_gradient_sink(p, weak_sink(self, p), weak_use(self, p))
+        self._sinks = [(p, weak_sink(self, p)) for p in self.split + self.lookup_only]
+        for p, sink in self._sinks:
+            attach_gradient_sink(p, sink, weak_use(self, p))
         # Sinks go with their owner, so a model outlives its buffers unchanged.
-        weakref.finalize(self, detach_sinks, self.split + self.lookup_only)
+        weakref.finalize(self, detach_sinks, self._sinks)
         self._reset()
 
     @property
@@ -286,7 +287,7 @@ class DataParallelGrads:
             if isinstance(source, GatheredRows):
                 rows = source.index
             else:
-                # Nothing late here: no tokens (other ranks may have some).
+                # The late lookups' tokens; none when nothing came late here (other ranks may have some).
                 tokens = source or [(p.new_zeros(0, dtype=torch.int64), p.new_zeros(0, p.shape[1]))]
                 rows, grads = (torch.cat(t) for t in zip(*tokens))
                 # Into the predicted rows, or, when they do not hold this rank's or are most of
@@ -365,7 +366,7 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        detach_sinks(self.split + self.lookup_only)
+        detach_sinks(self._sinks)
 
 
 def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float) -> None:

@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 __all__ = ["detach_sinks", "weak_hook", "weak_sink", "weak_use"]
 
 
-def detach_sinks(params: list[nn.Parameter]) -> None:
-    """Give `params`' lookup gradients back to autograd."""
-    for p in params:
-        detach_gradient_sink(p)
+def detach_sinks(sinks: list[tuple[nn.Parameter, Callable]]) -> None:
+    """Give the lookup gradients back to autograd: each `(parameter, sink)`, if that sink is
+    still the one attached (a newer owner's is left alone)."""
+    for p, sink in sinks:
+        detach_gradient_sink(p, sink)
 
 
 def weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor], None]:

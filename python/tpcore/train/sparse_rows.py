@@ -78,10 +78,9 @@ class RowUnion:
         if 2 * index.numel() >= self.mask.numel() or not self.covers(rows):
             return None
         values = torch.zeros(index.numel(), grads.shape[1], dtype=dtype, device=grads.device)
-        if index.numel():
-            # Each token's place in the union; tokens with no row add zeros somewhere.
-            at = torch.searchsorted(index, rows).clamp_(max=index.numel() - 1)
-            add_token_rows(values, at, grads, valid=rows < self.mask.numel())
+        # Each token's place in the union (tokens with no row are skipped).
+        at = torch.searchsorted(index, rows).clamp_(max=max(index.numel() - 1, 0))
+        add_token_rows(values, at, grads, valid=rows < self.mask.numel())
         return GatheredRows(index, values, self.mask.numel())
 
 
@@ -89,12 +88,35 @@ def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
                    valid: torch.Tensor | None = None) -> torch.Tensor:
     """Add each token's gradient `grads` `[n, h]` to its row `rows` `[n]` of `out`
     `[num_rows, h]`, skipping tokens whose row is `num_rows` (none) or, if given, where
-    `valid` is False. Deterministic on every device (`index_put_` with `accumulate`)."""
+    `valid` is False. Sums in fp32 at least (a bf16 or fp16 `out` gets each row's sum rounded
+    once, as the lookup's own backward does), in token order: the same bits on every run,
+    on CPU (`index_add_`, one add after another) and CUDA (`index_put_` with `accumulate`,
+    sort-based)."""
+    num_rows, n = out.shape[0], rows.numel()
+    if num_rows == 0 or n == 0:
+        return out
     if valid is None:
-        valid = rows < out.shape[0]
-    # torch.where, not boolean indexing: no host sync on a GPU. Skipped tokens add zeros to row 0.
-    values = torch.where(valid.unsqueeze(1), grads, 0).to(out.dtype)
-    return out.index_put_((torch.where(valid, rows, 0),), values, accumulate=True)
+        valid = rows < num_rows
+    # torch.where, not boolean indexing: no host sync on a GPU. Skipped tokens add zeros, to
+    # rows spread over the table: a long run of one index would serialize CUDA's accumulate.
+    values = torch.where(valid.unsqueeze(1), grads, 0)
+    index = torch.where(valid, rows, torch.arange(n, device=rows.device) % num_rows)
+    if out.dtype in (torch.float32, torch.float64):
+        _accumulate(out, index, values.to(out.dtype))
+        return out
+    unique, inverse = torch.unique(index, return_inverse=True)
+    sums = torch.zeros(unique.numel(), out.shape[1], dtype=torch.float32, device=out.device)
+    _accumulate(sums, inverse, values.float())
+    return out.index_put_((unique,), sums.to(out.dtype), accumulate=True)  # one add per row
+
+
+def _accumulate(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    # CPU index_put_ with accumulate adds from several threads in no fixed order; CUDA
+    # index_add_ uses atomics. Each device's deterministic one:
+    if out.is_cuda:
+        out.index_put_((index,), values, accumulate=True)
+    else:
+        out.index_add_(0, index, values)
 
 
 def sum_touched_rows(
