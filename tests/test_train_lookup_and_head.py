@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_close
-from dp_checks import BASELINE, DISTRIBUTED_OVERLAP, OVERLAP, Run, assert_same_params, batches, config_for, groups, setup, step_alike
+from dp_checks import BASELINE, BUFFERS, DISTRIBUTED_OVERLAP, OVERLAP, Run, assert_same_params, batches, config_for, groups, setup, step_alike
 from tpcore.models import GPTModel
 from tpcore.tensor_parallel import gradient_sink
 from tpcore.train import data_parallel, sparse_rows
@@ -199,7 +199,7 @@ def _untied_lookup(rank, world, tp, options_name):
     setup(tp)
     dp_group = groups()[1]
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP}[options_name]
+    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP, "buffers": BUFFERS}[options_name]
     # 2000 ids: a step's 48 tokens per DP rank touch a few rows; 8 ids: all of them (the
     # whole table, summed in place).
     for vocab, sparse in ((2000, True), (8, False)):
@@ -226,9 +226,27 @@ def _untied_lookup(rank, world, tp, options_name):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("options", ["overlap", "distributed+overlap"])
+@pytest.mark.parametrize("options", ["overlap", "distributed+overlap", "buffers"])
 def test_untied_embedding_sums_the_rows_of_every_lookup(cpu_ranks, tp, options):
     cpu_ranks.run(_untied_lookup, tp, options)
+
+
+def _untied_at_dp1(rank, world):
+    """DP 1 (TP 4), buffers without overlap: the lookup-only embedding still takes its
+    gradient token by token (no DP sum), and the steps equal today's optimizer."""
+    setup(world)
+    config = config_for("llama", 2, vocab_size=2000, make_vocab_size_divisible_by=1)
+    run, base = Run(config, BUFFERS), Run(config, BASELINE)
+    weight = run.chunks[0].embedding.word.weight
+    assert run.grads.lookup_only == [weight] and gradient_sink.has_gradient_sink(weight)
+    for step in range(2):
+        step_alike(run, base, batches(config, 3, 1, seed=step)[0], 1e-2, CLIP)
+    assert run.grads.rows_summed == 0
+    assert_same_params(run, base, "untied, DP 1")
+
+
+def test_untied_embedding_at_dp1_takes_tokens(cpu_ranks):
+    cpu_ranks.run(_untied_at_dp1)
 
 
 def _sink_outlives_its_owner(rank, world):

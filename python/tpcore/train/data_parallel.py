@@ -23,8 +23,9 @@ lookup's gradient, which arrives later, is summed into the rows predicted from t
 that lookup's forward (the union over DP, started then) as it arrives, summed over DP after
 the backward (`sparse_rows.py`) and added to the reduced bucket. A word embedding used only
 for the lookup (`lookup_only`: untied, or a first pipeline stage's tied copy) has nothing
-but such gradients: they are added into `main_grad` row by row, its bucket sends no dense
-reduction, and after the backward it is summed over DP as the rows of all the step's lookups.
+but such gradients, with or without overlap: they are added into `main_grad` row by row,
+its bucket sends no dense reduction, and after the backward it is summed over DP (if DP > 1)
+as the rows of all the step's lookups.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DataParallelGrads:
     one chunk (used with `overlap_grad_reduce` only; see the module's docstring).
     `head_first`: parameters whose gradient is complete at the start of the backward though
     registered early (a last stage's copy of the tied embedding): first in bucket order.
-    `lookup_only`: word embeddings used only for the lookup (with `overlap_grad_reduce`).
+    `lookup_only`: word embeddings used only for the lookup.
     """
 
     def __init__(
@@ -77,10 +78,12 @@ class DataParallelGrads:
         self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
         self.tied = list(tied) if embedding_sum else []
-        # Splitting the embedding's two uses only pays when its reduction can start early.
-        sparse = overlap_grad_reduce and self.dp_size > 1
-        self.split = [p for p in lookup_and_head if p.requires_grad] if sparse else []
-        self.lookup_only = [p for p in lookup_only if p.requires_grad] if sparse else []
+        # Splitting the embedding's two uses only pays when its reduction can start early. A
+        # lookup-only embedding always takes its gradient token by token (no [vocab, h]
+        # table per micro-batch) and, at DP > 1, is summed over DP as rows.
+        split_pays = overlap_grad_reduce and self.dp_size > 1
+        self.split = [p for p in lookup_and_head if p.requires_grad] if split_pays else []
+        self.lookup_only = [p for p in lookup_only if p.requires_grad]
         self._lookup_only_ids = {id(p) for p in self.lookup_only}
         first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
         if any(getattr(p, "sequence_parallel", False) for c in chunks for p in c.parameters()) and tp_group is None:
@@ -204,6 +207,8 @@ class DataParallelGrads:
         over DP of the rows whose gradient will be summed after the backward, so that it is
         known when the backward ends: that lookup's rows for a split embedding (its gradient
         comes after the bucket started), every lookup's for a lookup-only one."""
+        if self.dp_size == 1:  # nothing to sum over DP: no rows to predict
+            return
         count = self._lookups[id(p)] = self._lookups.get(id(p), 0) + 1
         if id(p) in self._lookup_only_ids:
             self._rows.setdefault(id(p), []).append(rows)
@@ -304,6 +309,8 @@ class DataParallelGrads:
     def _sum_lookup_only(self) -> None:
         """Every lookup-only embedding's gradient, the DP mean of the rows its lookups read.
         Called on every DP rank alike."""
+        if self.dp_size == 1:  # main_grad holds the whole gradient already
+            return
         for p in self.lookup_only:
             seen = self._rows.pop(id(p), [])
             # No lookup here this step: no rows (other ranks may have some).
