@@ -1,6 +1,8 @@
 """An embedding lookup's backward into an fp32 `main_grad` buffer, per micro-batch: the dense
 `[vocab, h]` gradient that autograd builds and adds (plain PyTorch `nn.Embedding`, and
-tpcore's `VocabParallelEmbedding` without a sink) against the token-by-token gradient that
+tpcore's `VocabParallelEmbedding` without a sink), PyTorch's sparse gradient
+(`nn.Embedding(sparse=True)`: a COO `.grad`, added into the dense buffer with `add_`),
+against the token-by-token gradient that
 `DataParallelGrads` takes through a gradient sink with `--overlap-grad-reduce` at DP > 1
 (`add_token_rows`: only the batch's rows are touched). One process, TP 1, CPU, one thread;
 medians of 5 calls, best of 2 alternating rounds.
@@ -41,11 +43,13 @@ def main() -> None:
 
     tpcore.initialize_model_parallel(1)
     group = parallel_state.get_tensor_model_parallel_group()
-    print("| vocab x h (fp32 table) | tokens | nn.Embedding, dense .grad + add_ (ms) | tpcore, dense (ms) | tpcore, tokens to the sink (ms) | nn.Embedding / tokens |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| vocab x h (fp32 table) | tokens | nn.Embedding, dense .grad + add_ (ms) | nn.Embedding(sparse=True), COO .grad + add_ (ms) "
+          "| tpcore, dense (ms) | tpcore, tokens to the sink (ms) | nn.Embedding / tokens | sparse / tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for vocab, h, tokens in CASES:
         torch.manual_seed(0)
         plain = torch.nn.Embedding(vocab, h)
+        sparse = torch.nn.Embedding(vocab, h, sparse=True)
         ours = VocabParallelEmbedding(vocab, h, group=group, make_vocab_size_divisible_by=1)
         main_grad = torch.zeros(vocab, h)
         ids, upstream = torch.randint(0, vocab, (tokens,)), torch.randn(tokens, h)
@@ -66,11 +70,11 @@ def main() -> None:
 
         got: dict[str, list[float]] = {}
         for _ in range(2):
-            for name, fn in (("plain", dense(plain)), ("ours", dense(ours)), ("sink", tokens_to_sink)):
+            for name, fn in (("plain", dense(plain)), ("sparse", dense(sparse)), ("ours", dense(ours)), ("sink", tokens_to_sink)):
                 got.setdefault(name, []).append(_median_ms(fn))
         best = {k: min(v) for k, v in got.items()}
-        print(f"| {vocab} x {h} ({vocab * h * 4 / 2**20:.0f} MiB) | {tokens} | {best['plain']:.2f} | {best['ours']:.2f} | "
-              f"{best['sink']:.2f} | {best['plain'] / best['sink']:.1f}x |", flush=True)
+        print(f"| {vocab} x {h} ({vocab * h * 4 / 2**20:.0f} MiB) | {tokens} | {best['plain']:.2f} | {best['sparse']:.2f} | "
+              f"{best['ours']:.2f} | {best['sink']:.2f} | {best['plain'] / best['sink']:.1f}x | {best['sparse'] / best['sink']:.1f}x |", flush=True)
     dist.destroy_process_group()
 
 

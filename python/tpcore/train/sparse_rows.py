@@ -97,10 +97,18 @@ def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
         return out
     if valid is None:
         valid = rows < num_rows
-    # torch.where, not boolean indexing: no host sync on a GPU. Skipped tokens add zeros, to
-    # rows spread over the table: a long run of one index would serialize CUDA's accumulate.
-    values = torch.where(valid.unsqueeze(1), grads, 0)
-    index = torch.where(valid, rows, torch.arange(n, device=rows.device) % num_rows)
+    if not out.is_cuda:
+        # On CPU a host check is free: drop the skipped tokens rather than copy every
+        # token's gradient through a mask (the copy took longer than the add itself).
+        if not bool(valid.all()):
+            keep = valid.nonzero().squeeze(1)
+            rows, grads = rows[keep], grads[keep]
+        index, values = rows, grads
+    else:
+        # torch.where, not boolean indexing: no host sync. Skipped tokens add zeros, to rows
+        # spread over the table: a long run of one index would serialize the accumulate.
+        values = torch.where(valid.unsqueeze(1), grads, 0)
+        index = torch.where(valid, rows, torch.arange(n, device=rows.device) % num_rows)
     if out.dtype in (torch.float32, torch.float64):
         _accumulate(out, index, values.to(out.dtype))
         return out
