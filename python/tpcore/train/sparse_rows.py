@@ -91,28 +91,46 @@ def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
     `valid` is False. Sums in fp32 at least (a bf16 or fp16 `out` gets each row's sum rounded
     once, as the lookup's own backward does), in token order: the same bits on every run,
     on CPU (`index_add_`, one add after another) and CUDA (`index_put_` with `accumulate`,
-    sort-based)."""
+    sort-based). On CUDA nothing waits for the device (no host sync)."""
+    return _add_token_rows(out, rows, grads, valid, host_checks=not out.is_cuda)
+
+
+def _add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, valid: torch.Tensor | None,
+                    host_checks: bool) -> torch.Tensor:
+    """`add_token_rows`; `host_checks` says whether reading a tensor's value on the host is
+    free (CPU). Without (CUDA), every shape stays `n`; tests run that path on CPU too."""
     num_rows, n = out.shape[0], rows.numel()
     if num_rows == 0 or n == 0:
         return out
     if valid is None:
         valid = rows < num_rows
-    if not out.is_cuda:
-        # On CPU a host check is free: drop the skipped tokens rather than copy every
-        # token's gradient through a mask (the copy took longer than the add itself).
+    if host_checks:
+        # Drop the skipped tokens rather than copy every token's gradient through a mask
+        # (on CPU the copy took longer than the add itself).
         if not bool(valid.all()):
             keep = valid.nonzero().squeeze(1)
             rows, grads = rows[keep], grads[keep]
         index, values = rows, grads
     else:
-        # torch.where, not boolean indexing: no host sync. Skipped tokens add zeros, to rows
-        # spread over the table: a long run of one index would serialize the accumulate.
+        # torch.where, not boolean indexing. Skipped tokens add zeros, to rows spread over
+        # the table: a long run of one index would serialize CUDA's accumulate.
         values = torch.where(valid.unsqueeze(1), grads, 0)
         index = torch.where(valid, rows, torch.arange(n, device=rows.device) % num_rows)
     if out.dtype in (torch.float32, torch.float64):
         _accumulate(out, index, values.to(out.dtype))
         return out
-    unique, inverse = torch.unique(index, return_inverse=True)
+    if host_checks:
+        unique, inverse = torch.unique(index, return_inverse=True)
+    else:
+        # torch.unique's size needs a host sync. Instead: segments of the sorted rows, one
+        # per distinct row (token order kept inside each), `n` of them at most; the unused
+        # ones sum to zero on rows spread over the table, and adding zero changes nothing.
+        sorted_rows, order = torch.sort(index, stable=True)
+        starts = torch.ones_like(sorted_rows, dtype=torch.bool)
+        starts[1:] = sorted_rows[1:] != sorted_rows[:-1]
+        segment = torch.cumsum(starts, 0) - 1
+        unique = (torch.arange(len(segment), device=out.device) % num_rows).scatter_(0, segment, sorted_rows)
+        inverse = torch.empty_like(segment).scatter_(0, order, segment)  # each token's segment
     sums = torch.zeros(unique.numel(), out.shape[1], dtype=torch.float32, device=out.device)
     _accumulate(sums, inverse, values.float())
     return out.index_put_((unique,), sums.to(out.dtype), accumulate=True)  # one add per row
