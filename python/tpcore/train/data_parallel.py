@@ -192,8 +192,10 @@ class DataParallelGrads:
             add_token_rows(p.main_grad, rows, grads)
             return
         late, union = self._late.get(id(p)), self._union.get(id(p))
-        if late is None and union is not None:
-            # Summed into the predicted rows now, in the backward, not after it.
+        if late is None and union is not None and not grads.is_cuda:
+            # Summed into the predicted rows now, in the backward, not after it. Not on a
+            # GPU: that needs the union's size on the host (a sync in the backward), and the
+            # sum after the backward is cheap there.
             gathered = union.gather(rows, grads, self.buffers[i].grad_dtype)
             if gathered is not None:
                 self._late[id(p)] = gathered
