@@ -79,3 +79,22 @@ def test_errors(corpus):
         GPTDataset(indexed, 8, 1, split="test", cache=False)
     with pytest.raises(IndexError, match="out of range"):
         GPTDataset(indexed, 8, 3, cache=False)[3]
+
+
+def test_a_data_folder_that_cannot_be_written_only_costs_the_cache(corpus, monkeypatch):
+    """Read-only data (shared clusters): the index is built, a warning names the problem."""
+    import errno
+
+    from tpcore.data import gpt_dataset
+
+    indexed, _ = corpus
+    expected = GPTDataset(indexed, 8, 30, seed=7, cache=False)
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(gpt_dataset, "atomic_output", read_only)
+    with pytest.warns(UserWarning, match="cannot cache the sample index.*Read-only"):
+        got = GPTDataset(indexed, 8, 30, seed=7)
+    assert not os.path.exists(got.cache_path)
+    assert all(np.array_equal(expected[i], got[i]) for i in range(30))

@@ -138,3 +138,31 @@ def test_json_key_absent_from_some_lines_is_reported(tmp_path, capsys):
     assert "1 documents" in out and "4 malformed lines skipped" in out and "2 without the key 'text'" in out, out
     counts = preprocess(src, str(tmp_path / "api"))
     assert (counts["documents"], counts["skipped"], counts["missing_key"]) == (1, 4, 2)
+
+
+def test_no_document_at_all_fails_and_names_the_first_bad_line(tmp_path, capsys):
+    """Plain text read as JSON lines gave an empty dataset and exit 0."""
+    src = tmp_path / "plain.jsonl"
+    src.write_text("just words\nmore words\n")
+    out = tmp_path / "out"
+    assert main(["--input", str(src), "--output-prefix", str(out / "ds"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "no line of" in err and "2 malformed lines" in err and "line 1" in err and "--format" in err, err
+    assert not out.exists() or os.listdir(out) == []
+
+
+def test_an_output_folder_that_cannot_be_made_is_named(tmp_path, capsys):
+    """A file in the way of the output folder, or a folder that cannot be written: the
+    message names the path and the errno, with the tpcore prefix."""
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "x"})])
+    (tmp_path / "afile").write_text("")
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "afile" / "ds"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tpcore: writing") and "afile" in err and ("EEXIST" in err or "ENOTDIR" in err), err
+
+
+def test_builder_names_a_file_it_cannot_create(tmp_path):
+    from tpcore.data import IndexedDatasetBuilder
+
+    with pytest.raises(OSError, match=r"tpcore: writing .*missing/ds\.tmp\d+\.bin failed: ENOENT"):
+        IndexedDatasetBuilder(str(tmp_path / "missing" / "ds"))

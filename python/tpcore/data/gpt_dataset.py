@@ -5,13 +5,15 @@ a seeded random order per epoch and read as one token stream; sample i is the wi
 of `seq_length + 1` tokens starting at `i * seq_length` (consecutive windows share one
 token: the last target of one is the first input of the next). Samples are then
 visited in a seeded random order. The three index arrays are cached beside the data
-(`PREFIX.<split>-<hash>.npz`, written atomically) and reused when present and intact.
+(`PREFIX.<split>-<hash>.npz`, written atomically) and reused when present and intact; a
+folder that cannot be written (read-only, full) only costs the rebuild, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -99,8 +101,12 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def _save_cache(self, arrays) -> None:
         # Ranks building the same index at once each put a whole file in place.
-        with atomic_output(self.cache_path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
+        try:
+            with atomic_output(self.cache_path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
+        except OSError as e:  # a read-only or full data folder: the index is rebuilt next time
+            warnings.warn(f"tpcore: GPTDataset: cannot cache the sample index at {self.cache_path} ({e}); "
+                          "it is rebuilt at every start", stacklevel=3)
 
     def __len__(self) -> int:
         return self.num_samples

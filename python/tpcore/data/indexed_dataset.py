@@ -59,7 +59,10 @@ class IndexedDatasetBuilder:
         if self.dtype not in _CODE_OF:
             raise ValueError(f"tpcore: IndexedDatasetBuilder: unsupported dtype {self.dtype}")
         self._tmp = f"{prefix}.tmp{os.getpid()}"
-        self._bin = open(self._tmp + ".bin", "wb")
+        try:
+            self._bin = open(self._tmp + ".bin", "wb")
+        except OSError as e:  # a read-only or missing folder
+            raise write_error(self._tmp + ".bin", e) from e
         self._sizes: list[int] = []
         self._min_id: int | None = None
         self._max_id: int | None = None

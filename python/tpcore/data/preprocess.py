@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Iterator
 
-from .indexed_dataset import IndexedDatasetBuilder, best_token_dtype
+from .indexed_dataset import IndexedDatasetBuilder, best_token_dtype, write_error
 from .tokenizer import load_tokenizer
 
 __all__ = ["preprocess", "main", "MalformedLine"]
@@ -117,9 +117,14 @@ def preprocess(
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"tpcore: preprocess: input {input_path} does not exist")
     tok = load_tokenizer(tokenizer)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # read-only, or a file where a folder should be
+        raise write_error(folder, e) from e
     counts = {"documents": 0, "tokens": 0, "skipped": 0, "missing_key": 0}
     keys_seen: list[str] = []  # of the first line without the key, for the error below
+    first_error = ""  # of the first malformed line, for the error below
     lines = _parsed_lines(input_path, fmt, json_key)
     pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
     encoded = pool.imap(_encode, lines, chunksize=256) if pool else map(_encode, lines)
@@ -136,6 +141,7 @@ def preprocess(
                         error = f"no field {json_key!r} (the line has {error[:8]})"
                     if on_error == "fail":
                         raise MalformedLine(f"tpcore: preprocess: {input_path}, line {number}: {error}")
+                    first_error = first_error or f"line {number}: {error}"
                     counts["skipped"] += 1
                     continue
                 if append_eod:
@@ -153,6 +159,11 @@ def preprocess(
                     f"tpcore: preprocess: no line of {input_path} has a string field {json_key!r} (--json-key): "
                     f"{counts['missing_key']} lines lack it (the first has keys {keys_seen[:8]}), "
                     f"{counts['skipped'] - counts['missing_key']} other lines are malformed"
+                )
+            if counts["documents"] == 0 and counts["skipped"]:
+                raise MalformedLine(
+                    f"tpcore: preprocess: no line of {input_path} is a document ({fmt}): {counts['skipped']} malformed "
+                    f"lines (the first, {first_error}); is --format right?"
                 )
     finally:
         if pool is not None:
