@@ -6,7 +6,8 @@ of this rank's model chunks in the order of `schedule_table`, messages between t
 `step(chunk, micro, input)` runs model chunk `chunk` of this rank on micro-batch `micro`:
 `input` is None on the first stage (which reads its own data), the previous stage's
 activation elsewhere; it returns the activation to send on, or on the last stage the
-micro-batch's loss, which is scaled by 1/m so the gradients are those of the mean loss.
+micro-batch's loss, unscaled: `forward_backward` divides it by m, so the gradients are
+those of the mean loss over the batch.
 """
 
 from __future__ import annotations

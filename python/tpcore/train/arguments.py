@@ -89,7 +89,7 @@ class TrainArgs:
     # Evaluation, logging, checkpoints
     eval_interval: int = _arg(100, "evaluate every this many steps (and at the end)")
     eval_iters: int = _arg(10, "validation batches per evaluation (0: no evaluation)")
-    log_interval: int = _arg(10, "print and record metrics every this many steps")
+    log_interval: int = _arg(10, "print a metrics line every this many steps (metrics.csv and TensorBoard get every step)")
     log_dir: str | None = _arg(None, "metrics.csv, loss_curve.png, TensorBoard (default: --save, else no files)")
     save: str | None = _arg(None, "checkpoint directory")
     save_interval: int | None = _arg(None, "checkpoint every this many steps (always at the end with --save)")
