@@ -180,7 +180,7 @@ def test_to_hf_native_checkpoint_loads_in_transformers(ckpt, tmp_path):
     reference = ReferenceGPT(config, device="meta")
     reference.load_state_dict(state, assign=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.eos_token_id == load_tokenizer("byte").eod
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.eos_token_id == hf.config.bos_token_id == load_tokenizer("byte").eod
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, reference.eval()(ids), rtol=1e-5, atol=1e-5)

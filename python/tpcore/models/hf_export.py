@@ -176,6 +176,10 @@ def write_hf_folder(
             _write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {"total_size": total}, "weight_map": weight_map})
         if eos_token_id is not None and out.get("eos_token_id") is None:
             out["eos_token_id"] = eos_token_id
+            if hf_config is None and out.get("bos_token_id") is None:
+                # tpcore's own GPT-2 export: else transformers fills in GPT-2's 50256,
+                # outside a small vocabulary, and warns at every load. GPT-2 uses one id for both.
+                out["bos_token_id"] = eos_token_id
         name = str(dtype).removeprefix("torch.")
         _write_json(os.path.join(out_dir, "config.json"), {**out, "torch_dtype": name, "dtype": name})
         generation = {k: out[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if out.get(k) is not None}
