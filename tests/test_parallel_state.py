@@ -108,3 +108,50 @@ def _bad_sizes(rank, world):
 
 def test_live_bad_sizes_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_sizes)
+
+
+def _disagreeing_ranks(rank, world):
+    import os
+
+    # Different sizes (both fit the world): without the check the ranks made different
+    # groups and waited on each other until the store's timeout (300 s), naming nothing.
+    expect_error(ValueError, "disagree on tensor_parallel_size (2 on ranks [0]; 1 on ranks [1, 2, 3])",
+                 tpcore.initialize_model_parallel, 2 if rank == 0 else 1)
+    # The environment that picks backends and segment layouts, set on one rank only.
+    for key, value in (("TPCORE_SHM_SLOT_BYTES", "65536"), ("TPCORE_CPU_BACKEND", "gloo")):
+        if rank == 1:
+            os.environ[key] = value
+        try:
+            expect_error(ValueError, f"disagree on {key}", tpcore.initialize_model_parallel, 2)
+        finally:
+            os.environ.pop(key, None)
+    assert not tpcore.is_initialized()
+    tpcore.initialize_model_parallel(2)  # agreeing ranks still get their groups
+
+
+def test_ranks_that_disagree_raise_on_every_rank_before_any_group(cpu_ranks):
+    cpu_ranks.run(_disagreeing_ranks, timeout=120)
+
+
+def _group_timeouts(rank, world, backend):
+    import torch
+    from datetime import timedelta
+
+    def timeout_of(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    default = timeout_of(dist.group.WORLD)
+    state = tpcore.initialize_model_parallel(2, backend=backend)
+    assert state.tensor_group is not None
+    # torch gives a group made without a timeout 30 minutes; tpcore's take the default group's.
+    assert [timeout_of(g) for g in (state.tensor_group, state.data_group)] == [default] * 2, (default, timeout_of(state.tensor_group))
+    tpcore.destroy_model_parallel()
+    state = tpcore.initialize_model_parallel(2, timeout=timedelta(seconds=7), backend=backend)
+    assert timeout_of(state.tensor_group) == timedelta(seconds=7)
+    return dist.get_backend(state.tensor_group)
+
+
+@pytest.mark.parametrize("backend", [None, "gloo"])
+def test_groups_take_the_default_groups_timeout(cpu_ranks, backend):
+    backends = cpu_ranks.run(_group_timeouts, backend)
+    assert set(backends) == {"tpcore" if backend is None else "gloo"}

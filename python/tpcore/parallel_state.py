@@ -16,11 +16,13 @@ fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 # Imported now, before any group exists, on purpose: its functions take
@@ -155,17 +157,55 @@ def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None)
     return group
 
 
-def _hosts() -> list[str] | None:
-    """Every rank's host identity (one gather on the default group), or None where the
-    shared-memory backend cannot apply (opted out, or a default group without gloo)."""
-    if shm.opted_out():
-        return None
+def _settings(tensor_parallel_size: int, pipeline_parallel_size: int, timeout: timedelta | None,
+              backend: str | None) -> dict[str, str]:
+    """What every rank must agree on before the first group: the arguments and the TPCORE_*
+    environment that picks the groups' backends and segment layouts (as given, unparsed)."""
+    settings = {"tensor_parallel_size": repr(tensor_parallel_size), "pipeline_parallel_size": repr(pipeline_parallel_size),
+                "timeout": repr(timeout), "backend": repr(backend)}
+    settings.update({k: repr(v) for k, v in sorted(os.environ.items()) if k.startswith(("TPCORE_SHM_", "TPCORE_CPU_BACKEND"))})
+    return settings
+
+
+def _agree(settings: dict[str, str]) -> list[str] | None:
+    """Check that every rank passed the same `settings`; return every rank's host identity.
+
+    One object gather on the default group where it can gather on CPU (gloo, tpcore);
+    elsewhere (an NCCL-only default group) nothing is checked and None is returned. A
+    disagreement raises on every rank alike, before any group exists: ranks that made
+    different groups would wait on each other until the store's timeout."""
     default = dist.get_backend()
-    if default not in ("gloo", shm.BACKEND_NAME) and "cpu:gloo" not in default:
+    if default not in ("gloo", shm.BACKEND_NAME) and "cpu:gloo" not in default and "cpu:tpcore" not in default:
         return None
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, shm.host_id())
-    return hosts
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (settings, shm.host_id()))
+    for key in dict.fromkeys(k for mine, _ in everyone for k in mine):
+        values = [mine.get(key, "unset") for mine, _ in everyone]
+        if len(set(values)) > 1:
+            ranks_of: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                ranks_of.setdefault(v, []).append(r)
+            shown = "; ".join(f"{v} on ranks {_short(r)}" for v, r in ranks_of.items())
+            raise ValueError(
+                f"tpcore: initialize_model_parallel: the ranks disagree on {key} ({shown}); every rank must call it "
+                "with the same arguments and the same TPCORE_* environment"
+            )
+    return [host for _, host in everyone]
+
+
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} ranks)]"
+
+
+def _default_timeout() -> timedelta | None:
+    """The default group's timeout: torch gives a group made without one 30 minutes, not
+    the default group's (so a rank waiting on a failed peer would hang that long)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def initialize_model_parallel(
@@ -196,7 +236,9 @@ def initialize_model_parallel(
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
-    hosts = _hosts() if backend is None else None
+    hosts = _agree(_settings(tensor_parallel_size, pipeline_parallel_size, timeout, backend))
+    hosts = None if backend is not None or hosts is None or shm.opted_out() else hosts
+    timeout = timeout if timeout is not None else _default_timeout()
     mine = {}
     # Every rank must create every group, in the same order, even those it is not in.
     # (With pp <= 2 the embedding groups are the pipeline groups and are reused as such.)

@@ -134,7 +134,7 @@ class RecvWork : public c10d::Work {
 
 ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        const Config& config, Fallback make_fallback)
-    : c10d::Backend(rank, size), make_fallback_(std::move(make_fallback)) {
+    : c10d::Backend(rank, size), timeout_(config.timeout), make_fallback_(std::move(make_fallback)) {
   const std::string name_key = "tpcore_shm/segment", mapped_key = "tpcore_shm/mapped";
   group_ = std::make_unique<Group>(
       rank, size, config,
@@ -154,6 +154,10 @@ ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
       });
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ShmBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>(getBackendName(), timeout_);
 }
 
 ShmBackend::~ShmBackend() = default;

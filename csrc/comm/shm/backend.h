@@ -30,6 +30,9 @@ class ShmBackend : public c10d::Backend {
   ~ShmBackend() override;
 
   const std::string getBackendName() const override { return "tpcore"; }
+  // Its timeout, where torch and tpcore look for a group's settings (e.g. to give the
+  // groups made from a `tpcore` default group the same timeout).
+  c10::intrusive_ptr<Options> getBackendOptions() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -97,6 +100,7 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> done(std::vector<at::Tensor> result, c10d::OpType op);
 
   std::unique_ptr<Group> group_;
+  std::chrono::milliseconds timeout_;
   Fallback make_fallback_;
   c10::intrusive_ptr<c10d::Backend> fallback_;
   std::mutex fallback_mu_;

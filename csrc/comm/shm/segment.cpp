@@ -80,7 +80,8 @@ Segment Segment::open(const std::string& name, size_t bytes) {
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
     close(fd);
     TORCH_CHECK(false, "tpcore shm: shared memory ", name, " has ", st.st_size, " bytes, expected ",
-                bytes);
+                bytes, ": it was made for another group layout (do all ranks use the same",
+                " TPCORE_SHM_* settings?)");
   }
   s.data_ = map(fd, bytes, name);
   s.bytes_ = bytes;
