@@ -134,7 +134,9 @@ class RecvWork : public c10d::Work {
 
 ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        const Config& config, Fallback make_fallback)
-    : c10d::Backend(rank, size), timeout_(config.timeout), make_fallback_(std::move(make_fallback)) {
+    : c10d::Backend(rank, size),
+      timeout_(config.timeout),
+      make_fallback_(std::move(make_fallback)) {
   const std::string name_key = "tpcore_shm/segment", mapped_key = "tpcore_shm/mapped";
   group_ = std::make_unique<Group>(
       rank, size, config,
