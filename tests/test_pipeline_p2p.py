@@ -143,6 +143,29 @@ def test_bad_pipeline_input_raises_on_every_rank_before_any_message(cpu_ranks):
     assert cpu_ranks.run(_bad_pipeline_input) == ["raised"] * 4
 
 
+def _disagreeing_pipeline_ranks(rank, world):
+    tpcore.initialize_model_parallel(pipeline_parallel_size=world)
+    config = type(VARIANTS["gpt2"])(**{**VARIANTS["gpt2"].__dict__, "num_layers": world})
+    torch.manual_seed(0)
+    chunks = build_gpt_stages(config)
+    batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))] * 8
+    args = dict(num_micro_batches=4, tensor_shape=activation_shape(config, 2, 8), dtype=torch.float32)
+    # One rank differs; without the check: a wait on a message that never comes, or (one
+    # rank forward-only) unread gradients left in the links and a silent return.
+    for name, value in (("num_micro_batches", 8), ("forward_only", True), ("loss_scale", 2.0)):
+        mine = {**args, name: value} if rank == 1 else args
+        expect_error(ValueError, f"disagree on {name}", forward_backward, gpt_forward_step(chunks, batches), **mine)
+    # A list and a tuple, an int and a float agree; the pipeline still runs.
+    shape = list(args["tensor_shape"]) if rank % 2 else tuple(args["tensor_shape"])
+    loss = forward_backward(gpt_forward_step(chunks, batches), **{**args, "tensor_shape": shape, "loss_scale": 1 if rank else 1.0})
+    return float(loss)
+
+
+def test_pipeline_ranks_that_disagree_raise_on_every_rank(cpu_ranks):
+    losses = cpu_ranks.run(_disagreeing_pipeline_ranks)
+    assert len(set(losses)) == 1, losses
+
+
 # ---------------------------------------------------------------------------------------
 # A rank dying mid-schedule
 # ---------------------------------------------------------------------------------------
