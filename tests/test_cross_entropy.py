@@ -113,6 +113,31 @@ def test_bad_args_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_args)
 
 
+def _disagreeing_ranks(rank, world):
+    """Ranks whose shards or options differ got a wrong loss and no error (11 columns split
+    5 / 6 gave 3.60 where F.cross_entropy gives 3.82); now every rank raises alike."""
+    setup_tp(2)
+    rank = tpcore.parallel_state.get_tensor_model_parallel_rank()
+    ce, lce = tpcore.vocab_parallel_cross_entropy, tpcore.vocab_parallel_linear_cross_entropy
+    target = torch.tensor([1, 2, 3, 4])
+    expect_error(ValueError, "disagree on the local vocabulary (logits' last dim) (rank 0: 5, rank 1: 6)",
+                 ce, torch.randn(4, 5 + rank), target)
+    expect_error(ValueError, "disagree on vocab_size (rank 0: 10, rank 1: 9)", ce, torch.randn(4, 5), target, vocab_size=10 - rank)
+    expect_error(ValueError, "disagree on label_smoothing", ce, torch.randn(4, 5), target, label_smoothing=0.1 * rank)
+    expect_error(ValueError, "disagree on z_loss", ce, torch.randn(4, 5), target, z_loss=1e-4 * rank)
+    expect_error(ValueError, "disagree on ignore_index", ce, torch.randn(4, 5), target, ignore_index=-100 - rank)
+    expect_error(ValueError, "disagree on the local vocabulary", lce, torch.randn(4, 3), torch.randn(5 + rank, 3), target)
+    # Agreeing ranks are unaffected: the loss equals F.cross_entropy of the gathered logits.
+    torch.manual_seed(0)
+    full = torch.randn(4, 10)
+    got = ce(full.chunk(2, dim=1)[rank].contiguous(), target)
+    assert_close(got, torch.nn.functional.cross_entropy(full, target), "agreeing ranks")
+
+
+def test_ranks_that_disagree_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_disagreeing_ranks)
+
+
 def _cached_buffers(rank, world):
     """Large gradients come from tpcore's CPU buffer cache; reuse never leaks stale values."""
     tp_rank, tp = setup_tp(2)

@@ -90,9 +90,55 @@ void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, cons
                          o.label_smoothing, o.z_loss);
 }
 
-TokenLoss combine_cross_entropy_stats(const at::Tensor& stats, const at::Tensor& target,
-                                      const Group& group, const CrossEntropyOptions& o) {
-  const at::Tensor all = all_gather(stats.unsqueeze(0), 0, group);  // [world, N, 4]
+namespace {
+
+// The settings every TP rank must share, as two rows of the stats all-gather: ranks that
+// split the vocabulary differently (or disagree on its size or the loss's options) get a
+// wrong loss with no error otherwise. The values are exact in float32.
+at::Tensor settings_rows(const at::Tensor& stats, int64_t local_vocab,
+                         const CrossEntropyOptions& o) {
+  const std::vector<float> v = {float(local_vocab),
+                                float(o.vocab_size),
+                                float(o.label_smoothing),
+                                float(o.z_loss),
+                                float(o.ignore_index),
+                                0.f,
+                                0.f,
+                                0.f};
+  return at::tensor(v, stats.options().device(at::kCPU)).view({2, 4}).to(stats.device());
+}
+
+void check_settings_agree(const char* what, const at::Tensor& all, int64_t n) {
+  const at::Tensor rows = all.narrow(1, n, 2).reshape({all.size(0), 8}).cpu();  // [world, 8]
+  if (rows.eq(rows[0]).all().item<bool>()) return;
+  const char* names[] = {"the local vocabulary (logits' last dim)", "vocab_size", "label_smoothing",
+                         "z_loss", "ignore_index"};
+  for (int k = 0; k < 5; ++k) {
+    const at::Tensor col = rows.select(1, k);
+    if (col.eq(col[0]).all().item<bool>()) continue;
+    std::string values;
+    for (int64_t r = 0; r < rows.size(0); ++r)
+      values +=
+          (r ? ", rank " : "rank ") + std::to_string(r) + ": " + c10::str(col[r].item<double>());
+    TORCH_CHECK_VALUE(false, "tpcore: ", what, ": the tensor-parallel ranks disagree on ", names[k],
+                      " (", values, "); every rank must pass its own equal shard");
+  }
+}
+
+}  // namespace
+
+TokenLoss combine_cross_entropy_stats(const char* what, const at::Tensor& stats,
+                                      const at::Tensor& target, const Group& group,
+                                      int64_t local_vocab, const CrossEntropyOptions& o) {
+  // Checked with the target values (a host read; off with tpcore.set_input_checks(False)).
+  const bool check = should_check_values(stats);
+  const int64_t n = stats.size(0);
+  const at::Tensor sent = check ? at::cat({stats, settings_rows(stats, local_vocab, o)}) : stats;
+  at::Tensor all = all_gather(sent.unsqueeze(0), 0, group);  // [world, N (+ 2), 4]
+  if (check) {
+    check_settings_agree(what, all, n);
+    all = all.narrow(1, 0, n);
+  }
   const at::Tensor m = all.select(2, 0), s = all.select(2, 1);
   const at::Tensor max = m.amax(0);
   // Shards with no real column report max = -inf and sum = 0: they add exp(-inf) = 0.
@@ -165,7 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_kernel(
   check_target_values("vocab_parallel_cross_entropy", t, options);
   const VocabShard shard = vocab_shard(group, x.size(1), vocab_size);
   TokenLoss token =
-      combine_cross_entropy_stats(cross_entropy_stats(x, t, shard), t, group, options);
+      combine_cross_entropy_stats("vocab_parallel_cross_entropy", cross_entropy_stats(x, t, shard),
+                                  t, group, x.size(1), options);
   return {token.loss, token.lse, token.mask};
 }
 

@@ -67,8 +67,11 @@ struct TokenLoss {
   at::Tensor mask;  // [N] float32, 1 where the target is not ignored
 };
 // Exchanges the per-token stats [N, 4] of every rank (one all-gather) and combines them.
-TokenLoss combine_cross_entropy_stats(const at::Tensor& stats, const at::Tensor& target,
-                                      const Group& group, const CrossEntropyOptions& options);
+// With input checks on, the all-gather also carries `local_vocab` and the options, and every
+// rank raises alike when the ranks disagree on them.
+TokenLoss combine_cross_entropy_stats(const char* what, const at::Tensor& stats,
+                                      const at::Tensor& target, const Group& group,
+                                      int64_t local_vocab, const CrossEntropyOptions& options);
 // Applies the reduction; `like` gives the output dtype and, for None, the shape.
 at::Tensor reduce_loss(const TokenLoss& token, const CrossEntropyOptions& options,
                        const at::Tensor& target_shape_like, at::ScalarType dtype);

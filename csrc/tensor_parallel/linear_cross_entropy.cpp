@@ -102,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_kern
     const at::Tensor logits = chunk_logits(h.narrow(0, c0, n), weight);
     stats.narrow(0, c0, n).copy_(cross_entropy_stats(logits, t.narrow(0, c0, n), shard));
   }
-  TokenLoss token = combine_cross_entropy_stats(stats, t, group, options);
+  TokenLoss token = combine_cross_entropy_stats("vocab_parallel_linear_cross_entropy", stats, t,
+                                                group, weight.size(0), options);
   return {token.loss, token.lse, token.mask};
 }
 
