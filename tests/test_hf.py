@@ -330,3 +330,26 @@ def _frozen_job(rank, world, path):
 
 def test_parallelize_keeps_frozen_parameters_frozen(cpu_ranks, tmp_path):
     cpu_ranks.run(_frozen_job, save_family("llama", tmp_path))
+
+
+def _different_weights_job(rank, world, paths):
+    import tpcore
+    import tpcore.hf
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    tp_rank = tpcore.parallel_state.get_tensor_model_parallel_rank()
+    # Each TP rank's model from another seed: the split model would belong to neither.
+    dense = load_dense(paths[tp_rank], FAMILIES["llama"][0], torch.float32)
+    try:
+        tpcore.hf.parallelize(dense)
+    except ValueError as e:
+        assert "the ranks hold different weights" in str(e) and "model.embed_tokens.weight" in str(e), e
+        return "raised"
+    finally:
+        tpcore.destroy_model_parallel()
+    return "accepted"
+
+
+def test_parallelize_refuses_ranks_with_different_weights(cpu_ranks, tmp_path):
+    paths = [save_family("llama", tmp_path / f"seed{seed}", seed=seed) for seed in (0, 1)]
+    assert cpu_ranks.run(_different_weights_job, paths) == ["raised"] * 4

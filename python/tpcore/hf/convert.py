@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .lm_head import VocabParallelLMHead
@@ -114,10 +115,43 @@ def _check_not_parallel(model: nn.Module) -> None:
         raise ValueError(f"tpcore.hf: {type(model).__name__} already holds tpcore layers (parallelized twice?)")
 
 
+def _weight_fingerprints(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """Every parameter's name and (sum, sum of squares) in float64, `[P, 2]`, read in
+    blocks (no float64 copy of a whole embedding)."""
+    names, rows = [], []
+    for name, p in model.named_parameters():
+        flat, total, squares = p.detach().reshape(-1), 0.0, 0.0
+        for block in flat.split(1 << 22):
+            block = block.double()
+            total, squares = total + block.sum(), squares + block.square().sum()
+        names.append(name)
+        rows.append(torch.stack([torch.as_tensor(total, dtype=torch.float64), torch.as_tensor(squares, dtype=torch.float64)]))
+    return names, torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def _check_same_weights(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Raise on every rank alike unless every rank of `group` holds the same weights: each
+    keeps its own slice, so different models (an unseeded init) would silently combine
+    into one that no rank had. One all-gather of two float64s per parameter."""
+    names, mine = _weight_fingerprints(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    everyone = comm.all_gather(mine.to(device), 0, group).view(dist.get_world_size(group), -1, 2).cpu()
+    # Summation order can differ with the thread count: equal within float64 rounding.
+    same = torch.isclose(everyone, everyone[0], rtol=1e-9, atol=0.0, equal_nan=True).all(dim=2).all(dim=0)
+    if not bool(same.all()):
+        differing = [n for n, ok in zip(names, same.tolist()) if not ok]
+        raise ValueError(
+            f"tpcore.hf: parallelize: the ranks hold different weights ({len(differing)} of {len(names)} parameters "
+            f"differ, e.g. {differing[:3]}); build or load the model the same way on every rank (seed the "
+            "initialization, or load it with from_pretrained)"
+        )
+
+
 def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Split a dense transformers model over the tensor-parallel group, in place.
 
-    Call on every rank of the group with the same model (same weights). The policy of
+    Call on every rank of the group with the same model (same weights: checked, every
+    rank raises alike if they differ). The policy of
     `model.config.model_type` names the modules that become column / row-parallel
     linears, the vocab-parallel embedding and the vocab-parallel LM head; the attention
     modules get this rank's head counts. Returns `model`, whose `forward` and `generate`
@@ -128,6 +162,7 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     group = resolve_tensor_group(group)
     _check_not_parallel(model)
     plan = make_plan(model, dist.get_world_size(group), dist.get_rank(group))
+    _check_same_weights(model, group)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     _apply(model, plan, group, DenseSource(tensors), None, None)
     return model
