@@ -155,3 +155,53 @@ def _group_timeouts(rank, world, backend):
 def test_groups_take_the_default_groups_timeout(cpu_ranks, backend):
     backends = cpu_ranks.run(_group_timeouts, backend)
     assert set(backends) == {"tpcore" if backend is None else "gloo"}
+
+
+def _stale_layer(rank, world, store_dir, results):
+    import os
+    from datetime import timedelta
+
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        def start(name):
+            store = dist.FileStore(os.path.join(store_dir, name), world)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+
+        start("first")
+        tpcore.initialize_model_parallel(2)
+        layer = tpcore.RowParallelLinear(4, 4, input_is_parallel=True)
+        tpcore.shutdown()
+        start("second")  # the new groups reuse the old ones' names
+        tpcore.initialize_model_parallel(1)
+        try:
+            layer(torch.randn(3, 2))
+            results.put((rank, "returned"))
+        except RuntimeError as e:
+            results.put((rank, str(e)))
+        tpcore.shutdown()
+    except BaseException as e:  # noqa: BLE001 - reported, not lost in a child
+        results.put((rank, f"failed: {e!r}"))
+
+
+def test_a_layer_kept_across_a_new_default_group_raises():
+    """The old TP group's name now names a size-1 group: rank 0 used to skip the reduction
+    silently (a wrong output) while rank 1 found no group of that name."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_stale_layer, args=(r, 2, tmp, results), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(results.get(timeout=240) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    assert all("was destroyed" in got[r] for r in (0, 1)), got

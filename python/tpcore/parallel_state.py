@@ -364,7 +364,26 @@ def resolve_group(group: dist.ProcessGroup | None, default: Callable[[], dist.Pr
         raise ValueError(f"tpcore: this rank is not a member of the {what} group passed as group=")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    live_group_name(group)
     return group
+
+
+def live_group_name(group: dist.ProcessGroup) -> str:
+    """`group`'s name, which tpcore's C++ ops resolve, after checking that it still names
+    `group`: torch reuses names once `destroy_process_group` ran, so a layer kept across a
+    new default group would otherwise talk on whatever group now has its name."""
+    name = group.group_name
+    if not torch.compiler.is_compiling():  # checked eagerly; a compiled graph is rebuilt with its groups
+        try:
+            current = dist.distributed_c10d._resolve_process_group(name)
+        except (RuntimeError, ValueError, KeyError):
+            current = None
+        if current is not group:
+            raise RuntimeError(
+                f"tpcore: the process group {name!r} this layer or call uses was destroyed (destroy_process_group); "
+                "build the layer again after initialize_model_parallel"
+            )
+    return name
 
 
 def resolve_tensor_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -29,7 +29,7 @@ from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.mappings import gather_from_sequence_parallel
-from ..parallel_state import resolve_tensor_group
+from ..parallel_state import live_group_name, resolve_tensor_group
 from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
@@ -96,7 +96,7 @@ class ParallelAttention(nn.Module):
         # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the summed gradient.
         c, layer = self.config, self.qkv
         weight, bias = (replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size) for t in (layer.weight, layer.bias))
-        return _op_entry.column_parallel_linear(x, weight, bias, self.group.group_name, False, c.sequence_parallel)
+        return _op_entry.column_parallel_linear(x, weight, bias, live_group_name(self.group), False, c.sequence_parallel)
 
     def _core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]
@@ -322,7 +322,7 @@ class GPTModel(nn.Module):
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:
             # f (or the sequence all-gather) then the vocab-sharded GEMM: [s, b, V/tp].
-            logits = _op_entry.column_parallel_linear(x, weight, None, self.group.group_name, False, c.sequence_parallel)
+            logits = _op_entry.column_parallel_linear(x, weight, None, live_group_name(self.group), False, c.sequence_parallel)
             if target is None:
                 return logits.transpose(0, 1)
             # The logits never leave forward: the loss may write its gradient into them.

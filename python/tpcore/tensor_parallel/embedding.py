@@ -18,7 +18,7 @@ from torch import nn
 from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
-from ..parallel_state import resolve_tensor_group
+from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
@@ -146,7 +146,7 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         return _op_entry.vocab_parallel_embedding(
-            ids, weight, self.group.group_name, self.num_embeddings, padding_idx, self.sequence_parallel
+            ids, weight, live_group_name(self.group), self.num_embeddings, padding_idx, self.sequence_parallel
         )
 
     @torch.compiler.disable

@@ -22,7 +22,7 @@ from torch import nn
 from .. import _op_entry, comm
 from .._module_utils import to_empty_keeping_attributes
 from .._validation import check_positive_ints
-from ..parallel_state import resolve_tensor_group
+from ..parallel_state import live_group_name, resolve_tensor_group
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
@@ -226,7 +226,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         out = _op_entry.column_parallel_linear(
-            x, self.weight, self._forward_bias(), self.group.group_name, self.gather_output, self.sequence_parallel
+            x, self.weight, self._forward_bias(), live_group_name(self.group), self.gather_output, self.sequence_parallel
         )
         return self._result(out)
 
@@ -276,10 +276,10 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         out = _op_entry.row_parallel_linear(
-            x, self.weight, self._forward_bias(), self.group.group_name, self.input_is_parallel, self.sequence_parallel
+            x, self.weight, self._forward_bias(), live_group_name(self.group), self.input_is_parallel, self.sequence_parallel
         )
         if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
             # The caller adds the bias to a sequence shard: hand it over through f, whose
             # backward sums its gradient over TP, so the bias stays correct on its own.
-            return out, _op_entry.copy_to_tensor_parallel(self.bias, self.group.group_name)
+            return out, _op_entry.copy_to_tensor_parallel(self.bias, live_group_name(self.group))
         return self._result(out)
