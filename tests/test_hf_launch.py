@@ -193,3 +193,17 @@ def test_verify_ignores_the_checkpoints_generation_config(tmp_path):
     transformers.GenerationConfig(repetition_penalty=1.3).save_pretrained(path)
     report = tpcore.hf.verify(path, tensor_parallel_size=2, max_new_tokens=8)
     assert report.ok, str(report)
+
+
+def test_stopping_workers_that_never_started_is_quiet(tmp_path):
+    """A launch that failed before starting every worker (e.g. a script without the
+    __main__ guard) printed "can only join a started process" from its cleanup."""
+    import multiprocessing as mp
+
+    from tpcore._workers import stop_workers
+
+    started = mp.get_context("spawn").Process(target=print)
+    started.start()
+    never = mp.get_context("spawn").Process(target=print)
+    stop_workers([started, never], None, str(tmp_path / "scratch"))
+    assert not started.is_alive()

@@ -45,6 +45,7 @@ def stop_workers(procs: list, tasks: list | None, scratch_dir: str, polite_s: fl
     """End the workers: with `tasks`, send each a `None` (its signal to leave) and give them
     `polite_s` in all to exit; then kill whatever is still alive, and remove `scratch_dir`.
     Without `tasks` (a job failed; ranks may be stuck in a collective), kill at once."""
+    procs = [p for p in procs if p.pid is not None]  # a failed start leaves some never started
     if tasks is not None:
         for q in tasks:
             q.put(None)
