@@ -111,9 +111,10 @@ def test_cli(ckpt, tmp_path, capsys):
     assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
 
     assert convert.main(["--load", str(tmp_path / "nothing"), "--output", str(tmp_path / "x.safetensors")]) == 1
-    assert "no checkpoint in" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
-    with pytest.raises(CheckpointError, match="no checkpoint"):
-        export_safetensors(str(tmp_path / "nothing"), str(tmp_path / "x.safetensors"))
+    assert "nothing does not exist (a typo?)" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint in .*empty"):
+        export_safetensors(str(tmp_path / "empty"), str(tmp_path / "x.safetensors"))
 
     foreign = tmp_path / "foreign.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(2)}, str(foreign), metadata={"format": "pt"})

@@ -104,8 +104,10 @@ def test_truncated_files(tmp_path):
     open(prefix + ".bin", "wb").write(binary[:-2])
     with pytest.raises(ValueError, match=r"t\.bin: 606 bytes but .*t\.idx describes 608 bytes"):
         IndexedDataset(prefix)
+    with pytest.raises(FileNotFoundError, match=r"give the prefix without the extension: .*/t\)"):
+        IndexedDataset(prefix + ".bin")  # the file, not the prefix
     os.remove(prefix + ".bin")
-    with pytest.raises(FileNotFoundError, match=r"t\.bin does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"t\.bin does not exist$"):
         IndexedDataset(prefix)
 
 

@@ -42,7 +42,7 @@ def test_rank_layout_tp_groups_are_adjacent():
 
 @pytest.mark.parametrize(
     "world,tp,pp,match",
-    [(4, 3, 1, "not divisible"), (6, 4, 1, "not divisible"), (8, 2, 3, "not divisible"), (4, 0, 1, ">= 1"), (4, 1, -1, ">= 1"), (0, 1, 1, ">= 1")],
+    [(4, 3, 1, "not divisible"), (1, 2, 1, "one process: launch one per rank, e.g. torchrun"), (6, 4, 1, "not divisible"), (8, 2, 3, "not divisible"), (4, 0, 1, ">= 1"), (4, 1, -1, ">= 1"), (0, 1, 1, ">= 1")],
 )
 def test_rank_layout_rejects_bad_sizes(world, tp, pp, match):
     with pytest.raises(ValueError, match=match):

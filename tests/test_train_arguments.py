@@ -24,6 +24,14 @@ def numeric_fields() -> dict[str, str]:
     return kinds
 
 
+def test_config_file_that_is_a_folder_or_upper_case_yaml(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        parse_args(["--config", str(tmp_path)])
+    path = tmp_path / "run.YAML"
+    path.write_text("lr: 0.5\n")  # YAML, not JSON, whatever the case of its extension
+    assert parse_args(["--config", str(path)]).lr == 0.5
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

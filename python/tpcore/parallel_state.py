@@ -90,6 +90,7 @@ def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_s
         raise ValueError(
             f"tpcore: world size {world_size} is not divisible by tensor_parallel_size "
             f"({tensor_parallel_size}) x pipeline_parallel_size ({pipeline_parallel_size}) = {model_size}"
+            + (" (one process: launch one per rank, e.g. torchrun --nproc_per_node N)" if world_size == 1 else "")
         )
     return world_size // model_size
 

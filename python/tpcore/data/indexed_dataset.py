@@ -210,7 +210,10 @@ class IndexedDataset:
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"tpcore: indexed dataset file {path} does not exist")
+                hint = ""
+                if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
+                    hint = f" (give the prefix without the extension: {prefix[:-4]})"
+                raise FileNotFoundError(f"tpcore: indexed dataset file {path} does not exist{hint}")
         idx_size = os.path.getsize(idx_path)
         if idx_size < _HEADER.size:
             raise ValueError(f"tpcore: {idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")

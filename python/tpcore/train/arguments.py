@@ -251,6 +251,8 @@ def _check_range(name: str, value, kind: str, low, high, need) -> None:
 
 def load_config_file(path: str) -> dict:
     """Field values from a `.json`, `.yaml` or `.yml` file (keys with dashes or underscores)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"tpcore: config file {path} is a folder, not a .yaml / .json file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tpcore: config file {path} does not exist")
     try:
@@ -258,7 +260,7 @@ def load_config_file(path: str) -> dict:
             text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"tpcore: config file {path} is not UTF-8 ({e.reason} at byte {e.start})") from e
-    if path.endswith((".yaml", ".yml")):
+    if path.lower().endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError as e:

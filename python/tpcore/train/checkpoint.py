@@ -44,7 +44,7 @@ from ..models import GPTConfig, ReferenceGPT
 from ..models.sharding import copy_overlap, rule_for, shares_indices
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from .agreement import all_or_none
-from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, model_file as _model_file, read_metadata, rng_file as _rng_file
+from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, missing_checkpoint, model_file as _model_file, read_metadata, rng_file as _rng_file
 from .checkpoint_optimizer import SavedSlices
 from .checkpoint_save import save_checkpoint
 from .checkpoint_integrity import check_identity, verify_file
@@ -254,7 +254,7 @@ def load_checkpoint(
     checkpoints; the shards' identity is checked either way). Returns the metadata."""
     directory = find_checkpoint(path)
     if directory is None:
-        raise CheckpointError(f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)")
+        raise CheckpointError(missing_checkpoint(path))
     meta = read_metadata(directory)
     chunks = model_chunks(model)
     config = chunks[0].config

@@ -9,7 +9,7 @@ import re
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
+__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "missing_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
 
 FORMAT = "tpcore-gpt-checkpoint"
 VERSION = 4
@@ -65,6 +65,13 @@ def newest_complete(save_dir: str) -> str | None:
         if m and os.path.isfile(os.path.join(save_dir, entry, "metadata.json")):
             found.append((int(m.group(1)), m.group(2) is None, entry))
     return os.path.join(save_dir, max(found)[2]) if found else None
+
+
+def missing_checkpoint(path: str) -> str:
+    """The message for a `path` where `find_checkpoint` found nothing."""
+    if not os.path.exists(path):
+        return f"tpcore: checkpoint path {path} does not exist (a typo?)"
+    return f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)"
 
 
 def find_checkpoint(path: str) -> str | None:

@@ -21,7 +21,7 @@ from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_folder
 from ..models.sharding import piece_shape, rule_for
 from .checkpoint import _opener, _shard_files
-from .checkpoint_index import find_checkpoint, read_metadata
+from .checkpoint_index import find_checkpoint, missing_checkpoint, read_metadata
 from .errors import CheckpointError
 from .layout import ParallelLayout
 
@@ -62,7 +62,7 @@ def checkpoint_to_hf(
     ValueError when the architecture fits no Hugging Face family."""
     directory = find_checkpoint(checkpoint)
     if directory is None:
-        raise CheckpointError(f"tpcore: no checkpoint in {checkpoint} (no metadata.json and no 'latest' file)")
+        raise CheckpointError(missing_checkpoint(checkpoint))
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written

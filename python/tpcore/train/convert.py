@@ -24,7 +24,7 @@ import torch
 
 from .._atomic import atomic_output
 from ..models import GPTConfig, ReferenceGPT
-from .checkpoint import CheckpointError, find_checkpoint, load_dense_state_dict, read_metadata
+from .checkpoint import CheckpointError, find_checkpoint, load_dense_state_dict, missing_checkpoint, read_metadata
 
 __all__ = ["export_safetensors", "load_dense_gpt", "main", "FORMAT"]
 
@@ -53,7 +53,7 @@ def export_safetensors(checkpoint: str, output: str, *, verify: bool = True) -> 
     st = _safetensors()
     directory = find_checkpoint(checkpoint)
     if directory is None:
-        raise CheckpointError(f"tpcore: no checkpoint in {checkpoint} (no metadata.json and no 'latest' file)")
+        raise CheckpointError(missing_checkpoint(checkpoint))
     meta = read_metadata(directory)
     config, state = load_dense_state_dict(directory, verify=verify)
     metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(config)), "iteration": str(meta["iteration"])}
