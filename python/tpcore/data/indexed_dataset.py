@@ -73,8 +73,13 @@ class IndexedDatasetBuilder:
             raise ValueError(f"tpcore: IndexedDatasetBuilder: a document must be 1-D, got shape {array.shape}")
         if array.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
-            if array.min() < info.min or array.max() > info.max:
-                raise ValueError(f"tpcore: IndexedDatasetBuilder: token ids outside the range of {self.dtype}")
+            low, high = array.min().item(), array.max().item()
+            if low < info.min or high > info.max:
+                bad = low if low < info.min else high
+                raise ValueError(
+                    f"tpcore: IndexedDatasetBuilder: token id {bad} is outside the range of {self.dtype} "
+                    f"[{info.min}, {info.max}] (a larger vocabulary needs dtype=np.int32: best_token_dtype(vocab_size))"
+                )
         try:
             self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         except OSError as e:

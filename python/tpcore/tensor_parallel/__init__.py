@@ -19,7 +19,7 @@ from .mappings import (
     scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
-from .random import get_rng_tracker, model_parallel_manual_seed
+from .random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker, model_parallel_manual_seed
 from .recompute import checkpoint
 
 __all__ = [
@@ -41,6 +41,8 @@ __all__ = [
     "gather_from_sequence_parallel",
     "reduce_scatter_to_sequence_parallel",
     "get_rng_tracker",
+    "MODEL_PARALLEL_RNG",
+    "REPLICATED_RNG",
     "model_parallel_manual_seed",
     "tracked_dropout",
     "checkpoint",
