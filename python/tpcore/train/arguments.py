@@ -308,7 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="GPT pretraining with tensor and data parallelism (tpcore)", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML or JSON file of argument values (command-line flags override it)")
     for name, f in _FIELDS.items():
-        flag, help = "--" + name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default!r})"
+        text = f.metadata["help"]
+        # A help text that already says what the default means keeps it; others get the value.
+        flag, help = "--" + name.replace("_", "-"), text if "(default" in text else f"{text} (default: {f.default!r})"
         kind = str(f.type).split(" ")[0]  # annotations are strings: "int", "int | None", ...
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
