@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
 
+    if "RANK" not in os.environ:
+        raise SystemExit("mlp_demo.py runs one process per rank: torchrun --nproc_per_node 2 examples/mlp_demo.py")
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
