@@ -166,3 +166,16 @@ def test_builder_names_a_file_it_cannot_create(tmp_path):
 
     with pytest.raises(OSError, match=r"tpcore: writing .*missing/ds\.tmp\d+\.bin failed: ENOENT"):
         IndexedDatasetBuilder(str(tmp_path / "missing" / "ds"))
+
+
+def test_module_entry_point_runs_without_runpy_warning(tmp_path):
+    """`python -m tpcore.data.preprocess` (the Makefile's corpus step) printed runpy's
+    RuntimeWarning about the module being imported already, at every run."""
+    import subprocess
+    import sys
+
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "x"})])
+    run = subprocess.run([sys.executable, "-m", "tpcore.data.preprocess", "--input", src, "--output-prefix", str(tmp_path / "ds"), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Warning" not in run.stderr, run.stderr
+    assert len(IndexedDataset(str(tmp_path / "ds"))) == 1
