@@ -113,3 +113,21 @@ class RankPool:
                 parts.append(f"rank(s) {missing} did not finish within the time allowed")
             raise RankFailure(f"{fn.__name__} failed:\n" + "\n".join(parts))
         return [values[r] for r in range(self.world)]
+
+
+def run_fresh_processes(target: Callable[..., None], world: int, *args: Any, timeout: float = 240.0) -> dict[int, Any]:
+    """Run `target(rank, world, *args, results)` in `world` new spawned processes (for tests
+    that make and end their own default groups, which the pool's ranks cannot); each puts
+    `(rank, answer)` on `results`. Returns the answers by rank; kills what is left."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

@@ -188,20 +188,10 @@ def _stale_layer(rank, world, store_dir, results):
 def test_a_layer_kept_across_a_new_default_group_raises():
     """The old TP group's name now names a size-1 group: rank 0 used to skip the reduction
     silently (a wrong output) while rank 1 found no group of that name."""
-    import multiprocessing as mp
     import tempfile
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    from rank_pool import run_fresh_processes
+
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_stale_layer, args=(r, 2, tmp, results), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            got = dict(results.get(timeout=240) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        got = run_fresh_processes(_stale_layer, 2, tmp)
     assert all("was destroyed" in got[r] for r in (0, 1)), got
