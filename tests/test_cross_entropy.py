@@ -127,6 +127,14 @@ def _disagreeing_ranks(rank, world):
     expect_error(ValueError, "disagree on z_loss", ce, torch.randn(4, 5), target, z_loss=1e-4 * rank)
     expect_error(ValueError, "disagree on ignore_index", ce, torch.randn(4, 5), target, ignore_index=-100 - rank)
     expect_error(ValueError, "disagree on the local vocabulary", lce, torch.randn(4, 3), torch.randn(5 + rank, 3), target)
+    # An invalid option or target on one rank only: every rank raises, naming it (before, the
+    # others waited in the all-gather until the timeout).
+    if rank == 0:
+        expect_error(ValueError, "vocab_size 11 must be in [1, 10]", ce, torch.randn(4, 5), target, vocab_size=11)
+        expect_error(IndexError, "target 10 is out of range [0, 10)", ce, torch.randn(4, 5), torch.tensor([1, 10, 3, 4]))
+    else:
+        expect_error(ValueError, "invalid options on tensor-parallel rank(s) 0", ce, torch.randn(4, 6), target, vocab_size=11)
+        expect_error(IndexError, "tensor-parallel rank(s) 0 have a target out of range", ce, torch.randn(4, 5), target)
     # Agreeing ranks are unaffected: the loss equals F.cross_entropy of the gathered logits.
     torch.manual_seed(0)
     full = torch.randn(4, 10)

@@ -38,35 +38,6 @@ void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype) 
                    dtype);
 }
 
-void check_cross_entropy_args(const char* what, const at::Tensor& target,
-                              c10::SymIntArrayRef expected_shape, const at::Device& device,
-                              int64_t local_vocab, int64_t world, const CrossEntropyOptions& o) {
-  TORCH_CHECK_VALUE(o.vocab_size >= 1 && o.vocab_size <= local_vocab * world, "tpcore: ", what,
-                    ": vocab_size ", o.vocab_size, " must be in [1, ", local_vocab * world,
-                    "] (local vocab ", local_vocab, " x ", world, " ranks)");
-  TORCH_CHECK_VALUE(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "tpcore: ", what,
-                    ": label_smoothing must be in [0, 1], got ", o.label_smoothing);
-  TORCH_CHECK_VALUE(o.z_loss >= 0.0, "tpcore: ", what, ": z_loss must be >= 0, got ", o.z_loss);
-  TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && target.scalar_type() != at::kBool,
-                   "tpcore: ", what, ": target must be an integer tensor, got ",
-                   target.scalar_type());
-  TORCH_CHECK_VALUE(same_shape(target.sym_sizes(), expected_shape), "tpcore: ", what,
-                    ": target shape ", target.sym_sizes(),
-                    " does not match the logits' leading shape ", expected_shape);
-  TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
-                    " but the logits are on ", device);
-}
-
-void check_target_values(const char* what, const at::Tensor& target, const CrossEntropyOptions& o) {
-  if (target.numel() == 0 || !should_check_values(target)) return;
-  const at::Tensor bad = (target != o.ignore_index) & ((target < 0) | (target >= o.vocab_size));
-  if (bad.any().item<bool>()) {
-    TORCH_CHECK_INDEX(false, "tpcore: ", what, ": target ",
-                      target.masked_select(bad)[0].item<int64_t>(), " is out of range [0, ",
-                      o.vocab_size, ") and is not ignore_index (", o.ignore_index, ")");
-  }
-}
-
 at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,
                                const VocabShard& shard) {
 #ifdef TPCORE_WITH_CUDA
@@ -90,55 +61,18 @@ void cross_entropy_grad(const at::Tensor& logits, const at::Tensor& target, cons
                          o.label_smoothing, o.z_loss);
 }
 
-namespace {
-
-// The settings every TP rank must share, as two rows of the stats all-gather: ranks that
-// split the vocabulary differently (or disagree on its size or the loss's options) get a
-// wrong loss with no error otherwise. The values are exact in float32.
-at::Tensor settings_rows(const at::Tensor& stats, int64_t local_vocab,
-                         const CrossEntropyOptions& o) {
-  const std::vector<float> v = {float(local_vocab),
-                                float(o.vocab_size),
-                                float(o.label_smoothing),
-                                float(o.z_loss),
-                                float(o.ignore_index),
-                                0.f,
-                                0.f,
-                                0.f};
-  return at::tensor(v, stats.options().device(at::kCPU)).view({2, 4}).to(stats.device());
-}
-
-void check_settings_agree(const char* what, const at::Tensor& all, int64_t n) {
-  const at::Tensor rows = all.narrow(1, n, 2).reshape({all.size(0), 8}).cpu();  // [world, 8]
-  if (rows.eq(rows[0]).all().item<bool>()) return;
-  const char* names[] = {"the local vocabulary (logits' last dim)", "vocab_size", "label_smoothing",
-                         "z_loss", "ignore_index"};
-  for (int k = 0; k < 5; ++k) {
-    const at::Tensor col = rows.select(1, k);
-    if (col.eq(col[0]).all().item<bool>()) continue;
-    std::string values;
-    for (int64_t r = 0; r < rows.size(0); ++r)
-      values +=
-          (r ? ", rank " : "rank ") + std::to_string(r) + ": " + c10::str(col[r].item<double>());
-    TORCH_CHECK_VALUE(false, "tpcore: ", what, ": the tensor-parallel ranks disagree on ", names[k],
-                      " (", values, "); every rank must pass its own equal shard");
-  }
-}
-
-}  // namespace
-
 TokenLoss combine_cross_entropy_stats(const char* what, const at::Tensor& stats,
                                       const at::Tensor& target, const Group& group,
                                       int64_t local_vocab, const CrossEntropyOptions& o) {
-  // Checked with the target values (a host read; off with tpcore.set_input_checks(False)).
-  const bool check = should_check_values(stats);
+  // Two rows ride along with the stats, whether or not this rank checks, so the all-gather
+  // has the same shape on every rank; with checks on they carry what every rank must agree
+  // on and whether its input is valid (cross_entropy_checks.cpp).
+  const RankCheck check = start_rank_check(what, stats, target, local_vocab, group_size(group), o);
   const int64_t n = stats.size(0);
-  const at::Tensor sent = check ? at::cat({stats, settings_rows(stats, local_vocab, o)}) : stats;
-  at::Tensor all = all_gather(sent.unsqueeze(0), 0, group);  // [world, N (+ 2), 4]
-  if (check) {
-    check_settings_agree(what, all, n);
-    all = all.narrow(1, 0, n);
-  }
+  at::Tensor all =
+      all_gather(at::cat({stats, check.rows}).unsqueeze(0), 0, group);  // [world, N + 2, 4]
+  finish_rank_check(what, check, all.narrow(1, n, 2), target, o);
+  all = all.narrow(1, 0, n);
   const at::Tensor m = all.select(2, 0), s = all.select(2, 1);
   const at::Tensor max = m.amax(0);
   // Shards with no real column report max = -inf and sum = 0: they add exp(-inf) = 0.
@@ -206,9 +140,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_kernel(
                                     z_loss};
   const at::Tensor x = logits.contiguous();
   const at::Tensor t = target_.to(at::kLong).contiguous();
-  // Reads the targets' values (a host sync): here, where the tensors are real, on every rank
-  // before the collective.
-  check_target_values("vocab_parallel_cross_entropy", t, options);
   const VocabShard shard = vocab_shard(group, x.size(1), vocab_size);
   TokenLoss token =
       combine_cross_entropy_stats("vocab_parallel_cross_entropy", cross_entropy_stats(x, t, shard),
@@ -299,7 +230,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   const CrossEntropyOptions options = make_cross_entropy_options(
       what, vocab_size, local_vocab, world, label_smoothing, ignore_index, reduction, z_loss);
   check_cross_entropy_args(what, target, logits.sym_sizes().slice(0, logits.dim() - 1),
-                           logits.device(), local_vocab, world, options);
+                           logits.device());
   // Writing the gradient into a leaf (or into a view of one) would overwrite a parameter
   // or an input the caller still owns.
   const at::TensorBase& owner =

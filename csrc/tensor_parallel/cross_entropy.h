@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 #include "comm/comm.h"
 
 namespace torch::autograd {
@@ -41,17 +43,29 @@ CrossEntropyOptions make_cross_entropy_options(const char* what, int64_t vocab_s
 // Raises a TypeError unless `dtype` is float32, bfloat16 or float16 (`name` says of what).
 void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype);
 
-// Validates the options, the target (shape `expected_shape`, integer) and its device;
-// raises before any collective. Reads no values: fake (traced) tensors pass through.
+// Validates the target (shape `expected_shape`, integer) and its device; raises before any
+// collective. Reads no values: fake (traced) tensors pass through. The options' values are
+// checked by the forward, on every rank alike (start_rank_check).
 void check_cross_entropy_args(const char* what, const at::Tensor& target,
-                              c10::SymIntArrayRef expected_shape, const at::Device& device,
-                              int64_t local_vocab, int64_t world,
-                              const CrossEntropyOptions& options);
-// Raises an IndexError naming the first target that is neither in range nor ignored (one
-// host sync; call it where the tensors are real, before the collective). Skipped when
-// input checks are off or a CUDA graph is being captured (tensor_parallel/input_checks.h).
-void check_target_values(const char* what, const at::Tensor& target,
-                         const CrossEntropyOptions& options);
+                              c10::SymIntArrayRef expected_shape, const at::Device& device);
+
+// What the TP ranks check together, through the forward's one all-gather: that they agree
+// on the local vocabulary and the options, and that none has invalid options or a target
+// neither in range nor ignored. Every rank then raises alike, naming the rank at fault.
+// `rows` [2, 4] go with the stats; with checks off (tpcore.set_input_checks(False), CUDA
+// graph capture) they are zeros, an invalid option raises on this rank at once (as the
+// ranks are assumed to agree), and nothing is read back.
+struct RankCheck {
+  bool on = false;
+  std::string problem;  // this rank's invalid option, or ""
+  at::Tensor bad;       // [N] bool: targets neither in range nor ignored (checks on)
+  at::Tensor rows;      // [2, 4] in the stats' dtype and device
+};
+RankCheck start_rank_check(const char* what, const at::Tensor& stats, const at::Tensor& target,
+                           int64_t local_vocab, int64_t world, const CrossEntropyOptions& options);
+// `gathered` [world, 2, 4]: every rank's rows. One host read (the only one of the forward).
+void finish_rank_check(const char* what, const RankCheck& check, const at::Tensor& gathered,
+                       const at::Tensor& target, const CrossEntropyOptions& options);
 
 // Per-token (max, sum exp, target logit, sum logits) of this rank's shard [N, V_local].
 at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,

@@ -86,8 +86,8 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
   // _unsafe_view: the reshaped kernel output is not an autograd view (its base is a temporary
   // nobody else sees), so callers may change the embedding in place (`x += positions`), as
   // with nn.Embedding; a view returned from an autograd Function forbids that.
-  at::Tensor local =
-      at::_unsafe_view(lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)), shape);
+  at::Tensor local = at::_unsafe_view(
+      lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)), shape);
   if (sequence_parallel) return reduce_scatter(local, 0, group).contiguous();
   return all_reduce_inplace_async(local, group).wait();
 }
