@@ -125,8 +125,14 @@ def _disagreeing_ranks(rank, world):
             expect_error(ValueError, f"disagree on {key}", tpcore.initialize_model_parallel, 2)
         finally:
             os.environ.pop(key, None)
+    # Sizes that do not fit the world on one rank only: every rank raises (the others used
+    # to wait in the first group's creation); the same for one rank already initialized.
+    expect_error(ValueError, "disagree on tensor_parallel_size", tpcore.initialize_model_parallel, 3 if rank == 0 else 2)
     assert not tpcore.is_initialized()
     tpcore.initialize_model_parallel(2)  # agreeing ranks still get their groups
+    if rank != 0:
+        tpcore.destroy_model_parallel()
+    expect_error(ValueError, "disagree on already initialized", tpcore.initialize_model_parallel, 2)
 
 
 def test_ranks_that_disagree_raise_on_every_rank_before_any_group(cpu_ranks):

@@ -164,7 +164,7 @@ def _settings(tensor_parallel_size: int, pipeline_parallel_size: int, timeout: t
     environment that picks the groups' backends and segment layouts (as given, unparsed)."""
     settings = {"tensor_parallel_size": repr(tensor_parallel_size), "pipeline_parallel_size": repr(pipeline_parallel_size),
                 "timeout": repr(timeout), "backend": repr(backend)}
-    settings.update({k: repr(v) for k, v in sorted(os.environ.items()) if k.startswith(("TPCORE_SHM_", "TPCORE_CPU_BACKEND"))})
+    settings.update({k: repr(v) for k, v in sorted(os.environ.items()) if k.startswith(("TPCORE_SHM_", "TPCORE_CPU_BACKEND", "TPCORE_CHECK_INPUTS"))})
     return settings
 
 
@@ -230,6 +230,10 @@ def initialize_model_parallel(
             "tpcore: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) before initialize_model_parallel()"
         )
+    # The ranks compare their arguments first: a check below that failed on one rank only
+    # would leave the others waiting in the first group's creation.
+    settings = _settings(tensor_parallel_size, pipeline_parallel_size, timeout, backend)
+    hosts = _agree({**settings, "already initialized": repr(_STATE is not None)})
     if _STATE is not None:
         raise RuntimeError(
             "tpcore: model parallel groups are already initialized; "
@@ -237,7 +241,6 @@ def initialize_model_parallel(
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
-    hosts = _agree(_settings(tensor_parallel_size, pipeline_parallel_size, timeout, backend))
     hosts = None if backend is not None or hosts is None or shm.opted_out() else hosts
     timeout = timeout if timeout is not None else _default_timeout()
     mine = {}
@@ -360,7 +363,9 @@ def resolve_group(group: dist.ProcessGroup | None, default: Callable[[], dist.Pr
     """`group`, or `default()` when None; a clear error when neither is usable (`what` names
     the kind of group in the message: "process", "pipeline")."""
     if group is None:
-        return default()
+        group = default()
+        live_group_name(group)  # a bare destroy_process_group() leaves tpcore's groups stale
+        return group
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(f"tpcore: this rank is not a member of the {what} group passed as group=")
     if not isinstance(group, dist.ProcessGroup):
