@@ -152,7 +152,8 @@ def _disagreeing_pipeline_ranks(rank, world):
     args = dict(num_micro_batches=4, tensor_shape=activation_shape(config, 2, 8), dtype=torch.float32)
     # One rank differs; without the check: a wait on a message that never comes, or (one
     # rank forward-only) unread gradients left in the links and a silent return.
-    for name, value in (("num_micro_batches", 8), ("forward_only", True), ("loss_scale", 2.0)):
+    for name, value in (("num_micro_batches", 8), ("forward_only", True), ("loss_scale", 2.0), ("check_shapes", False),
+                        ("tensor_shape", [float(d) for d in args["tensor_shape"]])):
         mine = {**args, name: value} if rank == 1 else args
         expect_error(ValueError, f"disagree on {name}", forward_backward, gpt_forward_step(chunks, batches), **mine)
     # A list and a tuple, an int and a float agree; the pipeline still runs.

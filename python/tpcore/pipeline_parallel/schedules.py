@@ -12,6 +12,7 @@ those of the mean loss over the batch.
 
 from __future__ import annotations
 
+import numbers
 import time
 import zlib
 from contextlib import nullcontext
@@ -60,10 +61,12 @@ def _check_args(num_micro_batches, tensor_shape, dtype, loss_scale, schedule, p,
     return shape
 
 
-_AGREED = ("num_micro_batches", "num_model_chunks", "schedule", "forward_only", "loss_scale", "tensor_shape", "dtype")
+_AGREED = ("num_micro_batches", "num_model_chunks", "schedule", "forward_only", "loss_scale", "tensor_shape", "dtype", "check_shapes")
 
 
 def _ints(shape) -> tuple[int, ...]:
+    if not all(isinstance(d, numbers.Integral) for d in shape):  # 4.0 is not 4 here: _check_args refuses it
+        raise TypeError("not ints")
     return tuple(int(d) for d in shape)
 
 
@@ -79,7 +82,8 @@ def _plain(value, convert):
 def _check_ranks_agree(group: dist.ProcessGroup, device: torch.device, values: tuple) -> None:
     """Raise on every rank of `group` alike unless all of them passed the same `values`
     (`_AGREED`, as given, checked or not): one all-gather of a few int64s per call (8 us
-    on the shared-memory backend, 190 us on gloo, 2 CPU ranks on the test VM). Ranks
+    on the shared-memory backend, 190 us on gloo, 2 CPU ranks on the test VM; on a GPU it
+    also reads them back, a host sync per call). Ranks
     that disagree would otherwise wait on a message that never comes, or leave unread
     ones behind and return (forward_only on one rank only)."""
     codes = [zlib.crc32(repr(v).encode()) for v in values]  # hash() differs between processes
@@ -128,7 +132,7 @@ def forward_backward(
     p, rank, v, m = dist.get_world_size(group), dist.get_rank(group), num_model_chunks, num_micro_batches
     device = torch.device(device)
     if p > 1:
-        _check_ranks_agree(group, device, (m, v, schedule, bool(forward_only), _plain(loss_scale, float), _plain(tensor_shape, _ints), str(dtype)))
+        _check_ranks_agree(group, device, (m, v, schedule, bool(forward_only), _plain(loss_scale, float), _plain(tensor_shape, _ints), str(dtype), bool(check_shapes)))
     shape = _check_args(m, tensor_shape, dtype, loss_scale, schedule, p, v)
     last_stage = p * v - 1
     units = rank_units(schedule, p, m, v, rank, forward_only)
