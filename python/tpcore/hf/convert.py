@@ -133,9 +133,17 @@ def _check_same_weights(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Raise on every rank alike unless every rank of `group` holds the same weights: each
     keeps its own slice, so different models (an unseeded init) would silently combine
     into one that no rank had. One all-gather of two float64s per parameter."""
-    names, mine = _weight_fingerprints(model)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    everyone = comm.all_gather(mine.to(device), 0, group).view(dist.get_world_size(group), -1, 2).cpu()
+    names = [n for n, _ in model.named_parameters()]
+    # The counts first: models with different parameters would all-gather different sizes.
+    counts = comm.all_gather(torch.tensor([len(names)], device=device), 0, group).tolist()
+    if len(set(counts)) > 1:
+        raise ValueError(f"tpcore.hf: parallelize: the ranks hold different models ({counts} parameters on ranks 0..{world - 1})")
+    names, mine = _weight_fingerprints(model)
+    everyone = comm.all_gather(mine.to(device), 0, group).view(world, -1, 2).cpu()
     # Summation order can differ with the thread count: equal within float64 rounding.
     same = torch.isclose(everyone, everyone[0], rtol=1e-9, atol=0.0, equal_nan=True).all(dim=2).all(dim=0)
     if not bool(same.all()):
