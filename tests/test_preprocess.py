@@ -149,6 +149,10 @@ def test_no_document_at_all_fails_and_names_the_first_bad_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "no line of" in err and "2 malformed lines" in err and "line 1" in err and "--format" in err, err
     assert not out.exists() or os.listdir(out) == []
+    src.write_text("\n  \n")  # empty but for blank lines
+    assert main(["--input", str(src), "--output-prefix", str(out / "ds"), "--quiet"]) == 1
+    assert "holds no document (it is empty or only blank lines)" in capsys.readouterr().err
+    assert not out.exists() or os.listdir(out) == []
 
 
 def test_an_output_folder_that_cannot_be_made_is_named(tmp_path, capsys):

@@ -108,8 +108,9 @@ def preprocess(
 ) -> dict[str, int]:
     """Tokenize `input_path` into `output_prefix.{bin,idx}`; returns counts of the run
     (documents, tokens, skipped malformed lines, missing_key: those without `json_key`).
-    Raises MalformedLine when no line has `json_key` (or, with on_error="fail", at the
-    first malformed line), OSError naming the file when writing fails; nothing is left."""
+    Raises MalformedLine when no line is a document (none has `json_key`, all are malformed,
+    or the input is empty) or, with on_error="fail", at the first malformed line; OSError
+    naming the file when writing fails. Nothing is left after a failure."""
     if fmt == "auto":
         fmt = "jsonl" if input_path.endswith((".jsonl", ".json")) else "text"
     if fmt not in ("jsonl", "text") or on_error not in ("skip", "fail"):
@@ -165,6 +166,8 @@ def preprocess(
                     f"tpcore: preprocess: no line of {input_path} is a document ({fmt}): {counts['skipped']} malformed "
                     f"lines (the first, {first_error}); is --format right?"
                 )
+            if counts["documents"] == 0:
+                raise MalformedLine(f"tpcore: preprocess: {input_path} holds no document (it is empty or only blank lines)")
     finally:
         if pool is not None:
             pool.terminate()
