@@ -158,10 +158,6 @@ ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
       });
 }
 
-c10::intrusive_ptr<c10d::Backend::Options> ShmBackend::getBackendOptions() {
-  return c10::make_intrusive<Options>(getBackendName(), timeout_);
-}
-
 ShmBackend::~ShmBackend() = default;
 
 c10d::Backend& ShmBackend::fallback() {

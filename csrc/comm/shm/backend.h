@@ -32,7 +32,9 @@ class ShmBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "tpcore"; }
   // Its timeout, where torch and tpcore look for a group's settings (e.g. to give the
   // groups made from a `tpcore` default group the same timeout).
-  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(getBackendName(), timeout_);
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
