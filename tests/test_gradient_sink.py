@@ -127,3 +127,22 @@ def test_add_token_rows_without_host_sync_gives_the_same_bits(dtype):
         reference = torch.zeros(50, 8).index_add_(0, rows[keep], grads[keep])
         expected = (start.float() + reference.to(dtype).float()).to(dtype)
     assert torch.equal(unsynced, expected), (unsynced.float() - expected.float()).abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_token_rows_on_cuda_waits_for_nothing(dtype):
+    """On a GPU the token path adds into the table without a host sync (torch raises on any
+    under the "error" debug mode) and gives the bits of the CPU path."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 51, (500,), generator=g)  # 50: no row
+    grads = torch.randn(500, 16, generator=g)
+    expected = add_token_rows(torch.zeros(50, 16, dtype=dtype), rows, grads)
+    table, rows_gpu, grads_gpu = torch.zeros(50, 16, dtype=dtype, device="cuda"), rows.cuda(), grads.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        add_token_rows(table, rows_gpu, grads_gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(table.cpu(), expected)

@@ -171,8 +171,8 @@ def preprocess(
     finally:
         if pool is not None:
             pool.terminate()
-    if progress:
-        print(file=sys.stderr)
+    if progress:  # the final counts on the progress line (it showed the last update's)
+        print(f"\r{counts['documents']} documents, {counts['tokens']} tokens", file=sys.stderr)
     return counts
 
 
