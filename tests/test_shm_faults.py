@@ -86,3 +86,38 @@ def test_dead_or_stopped_rank_fails_every_other_rank(fault):
     # The segment was unlinked once every rank had mapped it.
     left = [f for pid in pids.values() for f in glob.glob(f"/dev/shm/tpcore-{pid}-*")]
     assert not left, left
+
+
+def _mismatched_layout(rank: int, world: int, store_dir: str, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+
+    import tpcore  # noqa: F401 - registers the backend
+
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if rank == 1:  # another slot size: this rank cannot use the segment rank 0 made
+        os.environ["TPCORE_SHM_SLOT_BYTES"] = "65536"
+    start = time.monotonic()
+    try:
+        dist.new_group([0, 1], backend="tpcore")
+        outcome = "made"
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        outcome = str(e)
+    # Rank 0's segment is gone as soon as rank 1 has given up on it, not after the timeout.
+    left = glob.glob(f"/dev/shm/tpcore-{os.getpid()}-*")
+    results.put((rank, (outcome, time.monotonic() - start, left)))
+    results.close()
+    results.join_thread()  # the answer is sent before the exit below
+    os._exit(0)  # rank 0's half-made group would wait for its peer at exit
+
+
+def test_a_rank_that_cannot_map_the_segment_leaves_nothing_in_dev_shm():
+    """A rank that failed to open or check the segment never reported it mapped, so rank 0
+    kept it linked until its timeout: a kill in that window left it in /dev/shm."""
+    from rank_pool import run_fresh_processes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_fresh_processes(_mismatched_layout, 2, tmp, timeout=120)
+    assert "TPCORE_SHM_* settings" in got[1][0], got[1]
+    assert got[0][0] == "made" and got[0][1] < 30 and got[0][2] == [], got[0]

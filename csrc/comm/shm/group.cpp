@@ -66,14 +66,21 @@ Group::Group(int rank, int world, const Config& config,
     h->magic = kMagic;
     publish_name(segment_.name());
   } else {
-    segment_ = Segment::open(fetch_name(), layout_.total());
-    const Header* h = layout_.header(base());
-    TORCH_CHECK(
-        h->magic == kMagic && h->world == static_cast<uint32_t>(world) &&
-            h->slot_bytes == layout_.slot_bytes() &&
-            h->cells == static_cast<uint32_t>(layout_.cells()),
-        "tpcore shm: segment ", segment_.name(),
-        " was made for another group layout (do all ranks use the same TPCORE_SHM_* settings?)");
+    try {
+      segment_ = Segment::open(fetch_name(), layout_.total());
+      const Header* h = layout_.header(base());
+      TORCH_CHECK(h->magic == kMagic && h->world == static_cast<uint32_t>(world) &&
+                      h->slot_bytes == layout_.slot_bytes() &&
+                      h->cells == static_cast<uint32_t>(layout_.cells()),
+                  "tpcore shm: segment ", segment_.name(),
+                  " was made for another group layout (do all ranks use the same TPCORE_SHM_* "
+                  "settings?)");
+    } catch (...) {
+      // Counted as done all the same: rank 0 unlinks the segment now rather than after its
+      // timeout, so a kill in between leaves nothing in /dev/shm.
+      mapped();
+      throw;
+    }
   }
   control(rank)->pid = static_cast<int32_t>(getpid());
   mapped();
