@@ -38,6 +38,18 @@ void check_loss_dtype(const char* what, const char* name, at::ScalarType dtype) 
                    dtype);
 }
 
+void check_cross_entropy_args(const char* what, const at::Tensor& target,
+                              c10::SymIntArrayRef expected_shape, const at::Device& device) {
+  TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && target.scalar_type() != at::kBool,
+                   "tpcore: ", what, ": target must be an integer tensor, got ",
+                   target.scalar_type());
+  TORCH_CHECK_VALUE(same_shape(target.sym_sizes(), expected_shape), "tpcore: ", what,
+                    ": target shape ", target.sym_sizes(),
+                    " does not match the logits' leading shape ", expected_shape);
+  TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
+                    " but the logits are on ", device);
+}
+
 at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target,
                                const VocabShard& shard) {
 #ifdef TPCORE_WITH_CUDA

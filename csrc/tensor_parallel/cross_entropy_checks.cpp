@@ -1,13 +1,12 @@
-// The cross-entropy's argument checks, and the ones the TP ranks make together through the
-// forward's all-gather: an invalid option or target on one rank, or ranks that split the
-// vocabulary differently, make every rank raise alike instead of one rank raising while
-// the others wait in the collective (or all of them computing a wrong loss).
+// The checks the TP ranks make together through the cross-entropy forward's all-gather:
+// an invalid option or target on one rank, or ranks that split the vocabulary differently,
+// make every rank raise alike instead of one rank raising while the others wait in the
+// collective (or all of them computing a wrong loss).
 #include <ATen/ATen.h>
 
 #include <string>
 #include <vector>
 
-#include "tensor_parallel/autograd_util.h"
 #include "tensor_parallel/cross_entropy.h"
 #include "tensor_parallel/input_checks.h"
 
@@ -54,18 +53,6 @@ std::string ranks_where(const at::Tensor& column, bool set) {
 }
 
 }  // namespace
-
-void check_cross_entropy_args(const char* what, const at::Tensor& target,
-                              c10::SymIntArrayRef expected_shape, const at::Device& device) {
-  TORCH_CHECK_TYPE(!at::isFloatingType(target.scalar_type()) && target.scalar_type() != at::kBool,
-                   "tpcore: ", what, ": target must be an integer tensor, got ",
-                   target.scalar_type());
-  TORCH_CHECK_VALUE(same_shape(target.sym_sizes(), expected_shape), "tpcore: ", what,
-                    ": target shape ", target.sym_sizes(),
-                    " does not match the logits' leading shape ", expected_shape);
-  TORCH_CHECK_VALUE(target.device() == device, "tpcore: ", what, ": target is on ", target.device(),
-                    " but the logits are on ", device);
-}
 
 RankCheck start_rank_check(const char* what, const at::Tensor& stats, const at::Tensor& target,
                            int64_t local_vocab, int64_t world, const CrossEntropyOptions& o) {
