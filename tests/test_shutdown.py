@@ -1,14 +1,18 @@
 """Ending a run frees every process group: after `tpcore.shutdown()` (or a plain
-`torch.distributed.destroy_process_group()`) no gloo thread is left, so none can still be
-freeing a tensor while Python finalizes (which aborts the process: "terminate called
-without an active exception"). Each case runs in fresh processes, since it destroys the
-default group."""
+`torch.distributed.destroy_process_group()`, or tpcore's exit hook for a program that
+calls neither) no gloo thread is left, so none can still be freeing a tensor while Python
+finalizes (which aborts the process: "terminate called without an active exception").
+Each case runs in fresh processes, since it destroys the default group."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
+import time
 import traceback
 
 import pytest
@@ -16,7 +20,7 @@ import pytest
 WORLD = 2
 
 
-def _rank(rank: int, store_path: str, how: str, results) -> None:
+def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         import gc
@@ -25,13 +29,18 @@ def _rank(rank: int, store_path: str, how: str, results) -> None:
         import torch
         import torch.distributed as dist
 
-        import tpcore
-        from tpcore.train import DataParallelGrads
+        if imported == "early":
+            import tpcore  # imports torch.distributed.nn before any group exists
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
         world = weakref.ref(dist.group.WORLD)
-        torch.nn.Embedding(4, 4, device="meta")  # torch imports torch.distributed.nn lazily here (as GPTModel does)
+        # torch imports torch.distributed.nn lazily here (as GPTModel does); imported now,
+        # its functions' default arguments capture the default group
+        torch.nn.Embedding(4, 4, device="meta")
+        import tpcore
+        from tpcore.train import DataParallelGrads
+
         state = tpcore.initialize_model_parallel(1, backend="gloo")  # a 2-rank gloo DP group
         data_group = weakref.ref(state.data_group)
         model = torch.nn.Linear(4, 4)
@@ -44,6 +53,8 @@ def _rank(rank: int, store_path: str, how: str, results) -> None:
         dist.all_reduce(torch.ones(8))  # a last collective right before the end, as a trainer's log has
         if how == "shutdown":
             tpcore.shutdown()
+        elif how == "exit hook":  # what atexit runs when the program calls neither
+            assert tpcore.exit_hook.release_at_exit(), "the exit hook timed out"
         else:
             tpcore.destroy_model_parallel()
             dist.barrier()
@@ -56,12 +67,17 @@ def _rank(rank: int, store_path: str, how: str, results) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
-@pytest.mark.parametrize("how", ["shutdown", "destroy_process_group"])
-def test_ending_a_run_frees_every_group_and_its_threads(how):
+@pytest.mark.parametrize("how,imported", [
+    ("shutdown", "early"), ("destroy_process_group", "early"), ("exit hook", "early"),
+    # tpcore imported after init_process_group: torch.distributed.nn holds the default group
+    # (a plain destroy_process_group cannot help that; tpcore's endings must)
+    ("shutdown", "late"), ("exit hook", "late"),
+])
+def test_ending_a_run_frees_every_group_and_its_threads(how, imported):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shutdown-"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, store, how, results), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, store, how, imported, results), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -79,3 +95,72 @@ def test_ending_a_run_frees_every_group_and_its_threads(how):
         assert group_freed, f"rank {rank}: tpcore's data-parallel group is still referenced after the end"
         assert grads_freed, f"rank {rank}: DataParallelGrads is kept alive by its gradient hooks"
     assert [p.exitcode for p in procs] == [0] * WORLD
+
+
+# A program that ends right after a collective, without shutdown(): tpcore's exit hook
+# must let it exit with status 0 (plain torch aborts in about 1 of 5 such runs here).
+_ENDS_AFTER_ALL_REDUCE = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+    rank, store = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    import tpcore  # after init_process_group, as many scripts do
+    tpcore.initialize_model_parallel(2)
+    for _ in range(4):
+        dist.all_reduce(torch.ones(1000))
+    dist.all_reduce(torch.ones(8))  # the script's last line
+""")
+
+# A rank leaving with a collective its peer never joins: the exit hook gives up on
+# destroying the groups after its timeout, so the rank still exits (status 3, its own).
+_LEAVES_A_COLLECTIVE_PENDING = textwrap.dedent("""
+    import os, sys, time
+    import tpcore, torch, torch.distributed as dist
+    rank, store, release = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    tpcore.initialize_model_parallel(2)
+    tpcore.exit_hook.EXIT_TIMEOUT_S = 1.0
+    dist.all_reduce(torch.ones(8))
+    if rank == 1:
+        work = dist.all_reduce(torch.ones(8), async_op=True)  # rank 0 never joins it
+        sys.exit(3)
+    while not os.path.exists(release):  # rank 0 stays alive until the test saw rank 1 leave
+        time.sleep(0.05)
+""")
+
+
+def _start(script: str, rank: int, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", script, str(rank), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_program_ending_right_after_a_collective_exits_cleanly():
+    for attempt in range(6):
+        store = os.path.join(tempfile.mkdtemp(prefix="tpcore-exit-"), "store")
+        procs = [_start(_ENDS_AFTER_ALL_REDUCE, r, store) for r in range(WORLD)]
+        try:
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        for rank, (p, out) in enumerate(zip(procs, outputs)):
+            assert p.returncode == 0 and "terminate called" not in out, f"run {attempt}, rank {rank}: exit status {p.returncode}\n{out}"
+
+
+def test_the_exit_hook_gives_up_on_a_collective_a_peer_never_joins():
+    folder = tempfile.mkdtemp(prefix="tpcore-exit-")
+    store, release = os.path.join(folder, "store"), os.path.join(folder, "release")
+    procs = [_start(_LEAVES_A_COLLECTIVE_PENDING, r, store, release) for r in range(WORLD)]
+    try:
+        start = time.monotonic()
+        out = procs[1].communicate(timeout=60)[0]
+        took = time.monotonic() - start
+        assert procs[1].returncode == 3, f"exit status {procs[1].returncode}\n{out}"
+        assert took < 30, f"rank 1 took {took:.1f} s to exit with a 1 s exit timeout"
+        open(release, "w").close()
+        out0 = procs[0].communicate(timeout=60)[0]
+        assert procs[0].returncode == 0, f"rank 0: exit status {procs[0].returncode}\n{out0}"
+    finally:
+        for p in procs:
+            p.kill()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 # freeing a tensor while Python finalizes aborts the process.
 import torch.distributed.nn  # noqa: E402,F401
 
-from . import shm
+from . import exit_hook, shm
 from ._validation import check_positive_ints
 
 __all__ = [
@@ -252,6 +252,7 @@ def initialize_model_parallel(
             if rank in ranks:
                 mine[kind] = group
     _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding"))
+    exit_hook.register()  # a program that ends without shutdown() must not abort at exit
     return _STATE
 
 
@@ -277,6 +278,7 @@ def shutdown(barrier: bool = True) -> None:
     `barrier=False` when leaving on an error, since a failed peer may never arrive.
     """
     destroy_model_parallel()
+    exit_hook.unpin_default_group()  # else its gloo threads outlive the default group
     if dist.is_initialized():
         if barrier:
             dist.barrier()
