@@ -39,8 +39,23 @@ import tempfile
 import time
 
 import torch
+from ranks import collect_results
 
 MIB = 2**20
+
+
+def per_token_latency(one: float, full: float, new: int) -> float:
+    """Seconds per generated token: (t(new) - t(1)) / (new - 1), or NaN when t(new) <= t(1)
+    (the difference lies within the timing noise: too few new tokens)."""
+    return (full - one) / (new - 1) if full > one else float("nan")
+
+
+def ms(seconds: float, width: int = 9) -> str:
+    """`seconds` in ms, right-aligned; "n/a" for a NaN latency."""
+    return f"{seconds * 1e3:>{width}.1f}" if seconds == seconds else f"{'n/a':>{width}}"
+
+
+NOISY = "n/a: t(new tokens) <= t(1 token) within the timing noise; raise --new"
 
 
 def _rss_kib() -> dict[str, int]:
@@ -85,7 +100,7 @@ def _timings(model, prompt: torch.Tensor, new: int, repeats: int, modes: list[st
         for mode in modes:
             runs[mode](2)  # warm-up
             one, full = _timed(lambda: runs[mode](1), repeats, sync), _timed(lambda: runs[mode](new), repeats, sync)
-            out[mode] = {"latency_s": (full - one) / (new - 1), "tokens_per_s": new / full}
+            out[mode] = {"latency_s": per_token_latency(one, full, new), "tokens_per_s": new / full}
             if ops is not None:  # (ops of `new` tokens - ops of 1 token) / (new - 1), like the latency
                 a = ops()
                 runs[mode](1)
@@ -111,7 +126,7 @@ def _dense_process(path: str, device: str, threads: int, prompt, new: int, repea
         model(prompt.to(device))
     forward_peak = _rss_kib()["VmHWM"] - before
     timings = _timings(model, prompt, new, repeats, ["hf greedy", "hf top-k 50"])
-    results.put({"load_mib": [load_peak / 1024], "forward_mib": [forward_peak / 1024], "timings": timings})
+    results.put((0, {"load_mib": [load_peak / 1024], "forward_mib": [forward_peak / 1024], "timings": timings}))
 
 
 def _peak_since_load(model) -> float:
@@ -264,7 +279,7 @@ def main() -> None:
         for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
             proc = ctx.Process(target=_dense_process, args=(path, args.device, threads, prompt, args.new, args.repeats, results))
             proc.start()
-            rows[f"transformers, {threads} thr"] = results.get(timeout=3600)
+            rows[f"transformers, {threads} thr"] = collect_results(results, [proc], timeout=3600)[0]  # raises if it died
             proc.join()
         for tp in args.tp:
             if args.device == "cuda":  # NCCL: the CPU backend does not apply
@@ -285,8 +300,11 @@ def main() -> None:
     for name, row in rows.items():
         for mode, t in row["timings"].items():
             ref = base["hf top-k 50" if "top-k" in mode or "sample" in mode else "hf greedy"]
-            print(f"{name:<24} {mode:<26} {t['latency_s'] * 1e3:>9.1f} {t['tokens_per_s']:>9.2f} "
+            print(f"{name:<24} {mode:<26} {ms(t['latency_s'])} {t['tokens_per_s']:>9.2f} "
                   f"{t['tokens_per_s'] / ref['tokens_per_s']:>24.2f}x")
+
+    if any(t["latency_s"] != t["latency_s"] for row in rows.values() for t in row["timings"].values()):
+        print(NOISY)
 
     tp_rows = {name: row for name, row in rows.items() if row.get("tp", 1) > 1}
     if tp_rows:
@@ -298,9 +316,9 @@ def main() -> None:
         for mode, t in row["timings"].items():
             counts = (counted or {}).get("timings", {}).get(mode, {}).get("collectives_per_token")
             per_token_us, all_reduce_us = t["latency_s"] * 1e6, row["all_reduce_s"] * 1e6
-            if counts is None:
-                print(f"{name:<24} {mode:<26} {'n/a':>11} {all_reduce_us:>8.1f} us   "
-                      "(no count: only the tpcore backend counts its ops)")
+            if counts is None or per_token_us != per_token_us:
+                why = "no count: only the tpcore backend counts its ops" if counts is None else NOISY
+                print(f"{name:<24} {mode:<26} {'n/a':>11} {all_reduce_us:>8.1f} us   ({why})")
                 continue
             n = sum(counts)
             share = n * all_reduce_us

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import shutil
@@ -164,6 +163,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default=tempfile.gettempdir())
     args = p.parse_args()
+    if args.heads % 4 or args.layers < 2:  # checked here, not by a rank after the model was written
+        p.error(f"--heads {args.heads}, --layers {args.layers}: the cases load at TP 4 (heads divisible by 4) and PP 2 (2+ layers)")
     root = tempfile.mkdtemp(prefix="tpcore-bench-hf-", dir=args.workdir)
     try:
         folders = {"big": os.path.join(root, "big"), "tiny": os.path.join(root, "tiny")}

@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hf import MIB, _save_model, add_model_args  # noqa: E402  (the same model as bench_hf.py)
+from bench_hf import MIB, NOISY, _save_model, add_model_args, ms, per_token_latency  # noqa: E402  (the same model as bench_hf.py)
 from ranks import collect_results  # noqa: E402
 
 _TIMEOUT_S = 1800
@@ -71,7 +71,7 @@ def _greedy_timings(model, prompt: torch.Tensor, new: int, repeats: int, barrier
     with torch.no_grad():
         run(2)  # warm-up
         (one, _), (full, ids) = best(1), best(new)
-        out = {"latency_s": (full - one) / (new - 1), "tokens_per_s": new / full, "ids": ids[0, prompt.shape[1]:].tolist()}
+        out = {"latency_s": per_token_latency(one, full, new), "tokens_per_s": new / full, "ids": ids[0, prompt.shape[1]:].tolist()}
         if ops is not None:  # (ops of `new` tokens - ops of 1 token) / (new - 1), like the latency
             a = ops()
             run(1)
@@ -261,8 +261,10 @@ def main() -> None:
     print(f"{'contender':<24} {'threads':>7} {'ms/token':>9} {'tokens/s':>9} {'vs transformers':>16} {'same ids':>9}")
     for name, row in rows.items():
         same = sum(a == b for a, b in zip(row["ids"], base["ids"]))
-        print(f"{name:<24} {row['threads']:>7} {row['latency_s'] * 1e3:>9.1f} {row['tokens_per_s']:>9.2f} "
+        print(f"{name:<24} {row['threads']:>7} {ms(row['latency_s'])} {row['tokens_per_s']:>9.2f} "
               f"{row['tokens_per_s'] / base['tokens_per_s']:>15.2f}x {same:>4}/{len(base['ids'])}")
+    if any(row["latency_s"] != row["latency_s"] for row in rows.values()):
+        print(NOISY)
     counted = next((row for row in rows.values() if "collectives_per_token" in row), None)
     tp_rows = {name: row for name, row in rows.items() if "all_reduce_s" in row}
     if tp_rows:
@@ -270,8 +272,9 @@ def main() -> None:
               "the same model under gloo) x the median latency of one dist.all_reduce of one token's hidden state")
     for name, row in tp_rows.items():
         all_reduce_us, per_token_us = row["all_reduce_s"] * 1e6, row["latency_s"] * 1e6
-        if counted is None:
-            print(f"{name:<24} all-reduce {all_reduce_us:.1f} us; no count (only the tpcore backend counts its ops)")
+        if counted is None or per_token_us != per_token_us:
+            why = "no count (only the tpcore backend counts its ops)" if counted is None else NOISY
+            print(f"{name:<24} all-reduce {all_reduce_us:.1f} us; {why}")
             continue
         fast, fallback = counted["collectives_per_token"]
         share = (fast + fallback) * all_reduce_us

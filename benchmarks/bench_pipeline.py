@@ -216,6 +216,8 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2,3", help="which parts to run")
     args = parser.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
+    if parts & {2, 3} and args.layers < 4:  # before part 1 runs, not after it
+        parser.error(f"--layers {args.layers}: parts 2 and 3 run 4 pipeline stages, at least one layer each (or --parts 1)")
     backend = "gloo" if tpcore.shm.opted_out() else "tpcore shared memory"
     print(f"torch {torch.__version__}, CPU, {os.cpu_count()} cores, pipeline groups on {backend} (TPCORE_CPU_BACKEND), fp32")
 

@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
+    if args.iters <= SKIP:
+        p.error(f"--iters must be more than {SKIP}: the first {SKIP} steps are warm-up, left out of the median")
     plain = _plain(args.config, args.iters, args.device)
     print(f"plain PyTorch GPT, 1 process : {plain:10,.0f} tokens/s")
     from tpcore.train import load_config_file

@@ -81,8 +81,10 @@ def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     import torch.distributed as dist
 
     import tpcore
+    from tpcore._validation import check_cuda_device
 
     if device == "cuda":
+        check_cuda_device("benchmark rank", rank)
         torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl" if device == "cuda" else "gloo",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcore
+from tpcore.train import init_distributed
 
 
 def main() -> None:
@@ -29,10 +29,7 @@ def main() -> None:
 
     if "RANK" not in os.environ:
         raise SystemExit("mlp_demo.py runs one process per rank: torchrun --nproc_per_node 2 examples/mlp_demo.py")
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    init_distributed(args.device, timeout_s=120)  # gloo or NCCL; raises clearly on a host without that GPU
     world, rank = dist.get_world_size(), dist.get_rank()
     tpcore.initialize_model_parallel(tensor_parallel_size=world)
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

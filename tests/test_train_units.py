@@ -279,3 +279,24 @@ def test_decay_ending_before_warmup_ends_gives_min_lr():
     assert [learning_rate(i, style="cosine", **common) for i in (0, 9, 10, 50)] == [0.1, 1.0, 0.25, 0.25]
     assert learning_rate(50, style="constant", **common) == 1.0
 
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Devices
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_missing_gpu_is_named_before_any_group(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from tpcore.train import init_distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")  # as under torchrun: no 1-rank job of its own
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expect_error(RuntimeError, "--device cuda but CUDA is not available", init_distributed, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    expect_error(RuntimeError, "this rank needs GPU 1 (its local rank) but this host has 1", init_distributed, "cuda")
+    assert not dist.is_initialized()

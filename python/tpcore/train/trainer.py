@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from .._validation import check_cuda_device
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..models import ReferenceGPT
@@ -49,7 +50,9 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        check_cuda_device("init_distributed", local_rank)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -138,8 +141,6 @@ class _Training:
     def __init__(self, args: TrainArgs) -> None:
         self.args = args
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-        if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("tpcore: --device cuda but CUDA is not available")
         self.device = device
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         init_distributed(device, timeout.total_seconds())
