@@ -98,3 +98,27 @@ def test_a_data_folder_that_cannot_be_written_only_costs_the_cache(corpus, monke
         got = GPTDataset(indexed, 8, 30, seed=7)
     assert not os.path.exists(got.cache_path)
     assert all(np.array_equal(expected[i], got[i]) for i in range(30))
+
+
+def test_the_index_cache_can_live_in_a_folder_of_its_own(corpus, tmp_path_factory):
+    """--data-cache-path: nothing is written beside the data; the cache is reused from the
+    folder; a second dataset of the same name and size elsewhere gets a file of its own."""
+    indexed, docs = corpus
+    data_dir = os.path.dirname(indexed.prefix)
+    before = sorted(os.listdir(data_dir))
+    cache = str(tmp_path_factory.mktemp("cache") / "nested")
+    a = GPTDataset(indexed, 8, 30, seed=5, cache_dir=cache)
+    assert sorted(os.listdir(data_dir)) == before, "the data folder is not written"
+    assert os.path.dirname(a.cache_path) == cache and os.path.isfile(a.cache_path)
+    stamp = os.stat(a.cache_path).st_mtime_ns
+    b = GPTDataset(indexed, 8, 30, seed=5, cache_dir=cache)
+    assert os.stat(a.cache_path).st_mtime_ns == stamp, "the cached index is reused"
+    plain = GPTDataset(indexed, 8, 30, seed=5, cache=False)
+    assert all(np.array_equal(plain[i], x[i]) for x in (a, b) for i in range(30))
+    other_dir = tmp_path_factory.mktemp("other")
+    with IndexedDatasetBuilder(str(other_dir / "c"), np.int32) as builder:  # same name, length and token count
+        for d in reversed(docs):
+            builder.add_document(d)
+    other = GPTDataset(IndexedDataset(str(other_dir / "c")), 8, 30, seed=5, cache_dir=cache)
+    assert other.cache_path != a.cache_path
+    assert any(not np.array_equal(other[i], a[i]) for i in range(30))

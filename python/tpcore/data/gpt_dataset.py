@@ -5,8 +5,10 @@ a seeded random order per epoch and read as one token stream; sample i is the wi
 of `seq_length + 1` tokens starting at `i * seq_length` (consecutive windows share one
 token: the last target of one is the first input of the next). Samples are then
 visited in a seeded random order. The three index arrays are cached beside the data
-(`PREFIX.<split>-<hash>.npz`, written atomically) and reused when present and intact; a
-folder that cannot be written (read-only, full) only costs the rebuild, with a warning.
+(`PREFIX.<split>-<hash>.npz`, written atomically), or in `cache_dir` (Megatron's
+`--data-cache-path`: for data on a shared or read-only folder), and reused when present
+and intact; a folder that cannot be written (read-only, full) only costs the rebuild,
+with a warning.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def split_documents(num_documents: int, valid_fraction: float) -> dict[str, tupl
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """`num_samples` windows of `seq_length + 1` token ids (int64) from one split of `indexed`."""
+    """`num_samples` windows of `seq_length + 1` token ids (int64) from one split of `indexed`.
+    The sample index is cached beside the data, or in `cache_dir` when given (made if
+    missing); `cache=False` neither reads nor writes it."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class GPTDataset(torch.utils.data.Dataset):
         valid_fraction: float = 0.05,
         seed: int = 1234,
         cache: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         if seq_length < 1 or num_samples < 0:
             raise ValueError(f"tpcore: GPTDataset: bad seq_length {seq_length} or num_samples {num_samples}")
@@ -63,7 +68,11 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"tpcore: {indexed.prefix}: the {split} split has {tokens} tokens, fewer than one sample of {seq_length + 1}"
             )
         key = f"{split}-{seq_length}-{num_samples}-{seed}-{first_doc}-{last_doc}-{len(indexed)}-{tokens}"
-        self.cache_path = f"{indexed.prefix}.{split}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
+        where = indexed.prefix
+        if cache_dir is not None:  # one folder for many datasets: the data's own path is part of the key
+            key += f"-{os.path.realpath(indexed.prefix)}"
+            where = os.path.join(cache_dir, os.path.basename(indexed.prefix))
+        self.cache_path = f"{where}.{split}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
         loaded = self._load_cache() if cache else None
         if loaded is None:
             loaded = self._build(tokens, seed)
@@ -102,6 +111,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _save_cache(self, arrays) -> None:
         # Ranks building the same index at once each put a whole file in place.
         try:
+            os.makedirs(os.path.dirname(self.cache_path) or ".", exist_ok=True)
             with atomic_output(self.cache_path) as tmp, open(tmp, "wb") as f:
                 np.savez(f, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
         except OSError as e:  # a read-only or full data folder: the index is rebuilt next time

@@ -66,6 +66,7 @@ class TrainArgs:
     data_path: str | None = _arg(None, "prefix of the .bin/.idx dataset (tpcore-preprocess output)")
     tokenizer: str = _arg("byte", '"byte" or the path of a tokenizer.json (must match the data)')
     valid_fraction: float = _arg(0.05, "fraction of the documents held out for validation")
+    data_cache_path: str | None = _arg(None, "folder for the sample-index cache (default: beside the data)")
     # Optimisation
     micro_batch_size: int = _arg(4, "samples per forward/backward on one data-parallel rank")
     global_batch_size: int | None = _arg(None, "samples per optimizer step over all DP ranks (default micro * DP)")

@@ -166,7 +166,7 @@ class _Training:
         config.check_tp(dist.get_world_size(self.tp_group))
         indexed = IndexedDataset(args.data_path)
         _check_tokens(indexed, self.tokenizer.vocab_size, device)
-        common = dict(valid_fraction=args.valid_fraction, seed=args.seed)
+        common = dict(valid_fraction=args.valid_fraction, seed=args.seed, cache_dir=args.data_cache_path)
         train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
         valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
         self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
