@@ -173,6 +173,21 @@ def test_verify_console_script(tmp_path, capsys):
     assert "greedy ids (tpcore.hf.generate): identical" in printed
 
 
+def test_verify_console_script_names_a_folder_it_cannot_load(tmp_path, capsys):
+    """A config that contradicts the weights: one line naming the folder, exit status 2."""
+    import json
+
+    path = save_family("gpt2", tmp_path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["n_embd"] *= 2
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert tpcore.hf.verify_main([path, "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"transformers cannot load the dense model from {path}" in err and "Traceback" not in err
+
+
 def test_verify_names_first_divergence():
     from tpcore.hf.verify import _compare
 

@@ -19,10 +19,14 @@ import torch
 import torch.distributed as dist
 import transformers
 
-__all__ = ["Comparison", "VerifyReport", "verify", "collect", "main"]
+__all__ = ["Comparison", "ModelLoadError", "VerifyReport", "verify", "collect", "main"]
 
 # transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
 _DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+
+class ModelLoadError(ValueError):
+    """The dense model could not be loaded from the folder given (before any comparison)."""
+
 
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Default tolerances, relative to the largest magnitude of the dense tensor."""
@@ -156,10 +160,16 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
     rtol = RTOL[dtype] if rtol is None else rtol
     if isinstance(path_or_model, (str, os.PathLike)):
         path = str(path_or_model)
-        config = transformers.AutoConfig.from_pretrained(path)
-        cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
-        cls = cls or getattr(transformers, config.architectures[0])
-        dense = cls.from_pretrained(path, **{_DTYPE_KWARG: dtype}).eval()
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+            cls = cls or getattr(transformers, config.architectures[0])
+            dense = cls.from_pretrained(path, **{_DTYPE_KWARG: dtype}).eval()
+        except (OSError, ValueError, RuntimeError, KeyError, AttributeError, TypeError) as e:
+            # A folder transformers cannot load (a config that contradicts the weights, say):
+            # nothing to compare yet, so no parallel model is built.
+            raise ModelLoadError(f"tpcore-hf-verify: transformers cannot load the dense model from {path}: "
+                                 f"{type(e).__name__}: {e}") from e
     else:
         path, dense = None, copy.deepcopy(path_or_model).to(dtype).eval()
     encoder = not getattr(dense, "can_generate", lambda: False)()
@@ -186,7 +196,8 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
 
 
 def main(argv: list[str] | None = None) -> int:
-    """tpcore-hf-verify: exit status 0 when the parallel model matches the dense one."""
+    """tpcore-hf-verify: exit status 0 when the parallel model matches the dense one, 1 when
+    it does not, 2 when the folder cannot be loaded as a transformers model."""
     parser = argparse.ArgumentParser(prog="tpcore-hf-verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a save_pretrained folder (safetensors)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
@@ -204,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         tpcore.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
-    report = verify(args.path, args.tensor_parallel_size, dtype=getattr(torch, args.dtype), batch=args.batch, seq_len=args.seq_len,
-                    max_new_tokens=args.max_new_tokens, rtol=args.rtol, model_class=args.model_class)
+    try:
+        report = verify(args.path, args.tensor_parallel_size, dtype=getattr(torch, args.dtype), batch=args.batch,
+                        seq_len=args.seq_len, max_new_tokens=args.max_new_tokens, rtol=args.rtol, model_class=args.model_class)
+    except ModelLoadError as e:  # the user's folder, not a bug: one line, no traceback
+        print(e, file=sys.stderr)
+        return 2
     return 0 if report.ok else 1
 
 
