@@ -14,11 +14,13 @@ still whole (atexit runs before finalization): torch joins the gloo threads ther
 the GIL released, so they drop their work first. That needs the last reference to the
 default group: `torch.distributed.nn` imported after `init_process_group` holds one in
 its functions' `group=group.WORLD` default arguments, so `unpin_default_group` puts back
-the None they hold when imported earlier (the same group: None means the default one). No barrier: a rank must not wait at exit
-for peers that failed. Destroying waits for collectives still queued, which a failed peer
-may never join, so it runs in a thread that the hook waits for at most
-`EXIT_TIMEOUT_S` seconds; after that the exit goes on as before. Groups on CPU backends
-only (gloo, tpcore's shared memory): NCCL groups are left to torch's own shutdown.
+the None they hold when imported earlier (None names the default group: the same one).
+
+No barrier: a rank must not wait at exit for peers that failed. Destroying waits for
+collectives still queued, which a failed peer may never join, so it runs in a thread that
+the hook waits for at most `EXIT_TIMEOUT_S` seconds; after that the exit goes on as
+before. Groups on CPU backends only (gloo, tpcore's shared memory): NCCL groups are left
+to torch's own shutdown.
 """
 
 from __future__ import annotations
