@@ -59,11 +59,17 @@ def _reset_peak() -> float:
     return before
 
 
+def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
 def save_llama(path: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=2048, tie_word_embeddings=False)
+    config = llama_config(layers, hidden, heads, kv_heads, ffn, vocab)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -163,8 +169,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default=tempfile.gettempdir())
     args = p.parse_args()
-    if args.heads % 4 or args.layers < 2:  # checked here, not by a rank after the model was written
-        p.error(f"--heads {args.heads}, --layers {args.layers}: the cases load at TP 4 (heads divisible by 4) and PP 2 (2+ layers)")
+    try:  # checked here, not by a rank after the model was written: the cases load at TP 4 and at PP 2
+        GPTConfig.from_hf(llama_config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)).check_tp(4)
+        if args.layers < 2:
+            raise ValueError(f"--layers {args.layers}: the PP 2 cases need 2 or more")
+    except ValueError as e:
+        p.error(str(e))
     root = tempfile.mkdtemp(prefix="tpcore-bench-hf-", dir=args.workdir)
     try:
         folders = {"big": os.path.join(root, "big"), "tiny": os.path.join(root, "tiny")}

@@ -122,3 +122,17 @@ def test_the_index_cache_can_live_in_a_folder_of_its_own(corpus, tmp_path_factor
     other = GPTDataset(IndexedDataset(str(other_dir / "c")), 8, 30, seed=5, cache_dir=cache)
     assert other.cache_path != a.cache_path
     assert any(not np.array_equal(other[i], a[i]) for i in range(30))
+
+
+def test_data_made_again_in_place_does_not_reuse_the_old_index(corpus):
+    """Same name, document count and token count, documents reordered: a new index."""
+    indexed, docs = corpus
+    old = GPTDataset(indexed, 8, 30, seed=5)
+    with IndexedDatasetBuilder(indexed.prefix, np.int32) as builder:
+        for d in docs[-2::-1] + docs[-1:]:  # the train split (all but the last) reversed
+            builder.add_document(d)
+    again = IndexedDataset(indexed.prefix)
+    new = GPTDataset(again, 8, 30, seed=5)
+    assert new.cache_path != old.cache_path
+    expected = GPTDataset(again, 8, 30, seed=5, cache=False)
+    assert all(np.array_equal(new[i], expected[i]) for i in range(30))

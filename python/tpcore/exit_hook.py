@@ -1,26 +1,26 @@
 """Ending a program cleanly without `tpcore.shutdown()`.
 
 A gloo worker thread drops a collective's `Work` just after the collective completed. When
-that `Work` holds the last reference to a tensor made in Python, dropping it takes the
-GIL. A program that ends right after such a collective (`all_reduce` of a tensor, then the
-script's last line) can reach the interpreter's finalization first: the worker thread is
-then ended inside a destructor and the C++ runtime aborts the process ("terminate called
-without an active exception", SIGABRT), so torchrun reports a finished run as failed.
-Plain torch does it too: 7 of 20 two-rank gloo runs ending with an `all_reduce` aborted
-on the test VM (torch 2.15, Python 3.11).
+that `Work` holds the last reference to a tensor made in Python (a temporary, as in
+`dist.all_reduce(torch.ones(8))`), dropping it takes the GIL. A program that ends right
+after such a collective can reach the interpreter's finalization first: the worker thread
+is then ended inside a destructor and the C++ runtime aborts the process ("terminate
+called without an active exception", SIGABRT), so torchrun reports a finished run as
+failed. Plain torch does it too: 7 of 20 two-rank gloo runs ending with an `all_reduce`
+aborted on the test VM (torch 2.15, Python 3.11).
 
-So once tpcore has made groups, an exit hook destroys the process groups while Python is
-still whole (atexit runs before finalization): torch joins the gloo threads there, with
-the GIL released, so they drop their work first. That needs the last reference to the
-default group: `torch.distributed.nn` imported after `init_process_group` holds one in
-its functions' `group=group.WORLD` default arguments, so `unpin_default_group` puts back
-the None they hold when imported earlier (None names the default group: the same one).
+So `initialize_model_parallel` installs an exit hook that, while Python is still whole
+(atexit runs before finalization), releases the GIL for `GIL_YIELD_S`: a worker freeing a
+finished collective's tensors does it then. The hook destroys nothing. Destroying the
+groups would join the workers for certain, but it waits for collectives still pending,
+which a failed peer may never join, and it would pull the groups from under exit handlers
+the program registered before (atexit runs them after this one).
 
-No barrier: a rank must not wait at exit for peers that failed. Destroying waits for
-collectives still queued, which a failed peer may never join, so it runs in a thread that
-the hook waits for at most `EXIT_TIMEOUT_S` seconds; after that the exit goes on as
-before. Groups on CPU backends only (gloo, tpcore's shared memory): NCCL groups are left
-to torch's own shutdown.
+`unpin_default_group` (also run by `shutdown()`): `torch.distributed.nn` imported after
+`init_process_group` holds the default group in its functions' `group=group.WORLD`
+default arguments, so that `destroy_process_group` cannot free it (its gloo threads live
+on to the end). It puts back the None those defaults hold when imported earlier (None
+names the default group: the same one).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
-import threading
+import time
 
 import torch.distributed as dist
 
-__all__ = ["register", "release_at_exit", "unpin_default_group", "EXIT_TIMEOUT_S"]
+__all__ = ["register", "release_at_exit", "unpin_default_group", "GIL_YIELD_S"]
 
-EXIT_TIMEOUT_S = 5.0
+GIL_YIELD_S = 0.05
 _registered = False
 
 
@@ -44,12 +44,6 @@ def register() -> None:
     if not _registered:
         atexit.register(release_at_exit)
         _registered = True
-
-
-def _cpu_only() -> bool:
-    """Whether the default group runs on CPU backends only (gloo, tpcore)."""
-    backend = str(dist.get_backend())
-    return "nccl" not in backend and "cuda" not in backend
 
 
 def unpin_default_group() -> None:
@@ -62,28 +56,12 @@ def unpin_default_group() -> None:
             fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
-def release_at_exit(timeout_s: float | None = None) -> bool:
-    """Destroy tpcore's and torch's process groups unless they are gone already; returns
-    whether they are gone when it returns (False after `timeout_s`, default
-    `EXIT_TIMEOUT_S`, with collectives still pending)."""
-    if not dist.is_available() or not dist.is_initialized() or not _cpu_only():
-        return True
-    from . import parallel_state
-
-    def destroy() -> None:
-        try:
-            unpin_default_group()
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-            gc.collect()  # what a reference cycle (a model with hooks) holds of the groups
-        except Exception:  # noqa: BLE001 - exiting: nothing to report it to
-            pass
-
-    try:
-        worker = threading.Thread(target=destroy, name="tpcore-exit", daemon=True)
-        worker.start()
-    except RuntimeError:  # no new threads this late (some Python versions): destroy here
-        destroy()
-        return True
-    worker.join(EXIT_TIMEOUT_S if timeout_s is None else timeout_s)
-    return not worker.is_alive()
+def release_at_exit() -> None:
+    """Let gloo's worker threads finish freeing finished collectives before Python
+    finalizes (see the module's docstring)."""
+    unpin_default_group()  # so that a destroy_process_group, here or in a later handler, frees it
+    if not (dist.is_available() and dist.is_initialized()):
+        # Destroyed by the program already: free now what only the defaults above held
+        # (the group's destructor joins its threads).
+        gc.collect()
+    time.sleep(GIL_YIELD_S)

@@ -67,7 +67,10 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"tpcore: {indexed.prefix}: the {split} split has {tokens} tokens, fewer than one sample of {seq_length + 1}"
             )
-        key = f"{split}-{seq_length}-{num_samples}-{seed}-{first_doc}-{last_doc}-{len(indexed)}-{tokens}"
+        # The sizes' digest too: data made again in place with the same counts (documents
+        # reordered, say) must not reuse an index of the old order.
+        sizes = hashlib.sha1(np.ascontiguousarray(indexed.sizes[self.sequences]).tobytes()).hexdigest()[:16]
+        key = f"{split}-{seq_length}-{num_samples}-{seed}-{first_doc}-{last_doc}-{len(indexed)}-{tokens}-{sizes}"
         where = indexed.prefix
         if cache_dir is not None:  # one folder for many datasets: the data's own path is part of the key
             key += f"-{os.path.realpath(indexed.prefix)}"

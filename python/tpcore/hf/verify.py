@@ -24,6 +24,7 @@ __all__ = ["Comparison", "ModelLoadError", "VerifyReport", "verify", "collect", 
 # transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
 _DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
 
+
 class ModelLoadError(ValueError):
     """The dense model could not be loaded from the folder given (before any comparison)."""
 
@@ -165,6 +166,8 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
             cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
             cls = cls or getattr(transformers, config.architectures[0])
             dense = cls.from_pretrained(path, **{_DTYPE_KWARG: dtype}).eval()
+        except torch.OutOfMemoryError:  # the machine's limit, not the folder's fault
+            raise
         except (OSError, ValueError, RuntimeError, KeyError, AttributeError, TypeError) as e:
             # A folder transformers cannot load (a config that contradicts the weights, say):
             # nothing to compare yet, so no parallel model is built.
