@@ -24,7 +24,7 @@ import torch.distributed as dist
 import tpcore
 from tpcore.data import load_tokenizer
 from tpcore.models import GPTConfig, GPTModel, generate
-from tpcore.train import CheckpointError, find_checkpoint, init_distributed, load_checkpoint, load_dense_gpt
+from tpcore.train import init_distributed, load_checkpoint, load_dense_gpt, require_checkpoint
 from tpcore.train.checkpoint import read_metadata
 
 
@@ -62,9 +62,7 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             print(text)
         return 0
-    directory = find_checkpoint(args.load)
-    if directory is None:
-        raise CheckpointError(f"tpcore: no checkpoint in {args.load} (no metadata.json and no 'latest' file)")
+    directory = require_checkpoint(args.load)
     meta = read_metadata(directory)
     tokenizer = load_tokenizer(args.tokenizer or meta.get("tokenizer") or "byte")
     # Inference: no sequence parallelism, recomputation or fused loss (they do not change the weights).

@@ -44,7 +44,7 @@ from ..models import GPTConfig, ReferenceGPT
 from ..models.sharding import copy_overlap, rule_for, shares_indices
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from .agreement import all_or_none
-from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, missing_checkpoint, model_file as _model_file, read_metadata, rng_file as _rng_file
+from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, model_file as _model_file, read_metadata, require_checkpoint, rng_file as _rng_file
 from .checkpoint_optimizer import SavedSlices
 from .checkpoint_save import save_checkpoint
 from .checkpoint_integrity import check_identity, verify_file
@@ -53,7 +53,7 @@ from .layout import ParallelLayout, current_layout, model_chunks
 
 _ = save_checkpoint  # re-exported: tpcore.train.checkpoint.save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "require_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
@@ -252,9 +252,7 @@ def load_checkpoint(
     checked against the size and CRC-32 the metadata records before it is read (each rank
     reads whole the files it takes a piece of: pass False to skip that on huge
     checkpoints; the shards' identity is checked either way). Returns the metadata."""
-    directory = find_checkpoint(path)
-    if directory is None:
-        raise CheckpointError(missing_checkpoint(path))
+    directory = require_checkpoint(path)
     meta = read_metadata(directory)
     chunks = model_chunks(model)
     config = chunks[0].config
@@ -314,9 +312,7 @@ def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig,
     layout), on CPU, assembled from its memory-mapped shards in this process (no process
     group needed); the optimizer state is not read. Each shard's checksum (unless `verify`
     is False) and identity are checked as `load_checkpoint` does."""
-    directory = find_checkpoint(path)
-    if directory is None:
-        raise CheckpointError(f"tpcore: no checkpoint in {path}")
+    directory = require_checkpoint(path)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)

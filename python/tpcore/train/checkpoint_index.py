@@ -9,7 +9,7 @@ import re
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "missing_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
+__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "require_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
 
 FORMAT = "tpcore-gpt-checkpoint"
 VERSION = 4
@@ -67,11 +67,15 @@ def newest_complete(save_dir: str) -> str | None:
     return os.path.join(save_dir, max(found)[2]) if found else None
 
 
-def missing_checkpoint(path: str) -> str:
-    """The message for a `path` where `find_checkpoint` found nothing."""
+def require_checkpoint(path: str) -> str:
+    """`find_checkpoint(path)`, or a CheckpointError saying why nothing is there: the path
+    does not exist, or holds no checkpoint."""
+    directory = find_checkpoint(path)
+    if directory is not None:
+        return directory
     if not os.path.exists(path):
-        return f"tpcore: checkpoint path {path} does not exist (a typo?)"
-    return f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)"
+        raise CheckpointError(f"tpcore: checkpoint path {path} does not exist (a typo?)")
+    raise CheckpointError(f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)")
 
 
 def find_checkpoint(path: str) -> str | None:

@@ -21,7 +21,7 @@ from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_folder
 from ..models.sharding import piece_shape, rule_for
 from .checkpoint import _opener, _shard_files
-from .checkpoint_index import find_checkpoint, missing_checkpoint, read_metadata
+from .checkpoint_index import read_metadata, require_checkpoint
 from .errors import CheckpointError
 from .layout import ParallelLayout
 
@@ -60,9 +60,7 @@ def checkpoint_to_hf(
     (`--load-hf`); the tokenizer files are copied when the run used a tokenizer.json or a
     Hugging Face folder. Returns `out_dir`; raises CheckpointError naming a damaged file,
     ValueError when the architecture fits no Hugging Face family."""
-    directory = find_checkpoint(checkpoint)
-    if directory is None:
-        raise CheckpointError(missing_checkpoint(checkpoint))
+    directory = require_checkpoint(checkpoint)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written

@@ -24,7 +24,7 @@ import torch
 
 from .._atomic import atomic_output
 from ..models import GPTConfig, ReferenceGPT
-from .checkpoint import CheckpointError, find_checkpoint, load_dense_state_dict, missing_checkpoint, read_metadata
+from .checkpoint import CheckpointError, load_dense_state_dict, read_metadata, require_checkpoint
 
 __all__ = ["export_safetensors", "load_dense_gpt", "main", "FORMAT"]
 
@@ -51,9 +51,7 @@ def export_safetensors(checkpoint: str, output: str, *, verify: bool = True) -> 
     CRC-32 are checked against the checkpoint's metadata first (unless `verify` is False),
     so a damaged checkpoint raises CheckpointError naming the file and nothing is written."""
     st = _safetensors()
-    directory = find_checkpoint(checkpoint)
-    if directory is None:
-        raise CheckpointError(missing_checkpoint(checkpoint))
+    directory = require_checkpoint(checkpoint)
     meta = read_metadata(directory)
     config, state = load_dense_state_dict(directory, verify=verify)
     metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(config)), "iteration": str(meta["iteration"])}
