@@ -33,6 +33,7 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import tempfile
@@ -52,7 +53,7 @@ def per_token_latency(one: float, full: float, new: int) -> float:
 
 def ms(seconds: float, width: int = 9) -> str:
     """`seconds` in ms, right-aligned; "n/a" for a NaN latency."""
-    return f"{seconds * 1e3:>{width}.1f}" if seconds == seconds else f"{'n/a':>{width}}"
+    return f"{'n/a':>{width}}" if math.isnan(seconds) else f"{seconds * 1e3:>{width}.1f}"
 
 
 NOISY = "n/a: t(new tokens) <= t(1 token) within the timing noise; raise --new"
@@ -303,7 +304,7 @@ def main() -> None:
             print(f"{name:<24} {mode:<26} {ms(t['latency_s'])} {t['tokens_per_s']:>9.2f} "
                   f"{t['tokens_per_s'] / ref['tokens_per_s']:>24.2f}x")
 
-    if any(t["latency_s"] != t["latency_s"] for row in rows.values() for t in row["timings"].values()):
+    if any(math.isnan(t["latency_s"]) for row in rows.values() for t in row["timings"].values()):
         print(NOISY)
 
     tp_rows = {name: row for name, row in rows.items() if row.get("tp", 1) > 1}
@@ -316,7 +317,7 @@ def main() -> None:
         for mode, t in row["timings"].items():
             counts = (counted or {}).get("timings", {}).get(mode, {}).get("collectives_per_token")
             per_token_us, all_reduce_us = t["latency_s"] * 1e6, row["all_reduce_s"] * 1e6
-            if counts is None or per_token_us != per_token_us:
+            if counts is None or math.isnan(per_token_us):
                 why = "no count: only the tpcore backend counts its ops" if counts is None else NOISY
                 print(f"{name:<24} {mode:<26} {'n/a':>11} {all_reduce_us:>8.1f} us   ({why})")
                 continue

@@ -29,6 +29,7 @@ single process's (TP sums in another order: on random weights a near-tie may fli
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -263,7 +264,7 @@ def main() -> None:
         same = sum(a == b for a, b in zip(row["ids"], base["ids"]))
         print(f"{name:<24} {row['threads']:>7} {ms(row['latency_s'])} {row['tokens_per_s']:>9.2f} "
               f"{row['tokens_per_s'] / base['tokens_per_s']:>15.2f}x {same:>4}/{len(base['ids'])}")
-    if any(row["latency_s"] != row["latency_s"] for row in rows.values()):
+    if any(math.isnan(row["latency_s"]) for row in rows.values()):
         print(NOISY)
     counted = next((row for row in rows.values() if "collectives_per_token" in row), None)
     tp_rows = {name: row for name, row in rows.items() if "all_reduce_s" in row}
@@ -272,7 +273,7 @@ def main() -> None:
               "the same model under gloo) x the median latency of one dist.all_reduce of one token's hidden state")
     for name, row in tp_rows.items():
         all_reduce_us, per_token_us = row["all_reduce_s"] * 1e6, row["latency_s"] * 1e6
-        if counted is None or per_token_us != per_token_us:
+        if counted is None or math.isnan(per_token_us):
             why = "no count (only the tpcore backend counts its ops)" if counted is None else NOISY
             print(f"{name:<24} all-reduce {all_reduce_us:.1f} us; {why}")
             continue

@@ -137,12 +137,11 @@ def _check_same_weights(model: nn.Module, group: dist.ProcessGroup) -> None:
     if world == 1:
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    names = [n for n, _ in model.named_parameters()]
+    names, mine = _weight_fingerprints(model)
     # The counts first: models with different parameters would all-gather different sizes.
     counts = comm.all_gather(torch.tensor([len(names)], device=device), 0, group).tolist()
     if len(set(counts)) > 1:
         raise ValueError(f"tpcore.hf: parallelize: the ranks hold different models ({counts} parameters on ranks 0..{world - 1})")
-    names, mine = _weight_fingerprints(model)
     everyone = comm.all_gather(mine.to(device), 0, group).view(world, -1, 2).cpu()
     # Summation order can differ with the thread count: equal within float64 rounding.
     same = torch.isclose(everyone, everyone[0], rtol=1e-9, atol=0.0, equal_nan=True).all(dim=2).all(dim=0)
@@ -159,10 +158,9 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     """Split a dense transformers model over the tensor-parallel group, in place.
 
     Call on every rank of the group with the same model (same weights: checked, every
-    rank raises alike if they differ). The policy of
-    `model.config.model_type` names the modules that become column / row-parallel
-    linears, the vocab-parallel embedding and the vocab-parallel LM head; the attention
-    modules get this rank's head counts. Returns `model`, whose `forward` and `generate`
+    rank raises alike if they differ). The policy of `model.config.model_type` names the
+    modules that become column / row-parallel linears, the vocab-parallel embedding and the
+    vocab-parallel LM head; the attention modules get this rank's head counts. Returns `model`, whose `forward` and `generate`
     give the dense results on every rank (logits gathered over the vocabulary).
     Sizes that cannot be split raise a ValueError before any weight moves.
     """
