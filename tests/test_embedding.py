@@ -99,6 +99,30 @@ def test_bad_ids_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_ids)
 
 
+def _bad_ids_on_some_ranks(rank, world):
+    """Ranks given different ids, out of range on TP ranks 1 and 3 only: every rank raises,
+    the faulty ones naming their id (before, those raised alone and the others waited in
+    the collective until the timeout)."""
+    tp_rank, tp = setup_tp(4)
+    for sp in (False, True):
+        layer = tpcore.VocabParallelEmbedding(VOCAB, DIM, sequence_parallel=sp)
+        ids = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]])
+        if tp_rank in (1, 3):
+            ids[2, tp_rank // 2] = VOCAB + tp_rank
+            expect_error(IndexError, f"token id {VOCAB + tp_rank} is out of range [0, {VOCAB})", layer, ids)
+        else:
+            expect_error(IndexError, "tensor-parallel rank(s) 1, 3 have a token id out of range", layer, ids)
+        # The group is still in step: a valid lookup matches nn.Embedding on every rank.
+        dense = layer.to_dense()
+        good = torch.tensor([[0, 36], [9, 10], [11, 12], [13, 14]])
+        want = dense(good).detach()
+        assert_close(layer(good), want.chunk(tp, 0)[tp_rank] if sp else want, f"sp={sp}: after the error")
+
+
+def test_bad_ids_on_some_ranks_raise_on_every_rank(cpu_ranks):
+    cpu_ranks.run(_bad_ids_on_some_ranks)
+
+
 def test_pad_vocab_size():
     assert tpcore.pad_vocab_size(50257, 1) == 50304
     assert tpcore.pad_vocab_size(50257, 8) == 51200

@@ -17,9 +17,9 @@ int64_t grid_blocks(int64_t work);
 void set_max_grid_blocks(int64_t cap);
 
 // out[t] = weight[ids[t] - vocab_start] when vocab_start <= ids[t] < vocab_start + rows,
-// else zeros. ids [N] int64, weight [rows, D] -> out [N, D].
-at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,
-                                int64_t vocab_start);
+// else zeros. ids [N] int64, weight [rows, D] contiguous, out [N, D] contiguous (written).
+void embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
+                          const at::Tensor& out);
 // grad_weight[ids[t] - vocab_start] += grad_out[t] for ids in this shard, except padding_idx
 // (-1 for none); summed in token order, so the result is deterministic. Returns
 // grad_weight [rows, D] in grad_out's dtype.
@@ -58,8 +58,8 @@ at::Tensor dropout_cuda(const at::Tensor& input, const at::Tensor& state, uint32
                         double scale);
 // Whether `device`'s current stream is capturing a CUDA graph.
 bool cuda_stream_capturing(const at::Device& device);
-at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,
-                                 int64_t vocab_start);
+void embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
+                           const at::Tensor& out);
 at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
                                    int64_t vocab_start, int64_t padding_idx);
 at::Tensor cross_entropy_stats_cuda(const at::Tensor& logits, const at::Tensor& target,

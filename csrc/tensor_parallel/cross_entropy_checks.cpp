@@ -44,14 +44,6 @@ std::string option_problem(const char* what, int64_t local_vocab, int64_t world,
   return "";
 }
 
-std::string ranks_where(const at::Tensor& column, bool set) {
-  std::string out;
-  for (int64_t r = 0; r < column.size(0); ++r)
-    if ((column[r].item<double>() != 0) == set)
-      out += (out.empty() ? "" : ", ") + std::to_string(r);
-  return out;
-}
-
 }  // namespace
 
 RankCheck start_rank_check(const char* what, const at::Tensor& stats, const at::Tensor& target,
@@ -89,7 +81,7 @@ void finish_rank_check(const char* what, const RankCheck& check, const at::Tenso
   if (rows.select(1, kBadOption).ne(0).any().item<bool>()) {
     TORCH_CHECK_VALUE(check.problem.empty(), check.problem);
     TORCH_CHECK_VALUE(false, "tpcore: ", what, ": invalid options on tensor-parallel rank(s) ",
-                      ranks_where(rows.select(1, kBadOption), true), " (their error names them)");
+                      ranks_where(rows.select(1, kBadOption)), " (their error names them)");
   }
   if (rows.select(1, kBadTarget).ne(0).any().item<bool>()) {
     if (check.bad.defined() && check.bad.any().item<bool>()) {
@@ -98,7 +90,7 @@ void finish_rank_check(const char* what, const RankCheck& check, const at::Tenso
                         o.vocab_size, ") and is not ignore_index (", o.ignore_index, ")");
     }
     TORCH_CHECK_INDEX(false, "tpcore: ", what, ": tensor-parallel rank(s) ",
-                      ranks_where(rows.select(1, kBadTarget), true),
+                      ranks_where(rows.select(1, kBadTarget)),
                       " have a target out of range (their error names it)");
   }
   // Checks first: a rank that does not check sends zeros for everything.

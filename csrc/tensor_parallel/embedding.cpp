@@ -4,6 +4,10 @@
 // parallelism. Backward: gradient accumulated into the local rows only, deterministically.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <string>
+#include <tuple>
+
 #include "kernels/kernels.h"
 #include "tensor_parallel/autograd_util.h"
 #include "tensor_parallel/input_checks.h"
@@ -12,13 +16,15 @@
 namespace tpcore {
 namespace {
 
-at::Tensor lookup(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start) {
+// Writes the lookup of `ids` into `out` [ids, D] (contiguous rows).
+void lookup_into(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
+                 const at::Tensor& out) {
 #ifdef TPCORE_WITH_CUDA
-  if (weight.is_cuda()) return embedding_lookup_cuda(ids, weight, vocab_start);
+  if (weight.is_cuda()) return embedding_lookup_cuda(ids, weight, vocab_start, out);
 #endif
   TORCH_CHECK(weight.is_cpu(), "tpcore: VocabParallelEmbedding: no kernel for device ",
               weight.device(), " in this build");
-  return embedding_lookup_cpu(ids, weight, vocab_start);
+  embedding_lookup_cpu(ids, weight, vocab_start, out);
 }
 
 at::Tensor lookup_backward(const at::Tensor& ids, const at::Tensor& grad, int64_t rows,
@@ -51,6 +57,26 @@ struct VocabParallelEmbeddingFn : public torch::autograd::Function<VocabParallel
   }
 };
 
+// (min, max) of the ids, on their device, unread (no host sync); undefined when the values
+// are not checked (checks off, CUDA graph capture) or there are none.
+std::tuple<at::Tensor, at::Tensor> id_bounds(const at::Tensor& ids) {
+  if (ids.numel() == 0 || !should_check_values(ids)) return {};
+  return at::aminmax(ids);
+}
+
+// The IndexError message for ids with these bounds (see id_bounds) outside [0, vocab_size),
+// else "". Reading them is a host sync on a GPU: one sync buys a clear error instead of a
+// device-side assert or silent zeros (tpcore.set_input_checks(False) trades it away).
+std::string id_problem(const char* what, const std::tuple<at::Tensor, at::Tensor>& bounds,
+                       int64_t vocab_size) {
+  const auto& [lo, hi] = bounds;
+  if (!lo.defined()) return "";
+  const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
+  if (min_id >= 0 && max_id < vocab_size) return "";
+  return c10::str("tpcore: ", what, ": token id ", min_id < 0 ? min_id : max_id,
+                  " is out of range [0, ", vocab_size, ")");
+}
+
 }  // namespace
 
 void check_token_dtype(const char* what, const at::Tensor& ids) {
@@ -62,34 +88,62 @@ void check_token_dtype(const char* what, const at::Tensor& ids) {
 
 void check_token_ids(const char* what, const at::Tensor& ids, int64_t vocab_size) {
   check_token_dtype(what, ids);
-  if (ids.numel() == 0 || !should_check_values(ids)) return;
-  // One host sync buys a clear error instead of a device-side assert or silent zeros
-  // (tpcore.set_input_checks(False) trades it away; skipped under CUDA graph capture).
-  auto [lo, hi] = at::aminmax(ids);
-  // Both bounds in one device-to-host copy.
-  const at::Tensor bounds = at::stack({lo, hi}).to(at::kCPU, at::kLong);
-  const int64_t min_id = bounds[0].item<int64_t>(), max_id = bounds[1].item<int64_t>();
-  TORCH_CHECK_INDEX(min_id >= 0 && max_id < vocab_size, "tpcore: ", what, ": token id ",
-                    min_id < 0 ? min_id : max_id, " is out of range [0, ", vocab_size, ")");
+  const std::string problem = id_problem(what, id_bounds(ids), vocab_size);
+  TORCH_CHECK_INDEX(problem.empty(), problem);
 }
 
+// The lookup, summed over the group (all-reduce, or reduce-scatter along the sequence).
+// Ranks can be given different ids, so a rank whose ids are out of range must not raise
+// alone: the others would wait in the collective until the timeout. Its verdict travels in
+// that collective instead, as one extra row per chunk of the sum (1 in column `rank`), and
+// every rank raises after it. The flag is written on the device: one host sync, after.
 at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const at::Tensor& weight,
                                                    GroupName name, int64_t num_embeddings,
                                                    bool sequence_parallel) {
+  const char* what = "VocabParallelEmbedding";
   const Group group = group_by_name(name);
-  // Here, not in vocab_parallel_embedding: it reads the ids' values (a host sync), which a
-  // traced (fake) tensor does not have. Every rank checks before the collective.
-  check_token_ids("VocabParallelEmbedding", ids, num_embeddings);
+  const int64_t world = group_size(group), rank = group_rank(group), dim = weight.size(1);
+  // Alone, or nowhere to put the flag (a table of width 0): check before the lookup. Here,
+  // not in vocab_parallel_embedding: it reads the ids' values, which a fake tensor lacks.
+  if (world == 1 || dim == 0) check_token_ids(what, ids, num_embeddings);
+  const auto bounds =
+      world == 1 || dim == 0 ? std::tuple<at::Tensor, at::Tensor>() : id_bounds(ids);
+  const bool checked = std::get<0>(bounds).defined();
+
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
+  const at::Tensor table = weight.contiguous();
+  const int64_t chunks = sequence_parallel ? world : 1, rows = flat_ids.numel() / chunks;
+  at::Tensor buffer = at::empty({chunks, rows + 1, dim}, weight.options());
+  for (int64_t k = 0; k < chunks; ++k)
+    lookup_into(flat_ids.narrow(0, k * rows, rows), table, rank * weight.size(0),
+                buffer[k].narrow(0, 0, rows));
+  at::Tensor flags = buffer.select(1, rows);  // [chunks, D]
+  flags.zero_();
+  if (checked) {
+    const auto& [lo, hi] = bounds;
+    flags.select(1, std::min(rank, dim - 1)).copy_(lo.lt(0).logical_or_(hi.ge(num_embeddings)));
+  }
+
+  at::Tensor flat = buffer.view({-1, dim});
+  at::Tensor summed = sequence_parallel ? reduce_scatter(flat, 0, group)
+                                        : all_reduce_inplace_async(flat, group).wait();
+  if (checked && summed.select(0, rows).ne(0).any().item<bool>()) {
+    const std::string problem = id_problem(what, bounds, num_embeddings);
+    TORCH_CHECK_INDEX(problem.empty(), problem);
+    const at::Tensor got = summed.select(0, rows).to(at::kCPU);
+    TORCH_CHECK_INDEX(dim < world, "tpcore: ", what, ": tensor-parallel rank(s) ",
+                      ranks_where(got.narrow(0, 0, std::min(dim, world))),
+                      " have a token id out of range (their error names it)");
+    TORCH_CHECK_INDEX(false, "tpcore: ", what,
+                      ": a tensor-parallel rank has a token id out of range (its error names it)");
+  }
   auto shape = ids.sizes().vec();
-  shape.push_back(weight.size(1));
-  // _unsafe_view: the reshaped kernel output is not an autograd view (its base is a temporary
-  // nobody else sees), so callers may change the embedding in place (`x += positions`), as
-  // with nn.Embedding; a view returned from an autograd Function forbids that.
-  at::Tensor local = at::_unsafe_view(
-      lookup(flat_ids, weight.contiguous(), group_rank(group) * weight.size(0)), shape);
-  if (sequence_parallel) return reduce_scatter(local, 0, group).contiguous();
-  return all_reduce_inplace_async(local, group).wait();
+  if (sequence_parallel) shape[0] /= world;
+  shape.push_back(dim);
+  // _unsafe_view: the kernel output is not an autograd view (its base is a buffer nobody
+  // else sees), so callers may change the embedding in place (`x += positions`), as with
+  // nn.Embedding; a view returned from an autograd Function forbids that.
+  return at::_unsafe_view(summed.narrow(0, 0, rows), shape);
 }
 
 at::Tensor vocab_parallel_embedding_backward_kernel(const at::Tensor& grad_, const at::Tensor& ids,

@@ -32,4 +32,11 @@ bool should_check_values(const at::Tensor& t) {
   return true;
 }
 
+std::string ranks_where(const at::Tensor& column) {
+  std::string out;
+  for (int64_t r = 0; r < column.size(0); ++r)
+    if (column[r].item<double>() != 0) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
 }  // namespace tpcore

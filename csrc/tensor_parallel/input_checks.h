@@ -3,6 +3,8 @@
 // CUDA graph is captured; the ones that read only shapes, dtypes and devices always run.
 #pragma once
 
+#include <string>
+
 namespace at {
 class Tensor;
 }
@@ -15,5 +17,7 @@ bool input_checks_enabled();
 // Whether to read `t`'s values for a check now: checks are on, and `t` is not on a CUDA
 // device whose current stream is capturing a graph (reading values there would fail).
 bool should_check_values(const at::Tensor& t);
+// "0, 2": the indices of `column`'s nonzero entries (a rank's flag in a gathered check).
+std::string ranks_where(const at::Tensor& column);
 
 }  // namespace tpcore

@@ -8,10 +8,9 @@
 
 namespace tpcore {
 
-at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,
-                                int64_t vocab_start) {
+void embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
+                          const at::Tensor& out) {
   const int64_t n = ids.numel(), rows = weight.size(0), dim = weight.size(1);
-  at::Tensor out = at::empty({n, dim}, weight.options());
   const int64_t* id = ids.data_ptr<int64_t>();
   const size_t row_bytes = dim * weight.element_size();
   const char* src = static_cast<const char*>(weight.data_ptr());
@@ -27,7 +26,6 @@ at::Tensor embedding_lookup_cpu(const at::Tensor& ids, const at::Tensor& weight,
       }
     }
   });
-  return out;
 }
 
 at::Tensor embedding_backward_cpu(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,

@@ -183,12 +183,11 @@ void launch_backward(const at::Tensor& grad_out, const at::Tensor& sorted, const
 
 }  // namespace
 
-at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight,
-                                 int64_t vocab_start) {
+void embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
+                           const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(weight.device());
   const int64_t n = ids.numel(), rows = weight.size(0), dim = weight.size(1);
-  at::Tensor out = at::empty({n, dim}, weight.options());
-  if (n == 0 || dim == 0) return out;
+  if (n == 0 || dim == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, weight.scalar_type(), "emb_lookup", [&] {
@@ -205,7 +204,6 @@ at::Tensor embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight
         }
       });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
 at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
