@@ -39,15 +39,20 @@ from ranks import run_on_ranks  # noqa: E402
 SIZES = [4, 64, 1 << 10, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 ROUNDS = 5
+CALIBRATION_CALLS = 4
 
 
 def _time_calls(fn, budget_s: float, max_calls: int = 20000, agree=None) -> tuple[int, float]:
     """(calls, seconds) of back-to-back calls: enough calls to fill about `budget_s`.
     `agree(n)` makes every rank use the same count (collectives must match)."""
     fn()
+    # The cost of a call from a few: a single collective can return at once on the rank that
+    # arrived last, and a count sized from it (20,000 calls of gloo's 4 ms at 4 ranks) made
+    # one measurement take minutes.
     start = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - start, 1e-7)
+    for _ in range(CALIBRATION_CALLS):
+        fn()
+    one = max((time.perf_counter() - start) / CALIBRATION_CALLS, 1e-7)
     calls = int(min(max_calls, max(3, budget_s / one)))
     if agree is not None:
         calls = agree(calls)
@@ -140,9 +145,9 @@ def _case(rank, world, store, sizes, ops, results):
     dist.all_reduce(shared, group=groups["gloo"])
     copy = (copy, shared.item() / world)
 
-    def agree(calls: int) -> int:  # the largest count any rank asks for
+    def agree(calls: int) -> int:  # the smallest count any rank asks for: the budget holds
         t = torch.tensor([calls])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["gloo"])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups["gloo"])
         return int(t.item())
 
     table = {}
