@@ -38,6 +38,27 @@ FAMILIES = {
         **_DECODER, num_attention_heads=8, num_key_value_heads=4, sliding_window=16)),
     "qwen2": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(
         **_DECODER, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),  # q/k/v biases
+    # Llama's layout under other names' model types; each adds what its forward does differently.
+    "qwen3": ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
+        **_DECODER, num_attention_heads=8, num_key_value_heads=4, head_dim=16)),  # q/k norms per head; head_dim != hidden / heads
+    "gemma": ("GemmaForCausalLM", lambda: transformers.GemmaConfig(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=1, head_dim=16)),  # one KV head (replicated); scaled embeddings
+    "gemma2": ("Gemma2ForCausalLM", lambda: transformers.Gemma2Config(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24)),  # soft-capped logits
+    "gemma3_text": ("Gemma3ForCausalLM", lambda: transformers.Gemma3TextConfig(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)),  # q/k norms, local + global layers
+    "granite": ("GraniteForCausalLM", lambda: transformers.GraniteConfig(
+        **_DECODER, num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.0)),  # multipliers, scaled logits
+    "olmo": ("OlmoForCausalLM", lambda: transformers.OlmoConfig(**_DECODER, num_attention_heads=4, clip_qkv=0.5)),  # clipped q, k, v
+    "smollm3": ("SmolLM3ForCausalLM", lambda: transformers.SmolLM3Config(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2)),  # layers without rotary
+    "starcoder2": ("Starcoder2ForCausalLM", lambda: transformers.Starcoder2Config(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0)),  # MLP c_fc / c_proj with biases
+    "helium": ("HeliumForCausalLM", lambda: transformers.HeliumConfig(**_DECODER, num_attention_heads=4, num_key_value_heads=4, head_dim=16)),
+    "ministral": ("MinistralForCausalLM", lambda: transformers.MinistralConfig(
+        **_DECODER, num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=4)),  # local + global layers
     "gpt_neox": ("GPTNeoXForCausalLM", lambda: transformers.GPTNeoXConfig(
         **_DECODER, num_attention_heads=4, rotary_pct=0.5)),  # QKV fused per head
     "bert": ("BertForMaskedLM", lambda: transformers.BertConfig(**_ENCODER)),
@@ -213,13 +234,25 @@ def _backward_job(rank, world, name, path):
             stepped = model(input_ids=ids, attention_mask=mask).logits
         assert (after - before).abs().max() > 1e-2 * before.abs().max(), f"{what}: the step did not change the model"
         assert_close(stepped, after, f"{what} logits after one SGD step")
+        # Gradient accumulation: two backwards give the per-head norms twice the dense gradient.
+        for m in (dense, model):
+            m.zero_grad()
+        dense(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        for norm in model.tpcore_plan.head_norms:
+            for attr, p in model.get_submodule(norm).named_parameters():
+                assert_close(p.grad, 2 * dense.get_submodule(norm).get_parameter(attr).grad, f"{what} accumulated grad of {norm}")
+        assert bool(model.tpcore_plan.head_norms) == (name in ("qwen3", "gemma3_text")), f"{what}: head norms {model.tpcore_plan.head_norms}"
         tpcore.destroy_model_parallel()
     return True
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text"])
 def test_backward_matches_dense(cpu_ranks, tmp_path, name):
-    """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert)."""
+    """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert),
+    q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled embedding and one
+    KV head (gemma)."""
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_backward_job, name, path))
 

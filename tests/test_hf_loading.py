@@ -28,10 +28,11 @@ def test_pattern_matching():
     assert match("layer.*.attention.output.dense", "bert.encoder.layer.0.attention.output.dense")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3", "gpt_neox"])
 def test_policy_tables_agree_with_transformers_tp_plan(name):
     """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
-    in the family's table with the same role (a renamed module in a new release shows up here)."""
+    in the family's table with the same role, and each module it replicates with summed
+    gradients is a head norm (a renamed module in a new release shows up here)."""
     config = FAMILIES[name][1]()
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if int(transformers.__version__.split(".")[0]) >= 5:  # older releases may ship none (4.46 has none)
@@ -41,6 +42,8 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
         if style in ("colwise", "rowwise"):
             table = policy.column if style == "colwise" else policy.row
             assert pattern in table, f"{name}: {pattern} ({style}) is not in the {policy.name} table"
+        if style == "replicated_with_grad_allreduce":
+            assert pattern in policy.head_norms, f"{name}: {pattern} ({style}) is not a head norm of {policy.name}"
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones():
@@ -53,6 +56,24 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
         assert "'opt'" in message
         assert all(t in message for t in ("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert", "roberta"))
     assert not any(isinstance(m, tpcore.VocabParallelEmbedding) for m in model.modules())
+
+
+def test_embedding_with_an_unknown_forward_is_refused():
+    """An nn.Embedding subclass with its own forward would lose it in the replacement; transformers'
+    scaled word embeddings (Gemma's) are the one kind carried over (their scale)."""
+    model = transformers.LlamaForCausalLM(FAMILIES["llama"][1]())
+
+    class Shifted(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1
+
+    old = model.model.embed_tokens
+    model.model.embed_tokens = Shifted(old.num_embeddings, old.embedding_dim)
+    with pytest.raises(ValueError, match="'model.embed_tokens' is a Shifted, an nn.Embedding with its own forward"):
+        make_plan(model, 2, 0)
+    gemma = transformers.GemmaForCausalLM(FAMILIES["gemma"][1]())
+    scale = gemma.model.embed_tokens.scalar_embed_scale
+    assert scale == 64**0.5 and make_plan(gemma, 2, 0).replacements[0].embed_scale == scale
 
 
 def _tiny(name: str, **overrides):

@@ -20,7 +20,9 @@ from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .lm_head import VocabParallelLMHead
 from .plan import Load, Plan, Replacement, make_plan
+from .grads import sum_head_norm_grads_in_backward
 from .policy import get_policy
+from .scaled_embedding import ScaledVocabParallelEmbedding
 from .weights import DenseSource, SafetensorsSource
 
 __all__ = ["parallelize", "from_pretrained"]
@@ -36,9 +38,11 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
     if rep.role == "row":
         return RowParallelLinear(rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common)
     if rep.role == "embedding":
-        return VocabParallelEmbedding(
-            rep.in_features, rep.out_features, padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1, **common
-        )
+        args = (rep.in_features, rep.out_features)
+        common.update(padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1)
+        if rep.embed_scale is not None:
+            return ScaledVocabParallelEmbedding(*args, embed_scale=rep.embed_scale, **common)
+        return VocabParallelEmbedding(*args, **common)
     return VocabParallelLMHead(rep.in_features, rep.out_features, rep.bias, vocab_size=rep.vocab_size, **common)
 
 
@@ -171,6 +175,7 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     _check_same_weights(model, group)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     _apply(model, plan, group, DenseSource(tensors), None, None)
+    sum_head_norm_grads_in_backward(model, group)
     return model
 
 
@@ -324,6 +329,7 @@ def from_pretrained(
     _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
     _apply(model, plan, group, source, dtype, device)
     _load_rest(model, source, dtype, device)
+    sum_head_norm_grads_in_backward(model, group)  # after _load_rest: it makes the norms' parameters
     if getattr(model, "can_generate", lambda: False)():
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)

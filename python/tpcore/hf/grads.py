@@ -1,12 +1,14 @@
-"""Gradients of KV heads that are replicated because TP is larger than the KV head count."""
+"""Gradients of replicated parameters that backward gives each rank only a share of: KV
+heads copied because TP is larger than the KV head count, and norms over each head."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from .. import comm
 
-__all__ = ["sum_replicated_kv_grads"]
+__all__ = ["sum_replicated_kv_grads", "sum_head_norm_grads_in_backward"]
 
 
 def sum_replicated_kv_grads(model: nn.Module) -> None:
@@ -34,3 +36,18 @@ def sum_replicated_kv_grads(model: nn.Module) -> None:
                 continue
             every = comm.all_gather(param.grad.unsqueeze(0), 0, layer.group)  # [tp, ...]
             param.grad.copy_(every[mine * copies : (mine + 1) * copies].sum(0))
+
+
+def sum_head_norm_grads_in_backward(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make backward give the dense gradient to the per-head norms (`plan.head_norms`:
+    Qwen3's and Gemma3's q / k norms over head_dim). Each rank applies them to its own heads
+    only, so its gradient is its heads' share; the dense one is the sum over the TP group. A
+    hook on each parameter sums the gradient as backward computes it, before it is
+    accumulated into `.grad`, so gradient accumulation stays exact. Frozen parameters
+    (requires_grad False) get no hook: unfreeze them before parallelizing."""
+    if model.tpcore_plan.layout.tp_size == 1:
+        return
+    for name in model.tpcore_plan.head_norms:
+        for param in model.get_submodule(name).parameters(recurse=False):
+            if param.requires_grad:
+                param.register_hook(lambda grad: comm.all_reduce(grad, group))

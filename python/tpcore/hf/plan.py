@@ -49,6 +49,8 @@ class Replacement:
     vocab_size: int | None = None
     kv_replicated: bool = False
     """Column layer of KV heads copied on several ranks (TP > KV heads)."""
+    embed_scale: float | None = None
+    """The constant a scaled word embedding multiplies its lookup by (Gemma's)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class Plan:
     replacements: list[Replacement] = field(default_factory=list)
     attributes: list[tuple[str, str, int]] = field(default_factory=list)
     """(attention module name, attribute, per-rank value)."""
+    head_norms: list[str] = field(default_factory=list)
+    """Replicated modules whose gradients are summed over TP in backward (see `Policy.head_norms`)."""
 
 
 def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayout:
@@ -175,13 +179,29 @@ def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, i
     return rows, ((min(start, vocab), min(start + rows, vocab)),)
 
 
+def _embed_scale(name: str, module: nn.Embedding) -> float | None:
+    """None for a plain nn.Embedding; the scale of a scaled word embedding (an nn.Embedding
+    whose forward multiplies the lookup by `scalar_embed_scale`); else an error, since a
+    forward tpcore does not know would be lost in the replacement."""
+    if type(module).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(module, "scalar_embed_scale", None)
+    if isinstance(scale, (int, float)) and "ScaledWordEmbedding" in type(module).__name__:
+        return float(scale)
+    raise ValueError(
+        f"tpcore.hf: embedding {name!r} is a {type(module).__name__}, an nn.Embedding with its own forward; "
+        "tpcore.hf replaces plain nn.Embedding and transformers' scaled word embeddings only"
+    )
+
+
 def _embedding(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Embedding")
     rows, ranges = _vocab_rows(module.num_embeddings, layout)
     loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows)}
     return Replacement(name, "embedding", module.num_embeddings, module.embedding_dim, False, loads,
-                       padding_idx=module.padding_idx, vocab_size=module.num_embeddings)
+                       padding_idx=module.padding_idx, vocab_size=module.num_embeddings,
+                       embed_scale=_embed_scale(name, module))
 
 
 def _head(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
@@ -204,6 +224,7 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
     roles = [("column", p) for p in column] + [("row", p) for p in row]
     roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
     plan = Plan(policy, layout)
+    head_norms = policy.head_norm_patterns(config)
     by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "head": []}
     for name, module in model.named_modules():
         found = [(role, p) for role, p in roles if match(p, name)]
@@ -217,6 +238,8 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 by_role[role].append(_row(name, module, layout))
             else:
                 by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
+        if any(match(p, name) for p in head_norms):
+            plan.head_norms.append(name)
         if any(match(p, name) for p in policy.attention):
             for attribute, kind in policy.attention_attributes.items():
                 if isinstance(getattr(module, attribute, None), int):

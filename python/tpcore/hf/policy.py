@@ -48,6 +48,7 @@ ATTRIBUTE_KINDS = {
 # (sequence_parallel norms, MoE experts, ...) leave the module replicated, which is correct.
 _TP_PLAN_COLUMN = {"colwise": "plain", "local_colwise": "plain", "colwise_gather_output": "plain"}
 _TP_PLAN_ROW = {"rowwise", "local_rowwise", "rowwise_split_input"}
+_TP_PLAN_SUMMED_GRAD = {"replicated_with_grad_allreduce"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Policy:
     """Patterns of the LM / MLM output projection (becomes the vocab-parallel LM head)."""
     attention: tuple[str, ...] = ()
     """Patterns of the attention modules whose `attention_attributes` are set per rank."""
+    head_norms: tuple[str, ...] = ()
+    """Patterns of modules applied to each rank's own heads with weights shared by all heads
+    (q / k norms over head_dim): they stay replicated, and their gradients are summed over
+    the TP group in backward (each rank's holds only its heads' share)."""
     attention_attributes: dict[str, str] = field(default_factory=dict)
     """Attribute -> what it counts (a key of `ATTRIBUTE_KINDS`); set where present, so one
     table covers transformers versions that keep different attributes."""
@@ -90,6 +95,13 @@ class Policy:
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
+
+    def head_norm_patterns(self, config) -> tuple[str, ...]:
+        """`head_norms`, plus the modules HF's `base_model_tp_plan` replicates with summed
+        gradients when `use_tp_plan`."""
+        plan = (getattr(config, "base_model_tp_plan", None) or {}) if self.use_tp_plan else {}
+        extra = [p for p, style in plan.items() if style in _TP_PLAN_SUMMED_GRAD and p not in self.head_norms]
+        return (*self.head_norms, *extra)
 
     def linear_roles(self, config) -> tuple[dict[str, str], tuple[str, ...]]:
         """(column pattern -> kind, row patterns) for `config`: the table, plus the
@@ -120,7 +132,12 @@ _DECODER_ATTRIBUTES = {"num_key_value_groups": "kv_groups", "num_heads": "heads"
 
 LLAMA = Policy(
     name="llama",
-    model_types=("llama", "mistral", "qwen2"),
+    # Families with Llama's module names and attention attributes; what their forwards add
+    # (q / k norms per head, soft-capped or scaled logits, clipped q / k / v, multipliers)
+    # acts per head or per element, so the same split is exact. Starcoder2's MLP (c_fc /
+    # c_proj) comes from its `base_model_tp_plan`.
+    model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3",
+                 "starcoder2", "helium", "ministral"),
     column={
         "layers.*.self_attn.q_proj": "heads",
         "layers.*.self_attn.k_proj": "kv_heads",
@@ -132,6 +149,7 @@ LLAMA = Policy(
     embedding=("embed_tokens",),
     head=("lm_head",),
     attention=("layers.*.self_attn",),
+    head_norms=("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"),  # Qwen3, Gemma3
     attention_attributes=_DECODER_ATTRIBUTES,
     num_kv_heads="num_key_value_heads",
     use_tp_plan=True,
