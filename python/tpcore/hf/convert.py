@@ -20,7 +20,7 @@ from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .lm_head import VocabParallelLMHead
 from .plan import Load, Plan, Replacement, make_plan
-from .grads import sum_head_norm_grads_in_backward
+from .grads import install_gradient_sums
 from .policy import get_policy
 from .scaled_embedding import ScaledVocabParallelEmbedding
 from .weights import DenseSource, SafetensorsSource
@@ -175,7 +175,7 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     _check_same_weights(model, group)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     _apply(model, plan, group, DenseSource(tensors), None, None)
-    sum_head_norm_grads_in_backward(model, group)
+    install_gradient_sums(model, group)
     return model
 
 
@@ -329,7 +329,7 @@ def from_pretrained(
     _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
     _apply(model, plan, group, source, dtype, device)
     _load_rest(model, source, dtype, device)
-    sum_head_norm_grads_in_backward(model, group)  # after _load_rest: it makes the norms' parameters
+    install_gradient_sums(model, group)  # after _load_rest: it makes the norms' parameters
     if getattr(model, "can_generate", lambda: False)():
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)

@@ -1,5 +1,11 @@
-"""Gradients of replicated parameters that backward gives each rank only a share of: KV
-heads copied because TP is larger than the KV head count, and norms over each head."""
+"""Gradients of replicated parameters that backward gives each rank only a share of, made
+dense inside backward: KV heads copied because TP is larger than the KV head count, and
+norms over each head (Qwen3's and Gemma 3's q / k norms).
+
+A hook on each such parameter sums its gradient over the ranks that share it as backward
+computes it, before it is accumulated into `.grad`: gradient accumulation stays exact, and
+`.grad` is the dense model's after every backward, with no call to make.
+"""
 
 from __future__ import annotations
 
@@ -8,46 +14,39 @@ from torch import nn
 
 from .. import comm
 
-__all__ = ["sum_replicated_kv_grads", "sum_head_norm_grads_in_backward"]
+__all__ = ["install_gradient_sums", "sum_replicated_kv_grads"]
+
+
+def _sum_over(group: dist.ProcessGroup, first: int, count: int):
+    """A gradient hook: the sum of the gradients of ranks `[first, first + count)` of `group`
+    (all of them: one all-reduce; a block of them: an all-gather, then the block's sum)."""
+    if count == dist.get_world_size(group):
+        return lambda grad: comm.all_reduce(grad, group)
+    return lambda grad: comm.all_gather(grad.unsqueeze(0), 0, group)[first : first + count].sum(0)
+
+
+def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Hook the parameters of `model.tpcore_plan`'s replicated KV layers and head norms (see
+    the module docstring). Frozen parameters (requires_grad False) get no hook: unfreeze
+    them before parallelizing."""
+    plan = model.tpcore_plan
+    layout = plan.layout
+    if layout.tp_size == 1:
+        return
+    hooked: list[tuple[nn.Module, object]] = [(model.get_submodule(n), _sum_over(group, 0, layout.tp_size)) for n in plan.head_norms]
+    if layout.kv_replicated:
+        copies = layout.tp_size // layout.kv_heads  # adjacent ranks sharing one KV head
+        first = layout.tp_rank // copies * copies
+        hooked += [(model.get_submodule(r.name), _sum_over(group, first, copies)) for r in plan.replacements if r.kv_replicated]
+    for module, hook in hooked:
+        for param in module.parameters(recurse=False):
+            if param.requires_grad:
+                param.register_hook(hook)
 
 
 def sum_replicated_kv_grads(model: nn.Module) -> None:
-    """Give each copy of a replicated KV head the dense model's gradient.
-
-    With TP larger than the KV head count, `tp / kv_heads` adjacent ranks hold copies of one
-    KV head, and backward gives each copy only the gradient of its own rank's query heads;
-    the dense gradient is their sum. Call after backward, before the optimizer step, on
-    every TP rank (a collective when heads are replicated, a no-op otherwise).
-    """
-    plan = getattr(model, "tpcore_plan", None)
-    if plan is None:
+    """Kept for code written for earlier tpcore releases, where the replicated KV heads' gradients
+    were summed by this call after backward: backward sums them now (`install_gradient_sums`),
+    so this checks that `model` was parallelized by tpcore.hf and does nothing else."""
+    if getattr(model, "tpcore_plan", None) is None:
         raise ValueError(f"tpcore.hf: {type(model).__name__} was not parallelized by tpcore.hf")
-    layout = plan.layout
-    if not layout.kv_replicated:
-        return
-    copies = layout.tp_size // layout.kv_heads  # ranks sharing one KV head
-    mine = layout.tp_rank // copies
-    for rep in plan.replacements:
-        if not rep.kv_replicated:
-            continue
-        layer = model.get_submodule(rep.name)
-        for param in (layer.weight, layer.bias):
-            if param is None or param.grad is None:
-                continue
-            every = comm.all_gather(param.grad.unsqueeze(0), 0, layer.group)  # [tp, ...]
-            param.grad.copy_(every[mine * copies : (mine + 1) * copies].sum(0))
-
-
-def sum_head_norm_grads_in_backward(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Make backward give the dense gradient to the per-head norms (`plan.head_norms`:
-    Qwen3's and Gemma3's q / k norms over head_dim). Each rank applies them to its own heads
-    only, so its gradient is its heads' share; the dense one is the sum over the TP group. A
-    hook on each parameter sums the gradient as backward computes it, before it is
-    accumulated into `.grad`, so gradient accumulation stays exact. Frozen parameters
-    (requires_grad False) get no hook: unfreeze them before parallelizing."""
-    if model.tpcore_plan.layout.tp_size == 1:
-        return
-    for name in model.tpcore_plan.head_norms:
-        for param in model.get_submodule(name).parameters(recurse=False):
-            if param.requires_grad:
-                param.register_hook(lambda grad: comm.all_reduce(grad, group))

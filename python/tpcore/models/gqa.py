@@ -8,8 +8,8 @@ each copy only the gradient of its own rank's query heads; the dense gradient is
 `ReplicatedKVGrad` makes that sum part of autograd (forward identity on the QKV weight /
 bias, backward sums the K/V rows over the ranks sharing the head), so `.grad` is the dense
 gradient on every copy after every backward, whatever schedule, recompute, sequence
-parallelism or gradient buffers run around it. (`tpcore.hf` sums after backward instead,
-with `sum_replicated_kv_grads`.)
+parallelism or gradient buffers run around it. (`tpcore.hf` makes the same sum in backward
+with a hook on each copy's parameters, `tpcore.hf.grads`.)
 """
 
 from __future__ import annotations
