@@ -261,6 +261,13 @@ def _layers_in_user_model(rank, world, tp):
     got.backward()
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert_close(q.grad, p.grad, f"grad of {name}")
+    # tpcore.hf's scaled embedding (Gemma's) compiles with no graph break.
+    from tpcore.hf.scaled_embedding import ScaledVocabParallelEmbedding
+
+    scaled = ScaledVocabParallelEmbedding(30, 8, embed_scale=8**0.5)
+    explained = torch._dynamo.explain(scaled)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert torch.equal(torch.compile(scaled, fullgraph=True)(ids), scaled(ids)), "scaled embedding"
     # The functional collectives compile too.
     x = per_rank_tensor((4, 2 * tp), dist.get_rank(), seed=3)
     fn = torch.compile(lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1, fullgraph=True)

@@ -119,6 +119,24 @@ def _bad_ids_on_some_ranks(rank, world):
         assert_close(layer(good), want.chunk(tp, 0)[tp_rank] if sp else want, f"sp={sp}: after the error")
 
 
+def _narrow_id_dtypes(rank, world):
+    """Ids of every integer dtype, up to the dtype's largest value: in range, so no error, and
+    the lookup equals nn.Embedding's (the range check once compared in the ids' own dtype,
+    where uint8 turned vocab 256 into 0 and flagged every id)."""
+    tp_rank, tp = setup_tp(2)
+    for dtype, vocab in ((torch.uint8, 256), (torch.int8, 128), (torch.int16, 32768), (torch.int32, 300)):
+        torch.manual_seed(0)
+        dense = nn.Embedding(vocab, 4)
+        layer = tpcore.VocabParallelEmbedding.from_dense(dense)
+        ids = torch.tensor([[0, vocab - 1], [vocab // 2, 1]]).to(dtype)
+        assert_close(layer(ids), dense(ids.long()).detach(), f"{dtype} ids, vocab {vocab}")
+        expect_error(IndexError, f"token id {vocab} is out of range", layer, torch.tensor([vocab]).to(torch.int32))
+
+
+def test_narrow_id_dtypes(cpu_ranks):
+    cpu_ranks.run(_narrow_id_dtypes)
+
+
 def test_bad_ids_on_some_ranks_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_ids_on_some_ranks)
 

@@ -225,6 +225,15 @@ def _backward_job(rank, world, name, path):
         assert any("norm" in n.lower() or "ln_" in n for n, _ in replicated), f"{what}: no replicated norm found"
         for n, p in replicated:  # norms, position embeddings, row-parallel biases
             assert_close(p.grad, dense_params[n].grad, f"{what} grad of {n}")
+        if tp == 2:  # the same gradients from a model frozen while split, unfrozen, then given new parameters
+            other = load_dense(path, cls, torch.float32).requires_grad_(False)
+            other = tpcore.hf.parallelize(other).requires_grad_(True)
+            hooked = other.tpcore_plan.head_norms + [r.name for r in other.tpcore_plan.replacements if r.kv_replicated]
+            for module in map(other.get_submodule, hooked):  # new Parameter objects (all: ties would break)
+                module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+            other(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
+                assert_close(q.grad, p.grad, f"{what} frozen, unfrozen and reassigned: grad of {n}")
         # Gradient accumulation: a second backward adds the same gradient again, everywhere
         # (the replicated KV heads' and head norms' sums are made before accumulation).
         first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

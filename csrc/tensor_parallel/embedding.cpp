@@ -121,7 +121,9 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
   flags.zero_();
   if (checked) {
     const auto& [lo, hi] = bounds;
-    flags.select(1, std::min(rank, dim - 1)).copy_(lo.lt(0).logical_or_(hi.ge(num_embeddings)));
+    // In int64: a narrow id dtype would wrap num_embeddings (uint8 ids, vocab 256).
+    const at::Tensor bad = lo.to(at::kLong).lt(0).logical_or_(hi.to(at::kLong).ge(num_embeddings));
+    flags.select(1, std::min(rank, dim - 1)).copy_(bad);
   }
 
   at::Tensor flat = buffer.view({-1, dim});

@@ -20,11 +20,13 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     def __init__(self, *args, embed_scale: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.embed_scale = float(embed_scale)
+        # The scale rounded to each dtype, as Python floats made here: no tensor on the device
+        # per call, and nothing torch.compile would have to break its graph for.
+        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        self._scale_in = {d: float(torch.tensor(self.embed_scale).to(d)) for d in dtypes}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # A Python float of the rounded value: no tensor made on the device each call.
-        scale = float(torch.tensor(self.embed_scale).to(self.weight.dtype))
-        return super().forward(ids) * scale
+        return super().forward(ids) * self._scale_in[self.weight.dtype]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", embed_scale={self.embed_scale}"
