@@ -21,7 +21,7 @@ def matmul_parameters(c: GPTConfig) -> int:
     LM head (H x vocab, counted whether or not it is tied to the embedding: the lookup is
     no matmul, the head is). Biases, norms and the position table are not matmuls."""
     qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim
-    proj = c.hidden_size * c.hidden_size
+    proj = c.num_attention_heads * c.head_dim * c.hidden_size
     fc1 = c.hidden_size * c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1)
     fc2 = c.ffn_hidden_size * c.hidden_size
     return c.num_layers * (qkv + proj + fc1 + fc2) + c.hidden_size * c.vocab_size
@@ -41,7 +41,8 @@ def training_flops(c: GPTConfig, batch: int, seq: int) -> int:
     softmax and the loss are not counted: this is model FLOPs, not hardware FLOPs.
     """
     tokens = batch * seq
-    return 6 * matmul_parameters(c) * tokens + 12 * c.num_layers * c.hidden_size * seq * tokens
+    # The attention term's "hidden" is the width of the heads (heads x head dim; H unless kv_channels says otherwise).
+    return 6 * matmul_parameters(c) * tokens + 12 * c.num_layers * c.num_attention_heads * c.head_dim * seq * tokens
 
 
 def _median_seconds(fn, device: torch.device, warmup: int, reps: int) -> float:

@@ -33,6 +33,9 @@ GPT_VARIANTS = {
 GQA_VARIANTS = {
     "llama_kv2": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2),
     "llama_kv1": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=1),
+    # Heads wider and narrower than hidden / heads (kv_channels, HF's head_dim: Mistral-Nemo, Qwen3).
+    "llama_wide_heads": dataclasses.replace(GPT_VARIANTS["llama"], kv_channels=16),
+    "llama_kv2_narrow_heads": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2, kv_channels=4),
 }
 
 

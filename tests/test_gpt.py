@@ -82,6 +82,22 @@ def test_gpt_with_replicated_kv_heads_matches_dense(cpu_ranks, tp, variant, sequ
     cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
 
 
+# Heads of another width than hidden / heads (kv_channels): 8 x 16 = 128 and 8 x 4 = 32 wide
+# attention in a 64-wide model; the QKV and output projections are not square.
+@pytest.mark.parametrize(
+    "tp,variant,sequence_parallel,fused,recompute",
+    [
+        (1, "llama_wide_heads", False, False, "none"),
+        (2, "llama_wide_heads", True, True, "selective"),
+        (4, "llama_wide_heads", False, False, "full"),
+        (2, "llama_kv2_narrow_heads", False, True, "none"),
+        (4, "llama_kv2_narrow_heads", True, False, "selective"),  # KV heads replicated
+    ],
+)
+def test_gpt_with_other_head_widths_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
+
+
 def _logits(rank, world):
     tp_rank, tp = setup_tp(2)
     config = VARIANTS["llama"]
@@ -125,6 +141,8 @@ def test_bad_inputs_raise_on_every_rank(cpu_ranks):
     "kwargs,match",
     [
         (dict(hidden_size=30), "not divisible by num_attention_heads"),
+        (dict(kv_channels=0), "kv_channels must be a positive int"),
+        (dict(kv_channels=5, position_embedding="rotary"), "even head dim, got 5"),
         (dict(num_kv_heads=3), "not divisible by num_kv_heads"),
         (dict(norm="batchnorm"), "norm must be one of"),
         (dict(activation="relu"), "activation must be one of"),

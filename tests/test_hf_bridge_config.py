@@ -23,7 +23,7 @@ def _families():
     return {
         "llama": transformers.LlamaConfig(**SMALL, rope_theta=5e5, rope_scaling=dict(LLAMA3), attention_bias=True),  # a copy: transformers edits the dict
         "qwen2": transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, rms_norm_eps=1e-5),
-        "mistral": transformers.MistralConfig(**SMALL, sliding_window=128),
+        "mistral": transformers.MistralConfig(**SMALL, sliding_window=128, head_dim=32),  # Mistral-Nemo's wider heads
         "gpt2": transformers.GPT2Config(vocab_size=99, n_embd=64, n_layer=3, n_head=4, n_positions=128, activation_function="gelu"),
     }
 
@@ -51,6 +51,9 @@ def test_from_hf_to_hf_round_trip(family):
         assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, False, False, True)
     if family == "mistral":
         assert config.sliding_window == 128  # shorter than the context: GPTModel refuses longer sequences
+        assert config.kv_channels == config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    else:
+        assert config.kv_channels is None  # head_dim = hidden / heads: nothing to keep
 
 
 def test_both_rope_spellings():
@@ -90,7 +93,6 @@ def test_rotary_frequencies_match_transformers(scaling):
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, ["rope_type='dynamic'"]),
         ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
-        ({"head_dim": 16}, ["head_dim"]),
         ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
         ({"num_hidden_layers": None}, ["num_hidden_layers"]),
     ],

@@ -33,7 +33,7 @@ def _hf_model(family: str):
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
     elif family == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=32)
+        config = transformers.MistralConfig(**common, sliding_window=32, head_dim=16)  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
     else:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=8, n_positions=64, activation_function="gelu", tie_word_embeddings=False)
     torch.manual_seed(0)

@@ -119,3 +119,11 @@ def test_data_parallel_flags_parse():
     assert (options.use_distributed_optimizer, options.overlap_grad_reduce, options.overlap_param_gather, options.bucket_size,
             options.grad_reduce_in_bf16) == (True, True, True, 5000, True)
     assert not parse_args([]).data_parallel_options().use_distributed_optimizer
+
+
+def test_kv_channels_reaches_the_model():
+    """--kv-channels (Megatron's flag) sets the head width; the attention is heads x it wide."""
+    config = parse_args(["--kv-channels", "16", "--hidden-size", "64", "--num-attention-heads", "8"]).model_config(50)
+    assert config.kv_channels == config.head_dim == 16
+    assert parse_args([]).model_config(50).kv_channels is None
+    expect_error(ValueError, "even head dim, got 5", parse_args, ["--kv-channels", "5", "--position-embedding", "rotary"])

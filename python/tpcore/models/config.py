@@ -34,12 +34,17 @@ class GPTConfig:
     hidden_size: int
     """Model width H."""
     num_attention_heads: int
-    """Query heads; must divide H and be divisible by the TP size."""
+    """Query heads; must divide H (unless kv_channels is given) and be divisible by the TP size."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention (None: as many as query heads); fewer than
     the TP size are replicated (each rank keeps the head its queries use)."""
     ffn_hidden_size: int | None = None
     """MLP inner width (None: 4 * H)."""
+    kv_channels: int | None = None
+    """Width of each query / key / value head (Megatron's --kv-channels; HF's head_dim). None:
+    H / num_attention_heads. Another value makes attention heads x kv_channels wide, so the
+    QKV projection is [(heads + 2 kv_heads) x kv_channels, H] and the output projection
+    [H, heads x kv_channels] (Mistral-Nemo: H 5120, 32 heads of 128)."""
     max_position_embeddings: int = 1024
     """Longest sequence the model accepts."""
     dropout: float = 0.0
@@ -105,7 +110,9 @@ class GPTConfig:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"tpcore: GPTConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None:
+            check_positive_ints("GPTConfig", kv_channels=self.kv_channels)
+        elif self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"tpcore: GPTConfig: hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
@@ -144,7 +151,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Width of one attention head: kv_channels, else H / num_attention_heads."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_hf(cls, path_or_config, **overrides) -> "GPTConfig":

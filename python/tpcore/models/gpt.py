@@ -81,7 +81,7 @@ class ParallelAttention(nn.Module):
         common = dict(sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
         rows = (self.heads + 2 * self.kv_heads) * c.head_dim * tp  # the layer's "full" width, copies counted
         self.qkv = ColumnParallelLinear(c.hidden_size, rows, bias=c.qkv_bias, **common)
-        self.proj = RowParallelLinear(c.hidden_size, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
+        self.proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self._qkv(x)  # [s, b, (h/tp + 2 kv/tp) d], the full sequence

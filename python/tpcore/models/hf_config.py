@@ -8,8 +8,7 @@ the Llama shape `llama`, `mistral`, `qwen2` (RMSNorm, SwiGLU, rotary, GQA; Qwen2
 biases only). Both spellings of the rotary settings transformers has written are read
 (`rope_theta` + `rope_scaling` up to 4.x, `rope_parameters` from 5.x) and both are written,
 so either version loads the export. Anything GPTModel does not compute exactly (another
-rotary scaling, partial rotary, GPT-NeoX's parallel residual, a head dim that is not
-hidden / heads, ...) raises a ValueError naming the option. No transformers import.
+rotary scaling, partial rotary, GPT-NeoX's parallel residual, ...) raises a ValueError naming the option. No transformers import.
 """
 
 from __future__ import annotations
@@ -117,8 +116,8 @@ def _llama_like(d: dict, model_type: str) -> dict:
     if d.get("hidden_act", "silu") != "silu":
         raise _unsupported(model_type, "hidden_act", d["hidden_act"])
     head_dim = d.get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        raise _unsupported(model_type, "head_dim", f"{head_dim} (not hidden_size / num_attention_heads = {hidden // heads})")
+    # Kept as kv_channels only where it differs from H / heads (then a config without it loads alike).
+    kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
     base, scaling = _rotary(d, model_type)
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
@@ -127,7 +126,7 @@ def _llama_like(d: dict, model_type: str) -> dict:
         mlp_bias = bool(d.get("mlp_bias", False))
     return dict(
         vocab_size=d["vocab_size"], num_layers=d["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"],
+        num_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"], kv_channels=kv_channels,
         max_position_embeddings=d.get("max_position_embeddings", 2048), attention_dropout=float(d.get("attention_dropout", 0.0)),
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding="rotary",
         rotary_base=base, rotary_scaling=scaling, sliding_window=_sliding_window(d, model_type, d["num_hidden_layers"]),
@@ -177,6 +176,8 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no grouped-query attention (num_kv_heads must equal num_attention_heads)")
         if c.sliding_window is not None:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no sliding_window")
+        if c.kv_channels is not None and c.kv_channels * c.num_attention_heads != c.hidden_size:
+            raise ValueError("tpcore: GPTConfig -> gpt2 has no head width other than hidden_size / num_attention_heads (kv_channels)")
         return "gpt2"
     if c.norm == "rmsnorm" and c.activation == "swiglu" and c.position_embedding == "rotary":
         only_qkv = c.qkv_bias and not (c.proj_bias or c.mlp_bias)

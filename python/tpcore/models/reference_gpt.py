@@ -25,7 +25,7 @@ class DenseAttention(nn.Module):
         c = config
         self.config = c
         self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, dtype=dtype, device=device)
-        self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.proj_bias, dtype=dtype, device=device)
+        self.proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.proj_bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c, (s, b) = self.config, x.shape[:2]

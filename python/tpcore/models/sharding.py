@@ -41,7 +41,7 @@ def rule_for(name: str, config: GPTConfig) -> Rule:
         sizes = [c.ffn_hidden_size] * (2 if c.activation == "swiglu" else 1)
         return ("parts", 0, sizes, sizes)
     if name.endswith("attention.proj.weight"):
-        return ("parts", 1, [c.hidden_size], [c.num_attention_heads])
+        return ("parts", 1, [c.num_attention_heads * c.head_dim], [c.num_attention_heads])
     if name.endswith("mlp.fc2.weight"):
         return ("parts", 1, [c.ffn_hidden_size], [c.ffn_hidden_size])
     return ("replicated",)

@@ -37,6 +37,7 @@ class TrainArgs:
     num_attention_heads: int = _arg(8, "query heads (divisible by the TP size)")
     num_kv_heads: int | None = _arg(None, "key/value heads for GQA (default: as many as query heads)")
     ffn_hidden_size: int | None = _arg(None, "MLP width (default 4 * hidden)")
+    kv_channels: int | None = _arg(None, "width of each attention head (default hidden / heads)")
     seq_length: int = _arg(128, "tokens per sample")
     max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
     norm: str = _arg("layernorm", "normalisation", ("layernorm", "rmsnorm"))
@@ -196,6 +197,7 @@ class TrainArgs:
             num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_kv_heads,
             ffn_hidden_size=self.ffn_hidden_size,
+            kv_channels=self.kv_channels,
             max_position_embeddings=self.max_position_embeddings or self.seq_length,
             dropout=self.dropout,
             attention_dropout=self.attention_dropout,
