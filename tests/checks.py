@@ -36,6 +36,9 @@ GQA_VARIANTS = {
     # Heads wider and narrower than hidden / heads (kv_channels, HF's head_dim: Mistral-Nemo, Qwen3).
     "llama_wide_heads": dataclasses.replace(GPT_VARIANTS["llama"], kv_channels=16),
     "llama_kv2_narrow_heads": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2, kv_channels=4),
+    # Qwen3's shape: q / k norms over each head, heads wider than hidden / heads.
+    "qwen3": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, kv_channels=16),
+    "qwen3_kv2": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, num_kv_heads=2),
 }
 
 

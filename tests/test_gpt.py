@@ -83,7 +83,8 @@ def test_gpt_with_replicated_kv_heads_matches_dense(cpu_ranks, tp, variant, sequ
 
 
 # Heads of another width than hidden / heads (kv_channels): 8 x 16 = 128 and 8 x 4 = 32 wide
-# attention in a 64-wide model; the QKV and output projections are not square.
+# attention in a 64-wide model; the QKV and output projections are not square. Qwen3's q / k
+# norms: replicated weights whose gradient each rank's heads give part of.
 @pytest.mark.parametrize(
     "tp,variant,sequence_parallel,fused,recompute",
     [
@@ -92,6 +93,11 @@ def test_gpt_with_replicated_kv_heads_matches_dense(cpu_ranks, tp, variant, sequ
         (4, "llama_wide_heads", False, False, "full"),
         (2, "llama_kv2_narrow_heads", False, True, "none"),
         (4, "llama_kv2_narrow_heads", True, False, "selective"),  # KV heads replicated
+        (1, "qwen3", False, False, "none"),
+        (2, "qwen3", True, True, "full"),
+        (4, "qwen3", True, False, "selective"),
+        (2, "qwen3_kv2", False, False, "selective"),
+        (4, "qwen3_kv2", True, True, "none"),  # k norms on replicated KV heads
     ],
 )
 def test_gpt_with_other_head_widths_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):

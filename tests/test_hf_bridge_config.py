@@ -24,11 +24,12 @@ def _families():
         "llama": transformers.LlamaConfig(**SMALL, rope_theta=5e5, rope_scaling=dict(LLAMA3), attention_bias=True),  # a copy: transformers edits the dict
         "qwen2": transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, rms_norm_eps=1e-5),
         "mistral": transformers.MistralConfig(**SMALL, sliding_window=128, head_dim=32),  # Mistral-Nemo's wider heads
+        "qwen3": transformers.Qwen3Config(**SMALL, head_dim=16, attention_bias=True),
         "gpt2": transformers.GPT2Config(vocab_size=99, n_embd=64, n_layer=3, n_head=4, n_positions=128, activation_function="gelu"),
     }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_from_hf_to_hf_round_trip(family):
     hf = _families()[family]
     config = GPTConfig.from_hf(hf)
@@ -51,9 +52,13 @@ def test_from_hf_to_hf_round_trip(family):
         assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, False, False, True)
     if family == "mistral":
         assert config.sliding_window == 128  # shorter than the context: GPTModel refuses longer sequences
-        assert config.kv_channels == config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    if family in ("mistral", "qwen3"):
+        assert config.kv_channels == config.head_dim == {"mistral": 32, "qwen3": 16}[family] != config.hidden_size // config.num_attention_heads
     else:
         assert config.kv_channels is None  # head_dim = hidden / heads: nothing to keep
+    assert config.qk_norm == (family == "qwen3")
+    if family == "qwen3":
+        assert (config.qkv_bias, config.proj_bias, config.mlp_bias) == (True, True, False)
 
 
 def test_both_rope_spellings():

@@ -32,6 +32,8 @@ def _hf_model(family: str):
         config = transformers.LlamaConfig(**common, rope_theta=5e5, rope_scaling=scaling, attention_bias=True)
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)  # q / k norms, wider heads
     elif family == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=32, head_dim=16)  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
     else:
@@ -44,7 +46,7 @@ def _hf_model(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def family_case(request, tmp_path_factory):
     """(family, folder, ids, transformers' logits, loss and greedy tokens)."""
     family = request.param

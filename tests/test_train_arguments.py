@@ -121,9 +121,10 @@ def test_data_parallel_flags_parse():
     assert not parse_args([]).data_parallel_options().use_distributed_optimizer
 
 
-def test_kv_channels_reaches_the_model():
-    """--kv-channels (Megatron's flag) sets the head width; the attention is heads x it wide."""
-    config = parse_args(["--kv-channels", "16", "--hidden-size", "64", "--num-attention-heads", "8"]).model_config(50)
-    assert config.kv_channels == config.head_dim == 16
-    assert parse_args([]).model_config(50).kv_channels is None
+def test_kv_channels_and_qk_layernorm_reach_the_model():
+    """--kv-channels and --qk-layernorm (Megatron's flags) set the head width and Qwen3's q / k norms."""
+    config = parse_args(["--kv-channels", "16", "--hidden-size", "64", "--num-attention-heads", "8", "--qk-layernorm"]).model_config(50)
+    assert config.kv_channels == config.head_dim == 16 and config.qk_norm
+    default = parse_args([]).model_config(50)
+    assert default.kv_channels is None and not default.qk_norm
     expect_error(ValueError, "even head dim, got 5", parse_args, ["--kv-channels", "5", "--position-embedding", "rotary"])

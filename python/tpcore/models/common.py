@@ -25,10 +25,12 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def make_norm(config: GPTConfig, dtype=None, device=None) -> nn.Module:
+def make_norm(config: GPTConfig, dtype=None, device=None, size: int | None = None) -> nn.Module:
+    """The config's norm over the last `size` features (default: hidden_size)."""
+    size = config.hidden_size if size is None else size
     if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, config.norm_eps, dtype=dtype, device=device)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias, dtype=dtype, device=device)
+        return RMSNorm(size, config.norm_eps, dtype=dtype, device=device)
+    return nn.LayerNorm(size, eps=config.norm_eps, bias=config.bias, dtype=dtype, device=device)
 
 
 def rotary_frequencies(head_dim: int, base: float, scaling: dict | None, device=None) -> torch.Tensor:

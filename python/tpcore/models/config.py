@@ -45,6 +45,10 @@ class GPTConfig:
     H / num_attention_heads. Another value makes attention heads x kv_channels wide, so the
     QKV projection is [(heads + 2 kv_heads) x kv_channels, H] and the output projection
     [H, heads x kv_channels] (Mistral-Nemo: H 5120, 32 heads of 128)."""
+    qk_norm: bool = False
+    """Normalise each query and key head (over its kv_channels, with the model's norm) before
+    the rotary embedding (Qwen3; Megatron's --qk-layernorm). The two norms' weights are
+    shared by all heads and replicated over TP; backward sums their gradient over TP."""
     max_position_embeddings: int = 1024
     """Longest sequence the model accepts."""
     dropout: float = 0.0

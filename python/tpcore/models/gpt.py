@@ -28,7 +28,7 @@ from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from ..tensor_parallel.mappings import gather_from_sequence_parallel
+from ..tensor_parallel.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from ..parallel_state import live_group_name, resolve_tensor_group
 from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
@@ -82,6 +82,9 @@ class ParallelAttention(nn.Module):
         rows = (self.heads + 2 * self.kv_heads) * c.head_dim * tp  # the layer's "full" width, copies counted
         self.qkv = ColumnParallelLinear(c.hidden_size, rows, bias=c.qkv_bias, **common)
         self.proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
+        if c.qk_norm:  # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
+            self.q_norm = make_norm(c, dtype, "meta", c.head_dim)
+            self.k_norm = make_norm(c, dtype, "meta", c.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self._qkv(x)  # [s, b, (h/tp + 2 kv/tp) d], the full sequence
@@ -103,11 +106,25 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q = q.view(s, b, self.heads, d)
         k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
+        if self.config.qk_norm:
+            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.config.attention_dropout if self.training else 0.0
         # This rank's heads: its own dropout masks, from the model-parallel stream.
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
+
+
+    def _norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`norm` over each head of `x` `[s, b, heads, d]`. Its weights are shared by every head
+        and each rank holds some heads, so each rank's backward gives part of their gradient:
+        they enter through copy_to_tensor_parallel (identity; backward all-reduces over TP),
+        and `.grad` is the dense gradient on every rank. (KV heads copied over several ranks
+        are normalised on each: their shares are summed as well, as the dense model's are.)"""
+        if self.tp_size == 1:
+            return norm(x)
+        params = {n: copy_to_tensor_parallel(p, self.group) for n, p in norm.named_parameters()}
+        return torch.func.functional_call(norm, params, (x,))
 
 
 class ParallelMLP(nn.Module):

@@ -4,8 +4,8 @@
     json.dump(config.to_hf(), open("config.json", "w"))
 
 Families: `gpt2` (LayerNorm, tanh or erf GeLU, learned positions, biases everywhere) and
-the Llama shape `llama`, `mistral`, `qwen2` (RMSNorm, SwiGLU, rotary, GQA; Qwen2 has q/k/v
-biases only). Both spellings of the rotary settings transformers has written are read
+the Llama shape `llama`, `mistral`, `qwen2`, `qwen3` (RMSNorm, SwiGLU, rotary, GQA; Qwen2 has
+q/k/v biases only, Qwen3 q/k norms; head_dim other than hidden / heads is kv_channels). Both spellings of the rotary settings transformers has written are read
 (`rope_theta` + `rope_scaling` up to 4.x, `rope_parameters` from 5.x) and both are written,
 so either version loads the export. Anything GPTModel does not compute exactly (another
 rotary scaling, partial rotary, GPT-NeoX's parallel residual, ...) raises a ValueError naming the option. No transformers import.
@@ -20,9 +20,12 @@ from .config import GPTConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "read_hf_config", "hf_family"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Why the families transformers has and GPTModel lacks are refused (the first thing each needs).
 _MISSING = {
     "gpt_neox": "GPT-NeoX's parallel residual and partial rotary embeddings",
@@ -30,7 +33,6 @@ _MISSING = {
     "falcon": "Falcon's parallel attention / MLP",
     "phi": "Phi's parallel residual and partial rotary embeddings",
     "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings",
-    "qwen3": "Qwen3's per-head q / k norms",
     "mixtral": "Mixtral's mixture-of-experts MLP",
 }
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
@@ -102,7 +104,7 @@ def _rotary(d: dict, model_type: str) -> tuple[float, dict | None]:
 def _sliding_window(d: dict, model_type: str, num_layers: int) -> int | None:
     """The attention window where some layer uses one and it is shorter than the context."""
     window = d.get("sliding_window")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         types = d.get("layer_types")
         used = "sliding_attention" in types if types else (d.get("use_sliding_window") and num_layers > d.get("max_window_layers", 0))
         window = window if used else None
@@ -131,7 +133,7 @@ def _llama_like(d: dict, model_type: str) -> dict:
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding="rotary",
         rotary_base=base, rotary_scaling=scaling, sliding_window=_sliding_window(d, model_type, d["num_hidden_layers"]),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)), bias=False, qkv_bias=qkv_bias, proj_bias=proj_bias,
-        mlp_bias=mlp_bias, init_std=d.get("initializer_range", 0.02),
+        mlp_bias=mlp_bias, init_std=d.get("initializer_range", 0.02), qk_norm=model_type == "qwen3",
     )
 
 
@@ -178,8 +180,14 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no sliding_window")
         if c.kv_channels is not None and c.kv_channels * c.num_attention_heads != c.hidden_size:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no head width other than hidden_size / num_attention_heads (kv_channels)")
+        if c.qk_norm:
+            raise ValueError("tpcore: GPTConfig -> gpt2 has no q / k norms (qk_norm)")
         return "gpt2"
     if c.norm == "rmsnorm" and c.activation == "swiglu" and c.position_embedding == "rotary":
+        if c.qk_norm:  # only Qwen3 has them
+            if c.qkv_bias != c.proj_bias or c.mlp_bias:
+                raise ValueError(f"tpcore: GPTConfig -> qwen3 (the family with qk_norm) has q/k/v/o biases alike and none in the MLP: qkv {c.qkv_bias}, proj {c.proj_bias}, mlp {c.mlp_bias}")
+            return "qwen3"
         only_qkv = c.qkv_bias and not (c.proj_bias or c.mlp_bias)
         fits = {
             "qwen2": only_qkv or not (c.qkv_bias or c.proj_bias or c.mlp_bias),
@@ -197,7 +205,7 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
         raise ValueError(f"tpcore: GPTConfig -> no Hugging Face family has these biases with this sliding window: qkv {c.qkv_bias}, proj {c.proj_bias}, mlp {c.mlp_bias}, sliding_window {c.sliding_window}")
     raise ValueError(
         f"tpcore: GPTConfig -> no supported Hugging Face family has norm={c.norm!r}, activation={c.activation!r}, "
-        f"position_embedding={c.position_embedding!r} (gpt2: layernorm + gelu + learned; llama / mistral / qwen2: rmsnorm + swiglu + rotary)"
+        f"position_embedding={c.position_embedding!r} (gpt2: layernorm + gelu + learned; llama / mistral / qwen2 / qwen3: rmsnorm + swiglu + rotary)"
     )
 
 
@@ -227,7 +235,9 @@ def config_to_hf(c: GPTConfig, base: dict | None = None) -> dict:
         out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
     elif model_type == "mistral":
         out.update(sliding_window=c.sliding_window)
-    else:  # qwen2: the window (if any) on every layer
+    else:  # qwen2, qwen3: the window (if any) on every layer
+        if model_type == "qwen3":
+            out.update(attention_bias=c.qkv_bias)
         window = c.sliding_window is not None
         out.update(use_sliding_window=window, sliding_window=c.sliding_window, max_window_layers=0 if window else c.num_layers,
                    layer_types=["sliding_attention" if window else "full_attention"] * c.num_layers)

@@ -34,7 +34,7 @@ from .sharding import full_shape, piece_ranges, rule_for
 __all__ = ["load_hf_weights", "hf_sources", "ARCHITECTURE_FIELDS"]
 
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "norm", "norm_eps",
+    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm", "norm", "norm_eps",
     "activation", "position_embedding", "rotary_base", "rotary_scaling", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
 )
 """GPTConfig fields a Hugging Face folder fixes (max_position_embeddings too, with learned positions)."""
@@ -43,6 +43,8 @@ _LLAMA_LAYER = {
     "input_norm": ["input_layernorm"],
     "attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
     "attention.proj": ["self_attn.o_proj"],
+    "attention.q_norm": ["self_attn.q_norm"],  # Qwen3
+    "attention.k_norm": ["self_attn.k_norm"],
     "post_attention_norm": ["post_attention_layernorm"],
     "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
     "mlp.fc2": ["mlp.down_proj"],

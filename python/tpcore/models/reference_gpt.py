@@ -26,12 +26,17 @@ class DenseAttention(nn.Module):
         self.config = c
         self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, dtype=dtype, device=device)
         self.proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.proj_bias, dtype=dtype, device=device)
+        if c.qk_norm:
+            self.q_norm = make_norm(c, dtype, device, c.head_dim)
+            self.k_norm = make_norm(c, dtype, device, c.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c, (s, b) = self.config, x.shape[:2]
         q, k, v = self.qkv(x).split([c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
         q = q.view(s, b, c.num_attention_heads, c.head_dim)
         k, v = (t.view(s, b, c.num_kv_heads, c.head_dim) for t in (k, v))
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.proj(attention_core(q, k, v, c.attention_dropout if self.training else 0.0))

@@ -38,6 +38,7 @@ class TrainArgs:
     num_kv_heads: int | None = _arg(None, "key/value heads for GQA (default: as many as query heads)")
     ffn_hidden_size: int | None = _arg(None, "MLP width (default 4 * hidden)")
     kv_channels: int | None = _arg(None, "width of each attention head (default hidden / heads)")
+    qk_layernorm: bool = _arg(False, "normalise each query and key head (Qwen3's q / k norms)")
     seq_length: int = _arg(128, "tokens per sample")
     max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
     norm: str = _arg("layernorm", "normalisation", ("layernorm", "rmsnorm"))
@@ -198,6 +199,7 @@ class TrainArgs:
             num_kv_heads=self.num_kv_heads,
             ffn_hidden_size=self.ffn_hidden_size,
             kv_channels=self.kv_channels,
+            qk_norm=self.qk_layernorm,
             max_position_embeddings=self.max_position_embeddings or self.seq_length,
             dropout=self.dropout,
             attention_dropout=self.attention_dropout,

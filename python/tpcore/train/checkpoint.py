@@ -56,7 +56,7 @@ _ = save_checkpoint  # re-exported: tpcore.train.checkpoint.save_checkpoint
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "require_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
-    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels",
+    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm",
     "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
 )
 

@@ -28,6 +28,7 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
     "num_kv_heads": lambda c: c.num_kv_heads,
     "ffn_hidden_size": lambda c: c.ffn_hidden_size,
     "kv_channels": lambda c: c.kv_channels,
+    "qk_layernorm": lambda c: c.qk_norm,
     "max_position_embeddings": lambda c: c.max_position_embeddings,
     "norm": lambda c: c.norm,
     "activation": lambda c: c.activation,
