@@ -1,4 +1,4 @@
-"""Continued pretraining of a Hugging Face Llama with the real trainer (torchrun, TP 2 x PP 2
+"""Continued pretraining of a Hugging Face Llama (and a Qwen3) with the real trainer (torchrun, TP 2 x PP 2
 on 4 CPU ranks), then out to transformers: `--load-hf` starts from the folder's
 architecture, weights and tokenizer (the data preprocessed with `--tokenizer FOLDER`), the
 first step's loss equals transformers' on the same batch, training lowers it; `--save-hf`
@@ -46,20 +46,24 @@ def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def run(request, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("hf_train")
     corpus = work / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"the cat {i % 7} sat on the mat and the dog {i % 5} ran. " * 4}) + "\n" for i in range(60)))
     tokenizer = train_tokenizer([str(corpus)], str(work / "tokenizer.json"), vocab_size=300)
     vocab = json.loads(Path(tokenizer).read_text())["model"]["vocab"]
-    # A random Llama whose embedding is padded past the tokenizer (as Qwen's and Llama's are).
-    config = transformers.LlamaConfig(
+    # A random Llama whose embedding is padded past the tokenizer (as Qwen's and Llama's are);
+    # or a Qwen3 (q / k norms, heads 32 wide in a 64-wide model).
+    shape = dict(
         vocab_size=len(vocab) + 5, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, max_position_embeddings=64, eos_token_id=vocab["<|endoftext|>"], bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    if request.param == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)).eval()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     folder = work / "llama"
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(Path(tokenizer).read_text())
@@ -110,7 +114,7 @@ def test_save_hf_and_to_hf_give_the_checkpoints_logits(run, tmp_path):
     for folder in (work / "exported", converted):
         assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        assert type(hf).__name__ == "LlamaForCausalLM"
+        assert type(hf).__name__ == type(run["model"]).__name__
         with torch.no_grad():
             torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
     # The weights moved away from the starting point: the export is the trained model.
