@@ -4,6 +4,7 @@ transformers', refusals that name the option, and the trainer's --load-hf flag c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from checks import expect_error  # noqa: E402
 from tpcore.models import GPTConfig  # noqa: E402
 from tpcore.models.common import rotary_frequencies  # noqa: E402
 from tpcore.train.arguments import parse_args  # noqa: E402
@@ -147,6 +149,14 @@ def test_trainer_flags_against_load_hf(tmp_path):
     config = args.model_config()
     assert config.vocab_size == 99 and config.position_embedding == "rotary"
     assert parse_args(["--load-hf", str(folder), "--num-layers", "2"]).num_layers == 2  # agreeing flags pass
+    # --kv-channels at the folder's width (64 / 8) agrees, however config.json spells it.
+    assert parse_args(["--load-hf", str(folder), "--seq-length", "32", "--kv-channels", "8"]).model_config().kv_channels is None
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps(transformers.LlamaConfig(**SMALL, head_dim=16).to_dict()))
+    (wide / "tokenizer.json").write_text("{}")
+    assert parse_args(["--load-hf", str(wide), "--seq-length", "32"]).model_config().kv_channels == 16
+    expect_error(ValueError, "--kv-channels 8 contradicts --load-hf", parse_args, ["--load-hf", str(wide), "--seq-length", "32", "--kv-channels", "8"])
     for flags, words in (
         (["--num-layers", "3"], ["--num-layers 3", "gives 2"]),
         (["--norm", "layernorm"], ["--norm 'layernorm'"]),
@@ -160,3 +170,20 @@ def test_trainer_flags_against_load_hf(tmp_path):
         parse_args(["--load-hf", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="--save-hf: .*no supported Hugging Face family"):
         parse_args(["--norm", "rmsnorm", "--save-hf", str(tmp_path / "out")])
+
+
+def test_head_width_spellings_and_families():
+    """kv_channels equal to hidden / heads is the default width (one spelling: Llama 3's
+    config.json writes head_dim, Megatron scripts pass --kv-channels); a hidden size the
+    heads do not divide exports as Mistral, since transformers' LlamaConfig refuses it."""
+    base = dict(vocab_size=99, num_layers=2, hidden_size=64, num_attention_heads=8, norm="rmsnorm", activation="swiglu",
+                position_embedding="rotary", bias=False)
+    assert GPTConfig(**base, kv_channels=8) == GPTConfig(**base) and GPTConfig(**base, kv_channels=8).kv_channels is None
+    folder_config = transformers.LlamaConfig(**SMALL, head_dim=8).to_dict()  # head_dim written, equal to 64 / 8
+    assert GPTConfig.from_hf(folder_config) == GPTConfig.from_hf(transformers.LlamaConfig(**SMALL).to_dict())
+    odd = GPTConfig(**{**base, "hidden_size": 60}, kv_channels=16, num_kv_heads=2)
+    exported = odd.to_hf()
+    assert exported["model_type"] == "mistral" and exported["head_dim"] == 16
+    assert GPTConfig.from_hf(transformers.AutoConfig.for_model(**exported)) == odd  # transformers builds it
+    with pytest.raises(ValueError, match="hidden_size 60 not divisible by num_attention_heads 8"):
+        dataclasses.replace(odd, qkv_bias=True, proj_bias=True).to_hf()

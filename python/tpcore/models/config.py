@@ -116,6 +116,8 @@ class GPTConfig:
                 raise ValueError(f"tpcore: GPTConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.kv_channels is not None:
             check_positive_ints("GPTConfig", kv_channels=self.kv_channels)
+            if self.kv_channels * self.num_attention_heads == self.hidden_size:
+                self.kv_channels = None  # the default width: one spelling, so configs compare equal
         elif self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"tpcore: GPTConfig: hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

@@ -192,7 +192,8 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
         fits = {
             "qwen2": only_qkv or not (c.qkv_bias or c.proj_bias or c.mlp_bias),
             "mistral": not (c.qkv_bias or c.proj_bias or c.mlp_bias),
-            "llama": c.qkv_bias == c.proj_bias and c.sliding_window is None,
+            # transformers' LlamaConfig refuses a hidden size that the heads do not divide.
+            "llama": c.qkv_bias == c.proj_bias and c.sliding_window is None and c.hidden_size % c.num_attention_heads == 0,
         }
         if preferred in fits and fits[preferred]:
             return preferred
@@ -202,7 +203,13 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
             return "mistral"
         if fits["llama"]:
             return "llama"
-        raise ValueError(f"tpcore: GPTConfig -> no Hugging Face family has these biases with this sliding window: qkv {c.qkv_bias}, proj {c.proj_bias}, mlp {c.mlp_bias}, sliding_window {c.sliding_window}")
+        if fits["mistral"]:
+            return "mistral"
+        raise ValueError(
+            f"tpcore: GPTConfig -> no Hugging Face family has these biases with this sliding window and head layout: qkv {c.qkv_bias}, "
+            f"proj {c.proj_bias}, mlp {c.mlp_bias}, sliding_window {c.sliding_window}, hidden_size {c.hidden_size} "
+            f"{'' if c.hidden_size % c.num_attention_heads == 0 else 'not '}divisible by num_attention_heads {c.num_attention_heads}"
+        )
     raise ValueError(
         f"tpcore: GPTConfig -> no supported Hugging Face family has norm={c.norm!r}, activation={c.activation!r}, "
         f"position_embedding={c.position_embedding!r} (gpt2: layernorm + gelu + learned; llama / mistral / qwen2 / qwen3: rmsnorm + swiglu + rotary)"

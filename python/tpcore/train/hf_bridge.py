@@ -27,7 +27,7 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
     "num_attention_heads": lambda c: c.num_attention_heads,
     "num_kv_heads": lambda c: c.num_kv_heads,
     "ffn_hidden_size": lambda c: c.ffn_hidden_size,
-    "kv_channels": lambda c: c.kv_channels,
+    "kv_channels": lambda c: c.head_dim,  # the width itself: --kv-channels 128 agrees with a head_dim of 128 = H / heads
     "qk_layernorm": lambda c: c.qk_norm,
     "max_position_embeddings": lambda c: c.max_position_embeddings,
     "norm": lambda c: c.norm,
@@ -46,7 +46,10 @@ def check_given_flags(values: dict[str, object]) -> None:
         return  # TrainArgs names a missing folder
     config = GPTConfig.from_hf(path)
     for flag, value_of in _FLAGS.items():
-        if flag in values and values[flag] != value_of(config):
+        given = values.get(flag)
+        if flag == "kv_channels" and given is None:  # None is hidden / heads
+            given = config.hidden_size // config.num_attention_heads if config.hidden_size % config.num_attention_heads == 0 else None
+        if flag in values and given != value_of(config):
             raise ValueError(
                 f"tpcore: training arguments: --{flag.replace('_', '-')} {values[flag]!r} contradicts --load-hf {path}/config.json, which gives {value_of(config)!r}"
             )
