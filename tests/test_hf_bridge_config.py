@@ -187,3 +187,16 @@ def test_head_width_spellings_and_families():
     assert GPTConfig.from_hf(transformers.AutoConfig.for_model(**exported)) == odd  # transformers builds it
     with pytest.raises(ValueError, match="hidden_size 60 not divisible by num_attention_heads 8"):
         dataclasses.replace(odd, qkv_bias=True, proj_bias=True).to_hf()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_keys_left_out_read_as_transformers_reads_them(family):
+    """A hand-written config.json without head_dim (Qwen3's default: 128) or the window keys
+    (4096 from layer 28): from_hf reads what transformers builds from the same dict."""
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    d = cls(**{**SMALL, "num_hidden_layers": 30, "max_position_embeddings": 8192}, use_sliding_window=True).to_dict()
+    for key in ("head_dim", "sliding_window", "max_window_layers", "layer_types"):
+        d.pop(key, None)
+    mine, theirs = GPTConfig.from_hf(d), GPTConfig.from_hf(transformers.AutoConfig.for_model(**d))
+    assert mine == theirs
+    assert mine.sliding_window == 4096 and mine.head_dim == (128 if family == "qwen3" else 8)

@@ -163,7 +163,7 @@ class GPTConfig:
     @classmethod
     def from_hf(cls, path_or_config, **overrides) -> "GPTConfig":
         """The GPTConfig of a Hugging Face model: a folder with `config.json`, that file, its
-        dict, or a transformers config (`gpt2`, `llama`, `mistral`, `qwen2`); `overrides`
+        dict, or a transformers config (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`); `overrides`
         set run-time fields (sequence_parallel, recompute, dropout, ...). See `hf_config`."""
         from .hf_config import config_from_hf
 

@@ -61,7 +61,7 @@ def read_hf_config(source) -> dict:
 
 
 def hf_family(model_type: str | None) -> str:
-    """"gpt2" or "llama" (the parameter names and layout: Mistral and Qwen2 share Llama's);
+    """"gpt2" or "llama" (the parameter names and layout: Mistral, Qwen2 and Qwen3 share Llama's);
     a ValueError naming an unsupported type and why."""
     if model_type == "gpt2":
         return "gpt2"
@@ -105,8 +105,10 @@ def _sliding_window(d: dict, model_type: str, num_layers: int) -> int | None:
     """The attention window where some layer uses one and it is shorter than the context."""
     window = d.get("sliding_window")
     if model_type in ("qwen2", "qwen3"):
+        # transformers' defaults where config.json leaves a key out: a 4096 window from layer 28.
+        window = d.get("sliding_window", 4096)
         types = d.get("layer_types")
-        used = "sliding_attention" in types if types else (d.get("use_sliding_window") and num_layers > d.get("max_window_layers", 0))
+        used = "sliding_attention" in types if types else (d.get("use_sliding_window") and num_layers > d.get("max_window_layers", 28))
         window = window if used else None
     if window is None or window >= d.get("max_position_embeddings", window):
         return None  # a window as long as the context changes nothing
@@ -117,7 +119,7 @@ def _llama_like(d: dict, model_type: str) -> dict:
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("hidden_act", "silu") != "silu":
         raise _unsupported(model_type, "hidden_act", d["hidden_act"])
-    head_dim = d.get("head_dim")
+    head_dim = d.get("head_dim", 128 if model_type == "qwen3" else None)  # Qwen3Config's default
     # Kept as kv_channels only where it differs from H / heads (then a config without it loads alike).
     kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
     base, scaling = _rotary(d, model_type)
