@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import tpcore
-from checks import GPT_VARIANTS, assert_close, per_rank_tensor, setup_tp
+from checks import GPT_VARIANTS, GQA_VARIANTS, assert_close, per_rank_tensor, setup_tp
 from tpcore.models import GPTModel, finalize_sequence_parallel_grads
 from tpcore.tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG
 
@@ -112,7 +112,7 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
     setup_tp(tp)
     torch._dynamo.reset()
     config = dataclasses.replace(
-        GPT_VARIANTS[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute,
+        {**GPT_VARIANTS, **GQA_VARIANTS}[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute,
         dropout=dropout, attention_dropout=dropout,
     )
     tpcore.model_parallel_manual_seed(11)
@@ -153,7 +153,7 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
             assert compiled(ids, target) != model.eval()(ids, target), "dropout must change the loss"
 
 
-# A covering set: every TP size, tied (gpt2) and untied (llama) heads, sequence parallelism
+# A covering set: every TP size, tied (gpt2) and untied (llama, qwen3) heads, sequence parallelism
 # on and off, the fused head + loss and the plain one, selective recompute and none, static
 # and dynamic shapes.
 GPT_CASES = [
@@ -166,6 +166,10 @@ GPT_CASES = [
     (4, "llama", True, True, "none", False),
     (2, "gpt2", True, False, "none", True),
     (2, "llama", False, True, "selective", True),
+    # Qwen3's q / k norms (weights through copy_to_tensor_parallel), 16-wide heads; and on
+    # KV heads replicated over TP.
+    (2, "qwen3", True, False, "selective", False),
+    (4, "qwen3_kv2", True, True, "none", False),
 ]
 
 
