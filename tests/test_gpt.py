@@ -67,40 +67,33 @@ def test_gpt_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, rec
 # Fewer KV heads than TP ranks: each rank holds a copy of its queries' KV head, whose
 # gradient (summed over the copies) must be the dense one, and which stays equal across
 # the copies through the SGD steps (to_dense reads the first copy).
-@pytest.mark.parametrize(
-    "tp,variant,sequence_parallel,fused,recompute",
-    [
-        (4, "llama_kv2", False, False, "none"),
-        (4, "llama_kv2", True, False, "selective"),
-        (4, "llama_kv2", True, True, "full"),
-        (2, "llama_kv1", False, True, "none"),
-        (2, "llama_kv1", True, False, "full"),
-        (4, "llama_kv1", True, True, "selective"),
-    ],
-)
-def test_gpt_with_replicated_kv_heads_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
-    cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
-
-
+KV_REPLICATED_CASES = [
+    (4, "llama_kv2", False, False, "none"),
+    (4, "llama_kv2", True, False, "selective"),
+    (4, "llama_kv2", True, True, "full"),
+    (2, "llama_kv1", False, True, "none"),
+    (2, "llama_kv1", True, False, "full"),
+    (4, "llama_kv1", True, True, "selective"),
+]
 # Heads of another width than hidden / heads (kv_channels): 8 x 16 = 128 and 8 x 4 = 32 wide
 # attention in a 64-wide model; the QKV and output projections are not square. Qwen3's q / k
 # norms: replicated weights whose gradient each rank's heads give part of.
-@pytest.mark.parametrize(
-    "tp,variant,sequence_parallel,fused,recompute",
-    [
-        (1, "llama_wide_heads", False, False, "none"),
-        (2, "llama_wide_heads", True, True, "selective"),
-        (4, "llama_wide_heads", False, False, "full"),
-        (2, "llama_kv2_narrow_heads", False, True, "none"),
-        (4, "llama_kv2_narrow_heads", True, False, "selective"),  # KV heads replicated
-        (1, "qwen3", False, False, "none"),
-        (2, "qwen3", True, True, "full"),
-        (4, "qwen3", True, False, "selective"),
-        (2, "qwen3_kv2", False, False, "selective"),
-        (4, "qwen3_kv2", True, True, "none"),  # k norms on replicated KV heads
-    ],
-)
-def test_gpt_with_other_head_widths_matches_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+HEAD_SHAPE_CASES = [
+    (1, "llama_wide_heads", False, False, "none"),
+    (2, "llama_wide_heads", True, True, "selective"),
+    (4, "llama_wide_heads", False, False, "full"),
+    (2, "llama_kv2_narrow_heads", False, True, "none"),
+    (4, "llama_kv2_narrow_heads", True, False, "selective"),  # KV heads replicated
+    (1, "qwen3", False, False, "none"),
+    (2, "qwen3", True, True, "full"),
+    (4, "qwen3", True, False, "selective"),
+    (2, "qwen3_kv2", False, False, "selective"),
+    (4, "qwen3_kv2", True, True, "none"),  # k norms on replicated KV heads
+]
+
+
+@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute", KV_REPLICATED_CASES + HEAD_SHAPE_CASES)
+def test_gqa_and_head_shapes_match_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
     cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
 
 
