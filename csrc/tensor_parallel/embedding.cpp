@@ -105,9 +105,9 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
   const int64_t world = group_size(group), rank = group_rank(group), dim = weight.size(1);
   // Alone, or nowhere to put the flag (a table of width 0): check before the lookup. Here,
   // not in vocab_parallel_embedding: it reads the ids' values, which a fake tensor lacks.
-  if (world == 1 || dim == 0) check_token_ids(what, ids, num_embeddings);
-  const auto bounds =
-      world == 1 || dim == 0 ? std::tuple<at::Tensor, at::Tensor>() : id_bounds(ids);
+  const bool alone = world == 1 || dim == 0;
+  if (alone) check_token_ids(what, ids, num_embeddings);
+  const auto bounds = alone ? std::tuple<at::Tensor, at::Tensor>() : id_bounds(ids);
   const bool checked = std::get<0>(bounds).defined();
 
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
@@ -129,13 +129,17 @@ at::Tensor vocab_parallel_embedding_forward_kernel(const at::Tensor& ids, const 
   at::Tensor flat = buffer.view({-1, dim});
   at::Tensor summed = sequence_parallel ? reduce_scatter(flat, 0, group)
                                         : all_reduce_inplace_async(flat, group).wait();
-  if (checked && summed.select(0, rows).ne(0).any().item<bool>()) {
+  // The flags' columns only, read once (the host sync on a GPU).
+  const at::Tensor got =
+      checked ? summed.select(0, rows).narrow(0, 0, std::min(dim, world)).to(at::kCPU)
+              : at::Tensor();
+  if (checked && got.ne(0).any().item<bool>()) {
     const std::string problem = id_problem(what, bounds, num_embeddings);
     TORCH_CHECK_INDEX(problem.empty(), problem);
-    const at::Tensor got = summed.select(0, rows).to(at::kCPU);
-    TORCH_CHECK_INDEX(dim < world, "tpcore: ", what, ": tensor-parallel rank(s) ",
-                      ranks_where(got.narrow(0, 0, std::min(dim, world))),
-                      " have a token id out of range (their error names it)");
+    if (dim >= world) {  // a column per rank: name them
+      TORCH_CHECK_INDEX(false, "tpcore: ", what, ": tensor-parallel rank(s) ", ranks_where(got),
+                        " have a token id out of range (their error names it)");
+    }
     TORCH_CHECK_INDEX(false, "tpcore: ", what,
                       ": a tensor-parallel rank has a token id out of range (its error names it)");
   }

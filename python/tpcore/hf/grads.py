@@ -2,9 +2,10 @@
 dense inside backward: KV heads copied because TP is larger than the KV head count, and
 norms over each head (Qwen3's and Gemma 3's q / k norms).
 
-During each forward of such a module, its parameters pass through `_SumGrad` (identity
-forward; backward sums the gradient over the ranks that share the parameter), the way
-`models/gqa.py` does it for GPTModel. The sum is made before the gradient is accumulated
+During each forward of such a module, its parameters pass through an identity whose
+backward sums the gradient over the ranks that share the parameter (`copy_to_tensor_parallel`
+for the whole group, `_SumGrad` for a block of it), the way `models/gqa.py` does it for
+GPTModel. The sum is made before the gradient is accumulated
 into `.grad`, so gradient accumulation stays exact, and it follows whatever parameter the
 module holds when it runs: freezing or unfreezing later, `load_state_dict(assign=True)`.
 """
@@ -18,42 +19,38 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..tensor_parallel.mappings import copy_to_tensor_parallel
 
 __all__ = ["install_gradient_sums", "sum_replicated_kv_grads"]
 
-GradSum = Callable[[torch.Tensor], torch.Tensor]
+Through = Callable[[torch.Tensor], torch.Tensor]
 
 
 class _SumGrad(torch.autograd.Function):
+    """Identity; backward: the sum of the gradients of ranks `[first, first + count)` of
+    `group` (an all-gather, then the block's sum)."""
+
     @staticmethod
-    def forward(ctx, param: torch.Tensor, grad_sum: GradSum) -> torch.Tensor:
-        ctx.grad_sum = grad_sum
+    def forward(ctx, param: torch.Tensor, group: dist.ProcessGroup, first: int, count: int) -> torch.Tensor:
+        ctx.group, ctx.first, ctx.count = group, first, count
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.grad_sum(grad), None
+        every = comm.all_gather(grad.unsqueeze(0), 0, ctx.group)
+        return every[ctx.first : ctx.first + ctx.count].sum(0), None, None, None
 
 
-def _sum_over(group: dist.ProcessGroup, first: int, count: int) -> GradSum:
-    """The sum of the gradients of ranks `[first, first + count)` of `group` (all of them:
-    one all-reduce; a block of them: an all-gather, then the block's sum)."""
-    if count == dist.get_world_size(group):
-        return lambda grad: comm.all_reduce(grad, group)
-    return lambda grad: comm.all_gather(grad.unsqueeze(0), 0, group)[first : first + count].sum(0)
-
-
-def _hook_module(module: nn.Module, grad_sum: GradSum) -> None:
-    """Swap `module`'s own parameters for `_SumGrad` views of them during each forward."""
+def _hook_module(module: nn.Module, through: Through) -> None:
+    """Swap `module`'s own parameters for `through(parameter)` during each forward."""
     held: list[dict[str, nn.Parameter]] = []
 
     def before(mod: nn.Module, args) -> None:
-        params = {n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad}
-        if not torch.is_grad_enabled():
-            params = {}
+        grads = torch.is_grad_enabled()
+        params = {n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad and grads}
         held.append(params)
         for n, p in params.items():
-            mod._parameters[n] = _SumGrad.apply(p, grad_sum)
+            mod._parameters[n] = through(p)
 
     def after(mod: nn.Module, args, output) -> None:
         if held:  # always_call: also when the forward raised
@@ -71,13 +68,13 @@ def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
     if layout.tp_size == 1:
         return
     for name in plan.head_norms:
-        _hook_module(model.get_submodule(name), _sum_over(group, 0, layout.tp_size))
+        _hook_module(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))
     if layout.kv_replicated:
         copies = layout.tp_size // layout.kv_heads  # adjacent ranks sharing one KV head
         first = layout.tp_rank // copies * copies
         for rep in plan.replacements:
             if rep.kv_replicated:
-                _hook_module(model.get_submodule(rep.name), _sum_over(group, first, copies))
+                _hook_module(model.get_submodule(rep.name), lambda p: _SumGrad.apply(p, group, first, copies))
 
 
 def sum_replicated_kv_grads(model: nn.Module) -> None:

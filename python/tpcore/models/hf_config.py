@@ -120,8 +120,6 @@ def _llama_like(d: dict, model_type: str) -> dict:
     if d.get("hidden_act", "silu") != "silu":
         raise _unsupported(model_type, "hidden_act", d["hidden_act"])
     head_dim = d.get("head_dim", 128 if model_type == "qwen3" else None)  # Qwen3Config's default
-    # Kept as kv_channels only where it differs from H / heads (then a config without it loads alike).
-    kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
     base, scaling = _rotary(d, model_type)
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
@@ -130,7 +128,7 @@ def _llama_like(d: dict, model_type: str) -> dict:
         mlp_bias = bool(d.get("mlp_bias", False))
     return dict(
         vocab_size=d["vocab_size"], num_layers=d["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"], kv_channels=kv_channels,
+        num_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"], kv_channels=head_dim,
         max_position_embeddings=d.get("max_position_embeddings", 2048), attention_dropout=float(d.get("attention_dropout", 0.0)),
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding="rotary",
         rotary_base=base, rotary_scaling=scaling, sliding_window=_sliding_window(d, model_type, d["num_hidden_layers"]),
@@ -180,7 +178,7 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no grouped-query attention (num_kv_heads must equal num_attention_heads)")
         if c.sliding_window is not None:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no sliding_window")
-        if c.kv_channels is not None and c.kv_channels * c.num_attention_heads != c.hidden_size:
+        if c.kv_channels is not None:  # (None is the default width, hidden / heads)
             raise ValueError("tpcore: GPTConfig -> gpt2 has no head width other than hidden_size / num_attention_heads (kv_channels)")
         if c.qk_norm:
             raise ValueError("tpcore: GPTConfig -> gpt2 has no q / k norms (qk_norm)")
@@ -201,9 +199,7 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
             return preferred
         if only_qkv:
             return "qwen2"
-        if c.sliding_window is not None and fits["mistral"]:
-            return "mistral"
-        if fits["llama"]:
+        if fits["llama"]:  # (never with a sliding window: that is Mistral's)
             return "llama"
         if fits["mistral"]:
             return "mistral"
