@@ -2,7 +2,7 @@
 with the backward pass, against today's optimizer (`ParallelAdamW` over `.grad`) measured in
 the same run.
 
-    python benchmarks/bench_dp.py [--hidden 256] [--layers 4] [--steps 10] [--backends gloo,tpcore]
+    python benchmarks/bench_dp.py [--hidden 256] [--layers 4] [--steps 10] [--backends gloo,tpcore] [--gloo-threads normal,realtime]
 
 Memory: optimizer + gradient + parameter bytes per parameter on one rank at DP 1, 2 and 4
 (bf16 parameters, fp32 gradients), counted as the unique storages alive when AdamW steps
@@ -21,6 +21,11 @@ collective completes only when both have joined it. "critical path": per step, f
 moment the later rank's backward ended to the moment the later rank's gradients were
 reduced (both ranks' monotonic clocks are the host's): the time reduction adds to the
 step beyond the slower rank's compute, without the ranks' skew.
+
+On gloo, each case runs twice: with gloo's threads under the normal scheduler, and at
+real-time priority (`tpcore.prioritize_communication_threads`, the trainer's
+`--realtime-comm-threads`; needs root, CAP_SYS_NICE or `ulimit -r 1`). Ratios compare
+cases with the same thread scheduling.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def _storages(opt, params) -> int:
     return sum(seen.values())
 
 
-def _case(rank, world, store, args, case, dtype_name, backend, measure, results):
+def _case(rank, world, store, args, case, dtype_name, backend, measure, threads, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     from datetime import timedelta
 
@@ -93,6 +98,8 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, results)
     opt, grads = make_optimizer(chunks, DataParallelOptions(**options), tp_group=ps.get_tensor_model_parallel_group(),
                                 dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(), lr=1e-4,
                                 weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, loss_scaler=None)
+    if threads == "realtime":  # every group exists now
+        tpcore.prioritize_communication_threads()
     params = [p for c in chunks for p in c.parameters()]
     record = {"bytes": None, "exposed": 0.0, "span": (0.0, 0.0)}
     if measure == "memory":
@@ -142,6 +149,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backends", default="gloo,tpcore")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per gradient bucket (default: tpcore's CPU default)")
+    p.add_argument("--gloo-threads", default="normal,realtime",
+                   help="scheduling of gloo's threads in the gloo runs: normal, realtime (SCHED_RR 1) or both")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-time", action="store_true")
     args = p.parse_args()
@@ -153,19 +162,20 @@ def main() -> None:
         for dp in (1, 2, 4):
             got = {}
             for case in ("today", "distributed"):
-                out = run_on_ranks(_case, dp, args, case, "bfloat16", "tpcore", "memory")
+                out = run_on_ranks(_case, dp, args, case, "bfloat16", "tpcore", "memory", "normal")
                 got[case] = max(o["bytes"] for o in out) / out[0]["params"]
             formula = 6 + 12 / dp
             print(f"| {dp} | {got['today']:.2f} | {got['distributed']:.2f} | {formula:.2f} | {got['distributed'] / formula:.3f} | {got['distributed'] / got['today']:.3f} |")
     if not args.skip_time:
         print("\n## Time per step at DP 2 (fp32, medians, ms)\n")
-        print("| backend | case | forward+backward | exposed, per rank | exposed, critical path | step | "
+        print("| backend | gloo threads | case | forward+backward | exposed, per rank | exposed, critical path | step | "
               "exposed / today's (per rank / critical path) | exposed / same backend's buffers (per rank / critical path) | step / today's |")
-        print("|---|---|---:|---:|---:|---:|---|---|---:|")
-        for backend in args.backends.split(","):
+        print("|---|---|---|---:|---:|---:|---:|---|---|---:|")
+        runs = [(b, t) for b in args.backends.split(",") for t in (args.gloo_threads.split(",") if b == "gloo" else ["-"])]
+        for backend, threads in runs:
             base = {}
             for case in CASES:
-                out = run_on_ranks(_case, 2, args, case, "float32", backend, "time")
+                out = run_on_ranks(_case, 2, args, case, "float32", backend, "time", threads)
                 rows = [r for o in out for r in o["rows"]]
                 fb, exposed, step = (1000 * statistics.median(r[i] for r in rows) for i in range(3))
                 # Per step: the later rank's reduction end minus the later rank's backward end.
@@ -174,10 +184,9 @@ def main() -> None:
                 if case in ("today", "buffers", "distributed"):
                     base[case] = (exposed, step, critical)
                 plain = base["distributed" if case.startswith("distributed") else "buffers"] if case != "today" else (exposed, step, critical)
-                print(f"| {backend} | {case} | {fb:.1f} | {exposed:.2f} | {critical:.2f} | {step:.1f} | "
+                print(f"| {backend} | {threads} | {case} | {fb:.1f} | {exposed:.2f} | {critical:.2f} | {step:.1f} | "
                       f"{exposed / base['today'][0]:.3f} / {critical / base['today'][2]:.3f} | "
                       f"{exposed / plain[0]:.3f} / {critical / plain[2]:.3f} | {step / base['today'][1]:.3f} |")
-
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
 from . import _C, _fake_ops, comm, parallel_state, shm, tensor_parallel
+from .comm_threads import prioritize_communication_threads
 from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized, shutdown
 
 # The `tpcore` c10d backend (shared memory among ranks of one host) for any torch.distributed user.
@@ -62,6 +63,7 @@ __all__ = [
     "destroy_model_parallel",
     "shutdown",
     "is_initialized",
+    "prioritize_communication_threads",
     "model_parallel_manual_seed",
     "get_rng_tracker",
     "MODEL_PARALLEL_RNG",

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..comm_threads import prioritize_communication_threads
 from .._validation import check_cuda_device
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
@@ -191,6 +192,9 @@ class _Training:
             self.chunks, args.data_parallel_options(), tp_group=self.tp_group, dp_group=self.dp_group, pp_group=self.pp_group,
             lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, loss_scaler=scaler,
         )
+        if args.realtime_comm_threads:  # after every group (and its gloo threads) exists; every rank learns if one failed
+            all_or_none(prioritize_communication_threads, "giving gloo's threads real-time priority (--realtime-comm-threads)", device,
+                        error_type=TrainingError)
         self.start = 0
         if self.resume_from:
             self._resume()
@@ -225,7 +229,8 @@ class _Training:
         options = args.data_parallel_options()
         dp_text = "".join(f" +{flag}" for flag, on in (("distributed-optimizer", options.use_distributed_optimizer),
                                                         ("overlap-grad-reduce", options.overlap_grad_reduce),
-                                                        ("overlap-param-gather", options.overlap_param_gather)) if on)
+                                                        ("overlap-param-gather", options.overlap_param_gather),
+                                                        ("realtime-comm-threads", args.realtime_comm_threads)) if on)
         self.logger.print(
             f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
             + (f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
