@@ -4,9 +4,10 @@ gloo runs every collective in threads of its own: `pt_gloo_runloop` (two per pro
 group: the algorithm and its sums) and `gloo_tcp_loop` (the sockets). When each core runs a
 rank's compute, as in CPU training with one rank per core, those threads share the cores
 with the compute under the normal scheduler: each step of a ring waits for a core, on both
-ends. A gradient bucket reduced during the backward (`--overlap-grad-reduce`) then takes up
-to 10x its idle time and is still in flight when the backward ends, so the overlap saves
-little (benchmarks/RESULTS.md, "gloo's threads at real-time priority").
+ends. A gradient bucket reduced during the backward (`--overlap-grad-reduce`) then takes
+many times its idle time (one traced step: 25 ms for 4 MB that gloo sums in 2.4-2.8 ms on
+idle cores) and is still in flight when the backward ends, so the overlap saves little
+(benchmarks/RESULTS.md, "gloo's threads at real-time priority").
 
 `prioritize_communication_threads()` moves those threads to `SCHED_RR` at priority 1: they
 run the moment their data arrives, ahead of compute, and block again (gloo sleeps in epoll
