@@ -28,7 +28,8 @@ def test_pattern_matching():
     assert match("layer.*.attention.output.dense", "bert.encoder.layer.0.attention.output.dense")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3", "gpt_neox",
+                                  "phi3"])
 def test_policy_tables_agree_with_transformers_tp_plan(name):
     """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
     in the family's table with the same role, and each module it replicates with summed
@@ -39,8 +40,8 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
         assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
     policy = tpcore.hf.get_policy(config)
     for pattern, style in plan.items():
-        if style in ("colwise", "rowwise"):
-            table = policy.column if style == "colwise" else policy.row
+        if style.removeprefix("local_").split("_")[0] in ("colwise", "rowwise"):  # colwise_gather_output, ...
+            table = policy.column if "colwise" in style else policy.row
             assert pattern in table, f"{name}: {pattern} ({style}) is not in the {policy.name} table"
         if style == "replicated_with_grad_allreduce":
             assert pattern in policy.head_norms, f"{name}: {pattern} ({style}) is not a head norm of {policy.name}"

@@ -22,6 +22,7 @@ from .lm_head import VocabParallelLMHead
 from .plan import Load, Plan, Replacement, make_plan
 from .grads import install_gradient_sums
 from .policy import get_policy
+from .rank_config import RankConfig
 from .scaled_embedding import ScaledVocabParallelEmbedding
 from .weights import DenseSource, SafetensorsSource
 
@@ -111,6 +112,9 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
     _swap_parameters(model, new_of)
     for name, attribute, value in plan.attributes:
         setattr(model.get_submodule(name), attribute, value)
+    for name, fields in plan.configs:
+        module = model.get_submodule(name)
+        module.config = RankConfig(module.config, fields)
     model.tpcore_plan = plan
 
 

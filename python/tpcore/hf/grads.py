@@ -28,17 +28,23 @@ Through = Callable[[torch.Tensor], torch.Tensor]
 
 class _SumGrad(torch.autograd.Function):
     """Identity; backward: the sum of the gradients of ranks `[first, first + count)` of
-    `group` (an all-gather, then the block's sum)."""
+    `group` (an all-gather, then the block's sum), over rows `[lo, hi)` of dim 0 only when
+    `rows` is given (the k / v rows of a fused q|k|v layer), the rest left as it is."""
 
     @staticmethod
-    def forward(ctx, param: torch.Tensor, group: dist.ProcessGroup, first: int, count: int) -> torch.Tensor:
-        ctx.group, ctx.first, ctx.count = group, first, count
+    def forward(ctx, param: torch.Tensor, group: dist.ProcessGroup, first: int, count: int,
+                rows: tuple[int, int] | None) -> torch.Tensor:
+        ctx.group, ctx.first, ctx.count, ctx.rows = group, first, count, rows
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        every = comm.all_gather(grad.unsqueeze(0), 0, ctx.group)
-        return every[ctx.first : ctx.first + ctx.count].sum(0), None, None, None
+        lo, hi = ctx.rows or (0, grad.shape[0])
+        every = comm.all_gather(grad[lo:hi].unsqueeze(0), 0, ctx.group)
+        summed = every[ctx.first : ctx.first + ctx.count].sum(0)
+        if ctx.rows is not None:
+            summed = torch.cat([grad[:lo], summed, grad[hi:]])
+        return summed, None, None, None, None
 
 
 def _hook_module(module: nn.Module, through: Through) -> None:
@@ -74,7 +80,7 @@ def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
         first = layout.tp_rank // copies * copies
         for rep in plan.replacements:
             if rep.kv_replicated:
-                _hook_module(model.get_submodule(rep.name), lambda p: _SumGrad.apply(p, group, first, copies))
+                _hook_module(model.get_submodule(rep.name), lambda p, rows=rep.kv_rows: _SumGrad.apply(p, group, first, copies, rows))
 
 
 def sum_replicated_kv_grads(model: nn.Module) -> None:

@@ -49,6 +49,9 @@ class Replacement:
     vocab_size: int | None = None
     kv_replicated: bool = False
     """Column layer of KV heads copied on several ranks (TP > KV heads)."""
+    kv_rows: tuple[int, int] | None = None
+    """With `kv_replicated`: `[start, stop)` of this rank's output rows that are KV copies
+    (the k and v blocks of a fused q|k|v layer); None: every row."""
     embed_scale: float | None = None
     """The constant a scaled word embedding multiplies its lookup by (Gemma's)."""
 
@@ -104,6 +107,8 @@ class Plan:
     """(attention module name, attribute, per-rank value)."""
     head_norms: list[str] = field(default_factory=list)
     """Replicated modules whose gradients are summed over TP in backward (see `Policy.head_norms`)."""
+    configs: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+    """(attention module name, config fields it sees per rank) (see `Policy.attention_config`)."""
 
 
 def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayout:
@@ -149,10 +154,17 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, expected {layout.kv_heads} KV heads x {layout.head_dim}")
         ranges = layout.kv_head_ranges()
     elif kind == "qkv_blocks":
-        block = fan_out // 3
-        if fan_out % 3:
-            raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 3 equal q/k/v blocks")
-        ranges = tuple((b * block + lo, b * block + hi) for b in range(3) for lo, hi in [_chunk(block, tp, rank, what)])
+        q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+        if fan_out != q + 2 * kv:
+            raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, expected q|k|v blocks of {layout.heads} + 2 x "
+                             f"{layout.kv_heads} heads x {layout.head_dim}")
+        ((lo, hi),) = layout.kv_head_ranges()
+        ranges = (_chunk(q, tp, rank, what), (q + lo, q + hi), (q + kv + lo, q + kv + hi))
+    elif kind == "halves":
+        if fan_out % 2:
+            raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 2 equal halves")
+        half = fan_out // 2
+        ranges = tuple((b * half + lo, b * half + hi) for b in range(2) for lo, hi in [_chunk(half, tp, rank, what)])
     else:  # plain, heads, qkv_per_head: whole heads are contiguous rows
         ranges = (_chunk(fan_out, tp, rank, what),)
     local = sum(hi - lo for lo, hi in ranges)
@@ -160,8 +172,10 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
     loads = {"weight": Load(f"{name}.weight", dim, ranges, transpose=transposed)}
     if module.bias is not None:
         loads["bias"] = Load(f"{name}.bias", 0, ranges)
-    replicated = kind == "kv_heads" and layout.kv_replicated
-    return Replacement(name, "column", fan_in, local * tp, module.bias is not None, loads, kv_replicated=replicated)
+    replicated = kind in ("kv_heads", "qkv_blocks") and layout.kv_replicated
+    kv_rows = (ranges[0][1] - ranges[0][0], local) if kind == "qkv_blocks" else None
+    return Replacement(name, "column", fan_in, local * tp, module.bias is not None, loads, kv_replicated=replicated,
+                       kv_rows=kv_rows if replicated else None)
 
 
 def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
@@ -244,6 +258,10 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
             for attribute, kind in policy.attention_attributes.items():
                 if isinstance(getattr(module, attribute, None), int):
                     plan.attributes.append((name, attribute, layout.attribute(kind)))
+            if policy.attention_config:
+                if getattr(module, "config", None) is None:
+                    raise ValueError(f"tpcore.hf: policy {policy.name!r} gives attention modules a per-rank config, but {name!r} has no `config`")
+                plan.configs.append((name, {f: layout.attribute(kind) for f, kind in policy.attention_config.items()}))
     for role in ("column", "row", "embedding"):
         if not by_role[role]:
             raise ValueError(

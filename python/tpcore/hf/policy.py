@@ -31,7 +31,8 @@ COLUMN_KINDS = {
     "plain": "any output size divisible by the TP size (MLP up / gate projections)",
     "heads": "query (or multi-head k / v) heads, cut by whole heads",
     "kv_heads": "grouped key / value heads, cut by whole heads; replicated when TP > KV heads",
-    "qkv_blocks": "fused [q | k | v] blocks (GPT-2 c_attn): each block cut by whole heads",
+    "qkv_blocks": "fused [q | k | v] blocks (GPT-2 c_attn; Phi-3 qkv_proj, k and v as wide as the KV heads): each cut by whole heads",
+    "halves": "fused [gate | up] halves (Phi-3 gate_up_proj): each half cut evenly",
     "qkv_per_head": "fused per head [h0: q k v | h1: q k v | ...] (GPT-NeoX): cut by whole heads",
 }
 """How a column-parallel weight's output features are split over the TP ranks."""
@@ -76,6 +77,10 @@ class Policy:
     attention_attributes: dict[str, str] = field(default_factory=dict)
     """Attribute -> what it counts (a key of `ATTRIBUTE_KINDS`); set where present, so one
     table covers transformers versions that keep different attributes."""
+    attention_config: dict[str, str] = field(default_factory=dict)
+    """Config field -> what it counts (a key of `ATTRIBUTE_KINDS`), for fields the attention
+    forward reads from `self.config` (Phi-3 reads `num_attention_heads` to split its fused
+    q|k|v): each attention module gets a view of the config with these fields per rank."""
     num_heads: str = "num_attention_heads"
     """Config field with the number of query heads."""
     num_kv_heads: str | None = None
@@ -90,7 +95,7 @@ class Policy:
         for pattern, kind in self.column.items():
             if kind not in COLUMN_KINDS:
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: column {pattern!r} has unknown kind {kind!r}; one of {sorted(COLUMN_KINDS)}")
-        for attribute, kind in self.attention_attributes.items():
+        for attribute, kind in (*self.attention_attributes.items(), *self.attention_config.items()):
             if kind not in ATTRIBUTE_KINDS:
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
         if not self.model_types:
@@ -180,6 +185,22 @@ GPT_NEOX = Policy(
     checkpoint_renames=((r"^lm_head\.", "embed_out."), (r"^embed_out\.", "lm_head.")),
 )
 
+PHI3 = Policy(
+    name="phi3",
+    # Fused q|k|v and gate|up projections (Phi-3, Phi-3.5, Phi-4-mini). HF's own tp_plan
+    # gathers their outputs; here they are cut by heads and halves, and the attention
+    # reads its per-rank head count from its view of the config.
+    model_types=("phi3",),
+    column={"layers.*.self_attn.qkv_proj": "qkv_blocks", "layers.*.mlp.gate_up_proj": "halves"},
+    row=("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj"),
+    embedding=("embed_tokens",),
+    head=("lm_head",),
+    attention=("layers.*.self_attn",),
+    attention_attributes={"num_key_value_groups": "kv_groups", "num_key_value_heads": "kv_heads"},
+    attention_config={"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"},
+    num_kv_heads="num_key_value_heads",
+)
+
 BERT = Policy(
     name="bert",
     model_types=("bert", "roberta"),
@@ -230,5 +251,5 @@ def get_policy(config) -> Policy:
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, BERT):
+for _policy in (LLAMA, GPT2, GPT_NEOX, PHI3, BERT):
     register_policy(_policy)
