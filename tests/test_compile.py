@@ -272,27 +272,28 @@ def _layers_in_user_model(rank, world, tp):
     explained = torch._dynamo.explain(scaled)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert torch.equal(torch.compile(scaled, fullgraph=True)(ids), scaled(ids)), "scaled embedding"
-    # A split Phi-3 attention compiles with no graph break: it reads its per-rank head count
-    # from a RankConfig (tpcore.hf's view of the model's config).
+    # Split Phi-3 and OLMo 2 attentions compile with no graph break: Phi-3's reads its per-rank
+    # head count from a RankConfig, OLMo 2's q / k norms span the heads of every rank.
     import copy
 
     import transformers
 
     import tpcore.hf
 
-    config = transformers.Phi3Config(vocab_size=30, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(5)  # the same dense model on every rank
-    dense = transformers.Phi3ForCausalLM(config).eval()
-    split = tpcore.hf.parallelize(copy.deepcopy(dense)).model
-    hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(4))
-    rotary = split.rotary_emb(hidden, torch.arange(6)[None])
-    attention = split.layers[0].self_attn
-    explained = torch._dynamo.explain(attention)(hidden, rotary, None)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    with torch.no_grad():
-        want = dense.model.layers[0].self_attn(hidden, rotary, None)[0]
-        assert_close(torch.compile(attention, fullgraph=True)(hidden, rotary, None)[0], want, "compiled split Phi-3 attention")
+    small = dict(vocab_size=30, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    for family in ("Phi3", "Olmo2"):
+        torch.manual_seed(5)  # the same dense model on every rank
+        dense = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**small)).eval()
+        split = tpcore.hf.parallelize(copy.deepcopy(dense)).model
+        hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(4))
+        rotary = split.rotary_emb(hidden, torch.arange(6)[None])
+        attention = split.layers[0].self_attn
+        explained = torch._dynamo.explain(attention)(hidden, rotary, None)
+        assert explained.graph_break_count == 0, (family, explained.break_reasons)
+        with torch.no_grad():
+            want = dense.model.layers[0].self_attn(hidden, rotary, None)[0]
+            assert_close(torch.compile(attention, fullgraph=True)(hidden, rotary, None)[0], want, f"compiled split {family} attention")
     # The functional collectives compile too.
     x = per_rank_tensor((4, 2 * tp), dist.get_rank(), seed=3)
     fn = torch.compile(lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1, fullgraph=True)

@@ -59,6 +59,10 @@ FAMILIES = {
     "helium": ("HeliumForCausalLM", lambda: transformers.HeliumConfig(**_DECODER, num_attention_heads=4, num_key_value_heads=4, head_dim=16)),
     "ministral": ("MinistralForCausalLM", lambda: transformers.MinistralConfig(
         **_DECODER, num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=4)),  # local + global layers
+    "olmo2": ("Olmo2ForCausalLM", lambda: transformers.Olmo2Config(
+        **_DECODER, num_attention_heads=8, num_key_value_heads=2)),  # q / k norms over all heads (KV copies at TP=4)
+    "olmo3": ("Olmo3ForCausalLM", lambda: transformers.Olmo3Config(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=4, sliding_window=4)),  # the same norms; local + global layers
     "phi3": ("Phi3ForCausalLM", lambda: transformers.Phi3Config(
         **_DECODER, num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.5)),  # fused q|k|v (KV copies at TP=4), gate|up; Phi-4-mini's partial rotary
     "gpt_neox": ("GPTNeoXForCausalLM", lambda: transformers.GPTNeoXConfig(
@@ -258,11 +262,12 @@ def _backward_job(rank, world, name, path):
     return True
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2"])
 def test_backward_matches_dense(cpu_ranks, tmp_path, name):
     """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert),
     q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled embedding and one
-    KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused gate|up (phi3)."""
+    KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused gate|up (phi3), q / k norms over
+    all heads, the k norm's KV heads replicated at TP=4 (olmo2)."""
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_backward_job, name, path))
 

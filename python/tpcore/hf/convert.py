@@ -24,6 +24,7 @@ from .grads import install_gradient_sums
 from .policy import get_policy
 from .rank_config import RankConfig
 from .scaled_embedding import ScaledVocabParallelEmbedding
+from .split_norm import SplitRMSNorm
 from .weights import DenseSource, SafetensorsSource
 
 __all__ = ["parallelize", "from_pretrained"]
@@ -38,6 +39,8 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
         return ColumnParallelLinear(rep.in_features, rep.out_features, rep.bias, **common)
     if rep.role == "row":
         return RowParallelLinear(rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common)
+    if rep.role == "norm":
+        return SplitRMSNorm(rep.out_features, rep.eps, **common)
     if rep.role == "embedding":
         args = (rep.in_features, rep.out_features)
         common.update(padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1)

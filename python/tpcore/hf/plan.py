@@ -54,6 +54,8 @@ class Replacement:
     (the k and v blocks of a fused q|k|v layer); None: every row."""
     embed_scale: float | None = None
     """The constant a scaled word embedding multiplies its lookup by (Gemma's)."""
+    eps: float | None = None
+    """A split norm's epsilon."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,27 @@ def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     return Replacement(name, "row", fan_in, fan_out, module.bias is not None, loads)
 
 
+# RMS norm classes whose forward `SplitRMSNorm` reproduces (float32, weight before the cast).
+_SPLIT_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
+
+
+def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
+    if type(module).__name__ not in _SPLIT_RMS_NORMS:
+        raise ValueError(f"tpcore.hf: norm {name!r} is a {type(module).__name__}; split norms must be one of {list(_SPLIT_RMS_NORMS)}")
+    heads = layout.heads if kind == "heads" else layout.kv_heads
+    width = module.weight.shape[0]
+    if module.weight.dim() != 1 or width != heads * layout.head_dim:
+        raise ValueError(f"tpcore.hf: norm {name!r} has weight {list(module.weight.shape)}, expected [{heads} heads x {layout.head_dim}]")
+    if kind == "heads":
+        ranges = (_chunk(width, layout.tp_size, layout.tp_rank, f"{name} features"),)
+    else:
+        ranges = layout.kv_head_ranges()
+    local = ranges[0][1] - ranges[0][0]
+    replicated = kind == "kv_heads" and layout.kv_replicated
+    return Replacement(name, "norm", width, local, False, {"weight": Load(f"{name}.weight", 0, ranges)}, kv_replicated=replicated,
+                       eps=float(module.variance_epsilon))
+
+
 def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, int], ...]]:
     rows = -(-vocab // layout.tp_size)
     start = layout.tp_rank * rows
@@ -237,9 +260,10 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
     column, row = policy.linear_roles(config)
     roles = [("column", p) for p in column] + [("row", p) for p in row]
     roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
+    roles += [("norm", p) for p in policy.split_norms]
     plan = Plan(policy, layout)
     head_norms = policy.head_norm_patterns(config)
-    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "head": []}
+    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "head": []}
     for name, module in model.named_modules():
         found = [(role, p) for role, p in roles if match(p, name)]
         if len(found) > 1:
@@ -250,6 +274,8 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 by_role[role].append(_column(name, module, column[pattern], layout))
             elif role == "row":
                 by_role[role].append(_row(name, module, layout))
+            elif role == "norm":
+                by_role[role].append(_split_norm(name, module, policy.split_norms[pattern], layout))
             else:
                 by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
         if any(match(p, name) for p in head_norms):
@@ -269,5 +295,5 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 "the model's module names differ from the policy's patterns"
             )
     # Embeddings first: a tied LM head reuses the embedding's new weight.
-    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["head"]
+    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["norm"] + by_role["head"]
     return plan

@@ -77,6 +77,10 @@ class Policy:
     attention_attributes: dict[str, str] = field(default_factory=dict)
     """Attribute -> what it counts (a key of `ATTRIBUTE_KINDS`); set where present, so one
     table covers transformers versions that keep different attributes."""
+    split_norms: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> "heads" or "kv_heads": RMS norms over the whole output of a split
+    q (or k / v) projection, all heads at once (OLMo 2's q / k norms). Each rank keeps the
+    slice of the weight that matches its heads; the mean of squares is summed over TP."""
     attention_config: dict[str, str] = field(default_factory=dict)
     """Config field -> what it counts (a key of `ATTRIBUTE_KINDS`), for fields the attention
     forward reads from `self.config` (Phi-3 reads `num_attention_heads` to split its fused
@@ -98,6 +102,9 @@ class Policy:
         for attribute, kind in (*self.attention_attributes.items(), *self.attention_config.items()):
             if kind not in ATTRIBUTE_KINDS:
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
+        for pattern, kind in self.split_norms.items():
+            if kind not in ("heads", "kv_heads"):
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: split norm {pattern!r} has kind {kind!r}; one of ['heads', 'kv_heads']")
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
 
@@ -185,6 +192,21 @@ GPT_NEOX = Policy(
     checkpoint_renames=((r"^lm_head\.", "embed_out."), (r"^embed_out\.", "lm_head.")),
 )
 
+OLMO2 = Policy(
+    name="olmo2",
+    # Llama's modules, with q / k RMS norms over all heads (not per head): split with the
+    # projections, their mean of squares summed over TP.
+    model_types=("olmo2", "olmo3"),
+    column=dict(LLAMA.column),
+    row=LLAMA.row,
+    embedding=("embed_tokens",),
+    head=("lm_head",),
+    attention=("layers.*.self_attn",),
+    split_norms={"layers.*.self_attn.q_norm": "heads", "layers.*.self_attn.k_norm": "kv_heads"},
+    attention_attributes=_DECODER_ATTRIBUTES,
+    num_kv_heads="num_key_value_heads",
+)
+
 PHI3 = Policy(
     name="phi3",
     # Fused q|k|v and gate|up projections (Phi-3, Phi-3.5, Phi-4-mini). HF's own tp_plan
@@ -251,5 +273,5 @@ def get_policy(config) -> Policy:
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, PHI3, BERT):
+for _policy in (LLAMA, GPT2, GPT_NEOX, OLMO2, PHI3, BERT):
     register_policy(_policy)

@@ -1,0 +1,50 @@
+"""An RMS norm over features that tensor parallelism splits: OLMo 2's and OLMo 3's q / k
+norms, which normalize the whole q (or k) projection, every head at once, not each head.
+
+Each rank holds its heads' features and the matching slice of the norm's weight. The mean
+of squares needs every feature: each rank sums its own squares, one all-reduce of those
+`[..., 1]` sums gives the total (its backward all-reduces too, since every rank's output
+depends on every rank's features). With KV heads copied over several ranks (TP > KV
+heads), each copy is counted once per rank holding it, so the total is divided by
+`tp x local features` rather than the dense width: the same mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel_state import resolve_tensor_group
+from ..tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+
+__all__ = ["SplitRMSNorm"]
+
+
+class SplitRMSNorm(nn.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)` over a feature dim split over the TP group, in
+    float32 with the weight applied before casting back (as transformers' `Olmo2RMSNorm`).
+
+    Shapes: input `[..., features/tp]` (this rank's heads), weight `[features/tp]`; output
+    like the input. The mean runs over all `features`.
+    """
+
+    def __init__(self, local_features: int, eps: float, *, group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.group = resolve_tensor_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(local_features, dtype=dtype, device=device))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        squares = hidden.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:  # forward and backward: the sum over every rank
+            squares = copy_to_tensor_parallel(reduce_from_tensor_parallel(squares, self.group), self.group)
+        variance = squares / (hidden.shape[-1] * self.tp_size)
+        return (self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, eps={self.variance_epsilon}"
