@@ -96,9 +96,14 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
     for rep in plan.replacements:
         parent, child = _parent(model, rep.name)
         old = getattr(parent, child)
-        layer = _build_layer(rep, group, dtype or old.weight.dtype)
+        if rep.role == "per_head":  # the module stays; its weight becomes this rank's rows
+            layer = old
+            shapes = {"weight": nn.Parameter(torch.empty(rep.out_features, rep.in_features, device="meta"))}
+        else:
+            layer = _build_layer(rep, group, dtype or old.weight.dtype)
+            shapes = layer._parameters
         for attr, load in rep.loads.items():
-            old_param, meta = getattr(old, attr), getattr(layer, attr)
+            old_param, meta = getattr(old, attr), shapes[attr]
             if id(old_param) in new_of:  # tied to a parameter replaced before (the head to the embedding)
                 shared = new_of[id(old_param)]
                 if shared.shape != meta.shape:

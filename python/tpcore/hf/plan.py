@@ -210,6 +210,24 @@ def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> 
                        eps=float(module.variance_epsilon))
 
 
+def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
+    """A module kept as it is, its `[heads, head_dim]` weight cut to this rank's heads' rows."""
+    heads = layout.heads if kind == "heads" else layout.kv_heads
+    names = [n for n, p in module.named_parameters(recurse=False)]
+    weight = getattr(module, "weight", None)
+    if names != ["weight"] or weight is None or tuple(weight.shape) != (heads, layout.head_dim):
+        shapes = {n: list(p.shape) for n, p in module.named_parameters(recurse=False)}
+        raise ValueError(f"tpcore.hf: {name!r} holds {shapes}, expected one weight [{heads} heads, {layout.head_dim}]")
+    if kind == "heads":
+        rows = (_chunk(heads, layout.tp_size, layout.tp_rank, f"{name} heads"),)
+    else:
+        ((lo, hi),) = layout.kv_head_ranges()
+        rows = ((lo // layout.head_dim, hi // layout.head_dim),)
+    local = rows[0][1] - rows[0][0]
+    return Replacement(name, "per_head", layout.head_dim, local, False, {"weight": Load(f"{name}.weight", 0, rows)},
+                       kv_replicated=kind == "kv_heads" and layout.kv_replicated)
+
+
 def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, int], ...]]:
     rows = -(-vocab // layout.tp_size)
     start = layout.tp_rank * rows
@@ -260,10 +278,10 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
     column, row = policy.linear_roles(config)
     roles = [("column", p) for p in column] + [("row", p) for p in row]
     roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
-    roles += [("norm", p) for p in policy.split_norms]
+    roles += [("norm", p) for p in policy.split_norms] + [("per_head", p) for p in policy.per_head_weights]
     plan = Plan(policy, layout)
     head_norms = policy.head_norm_patterns(config)
-    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "head": []}
+    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "per_head": [], "head": []}
     for name, module in model.named_modules():
         found = [(role, p) for role, p in roles if match(p, name)]
         if len(found) > 1:
@@ -276,6 +294,8 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 by_role[role].append(_row(name, module, layout))
             elif role == "norm":
                 by_role[role].append(_split_norm(name, module, policy.split_norms[pattern], layout))
+            elif role == "per_head":
+                by_role[role].append(_per_head(name, module, policy.per_head_weights[pattern], layout))
             else:
                 by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
         if any(match(p, name) for p in head_norms):
@@ -295,5 +315,5 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 "the model's module names differ from the policy's patterns"
             )
     # Embeddings first: a tied LM head reuses the embedding's new weight.
-    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["norm"] + by_role["head"]
+    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["norm"] + by_role["per_head"] + by_role["head"]
     return plan

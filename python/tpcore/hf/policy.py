@@ -81,6 +81,10 @@ class Policy:
     """Module pattern -> "heads" or "kv_heads": RMS norms over the whole output of a split
     q (or k / v) projection, all heads at once (OLMo 2's q / k norms). Each rank keeps the
     slice of the weight that matches its heads; the mean of squares is summed over TP."""
+    per_head_weights: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> "heads" or "kv_heads": modules applied to each head with a weight
+    row of their own per head (`[heads, head_dim]`: Cohere's q / k norms). The module stays;
+    each rank keeps its heads' rows."""
     attention_config: dict[str, str] = field(default_factory=dict)
     """Config field -> what it counts (a key of `ATTRIBUTE_KINDS`), for fields the attention
     forward reads from `self.config` (Phi-3 reads `num_attention_heads` to split its fused
@@ -102,9 +106,9 @@ class Policy:
         for attribute, kind in (*self.attention_attributes.items(), *self.attention_config.items()):
             if kind not in ATTRIBUTE_KINDS:
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
-        for pattern, kind in self.split_norms.items():
+        for pattern, kind in (*self.split_norms.items(), *self.per_head_weights.items()):
             if kind not in ("heads", "kv_heads"):
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: split norm {pattern!r} has kind {kind!r}; one of ['heads', 'kv_heads']")
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: {pattern!r} has kind {kind!r}; one of ['heads', 'kv_heads']")
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
 
@@ -192,6 +196,21 @@ GPT_NEOX = Policy(
     checkpoint_renames=((r"^lm_head\.", "embed_out."), (r"^embed_out\.", "lm_head.")),
 )
 
+COHERE = Policy(
+    name="cohere",
+    # Llama's modules (a parallel attention + MLP block, scaled logits: per element); with
+    # use_qk_norm, q / k norms whose weights hold one row per head.
+    model_types=("cohere", "cohere2"),
+    column=dict(LLAMA.column),
+    row=LLAMA.row,
+    embedding=("embed_tokens",),
+    head=("lm_head",),
+    attention=("layers.*.self_attn",),
+    per_head_weights={"layers.*.self_attn.q_norm": "heads", "layers.*.self_attn.k_norm": "kv_heads"},
+    attention_attributes=_DECODER_ATTRIBUTES,
+    num_kv_heads="num_key_value_heads",
+)
+
 OLMO2 = Policy(
     name="olmo2",
     # Llama's modules, with q / k RMS norms over all heads (not per head): split with the
@@ -273,5 +292,5 @@ def get_policy(config) -> Policy:
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, OLMO2, PHI3, BERT):
+for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, PHI3, BERT):
     register_policy(_policy)
