@@ -24,8 +24,8 @@ step beyond the slower rank's compute, without the ranks' skew.
 
 On gloo, each case runs twice: with gloo's threads under the normal scheduler, and at
 real-time priority (`tpcore.prioritize_communication_threads`, the trainer's
-`--realtime-comm-threads`; needs root, CAP_SYS_NICE or `ulimit -r 1`). Ratios compare
-cases with the same thread scheduling.
+`--realtime-comm-threads`; needs CAP_SYS_NICE or `ulimit -r 1`, else those rows are left
+out). Ratios compare cases with the same thread scheduling.
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, threads,
 
 
 def main() -> None:
+    from tpcore.comm_threads import may_use_realtime
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -171,7 +173,12 @@ def main() -> None:
         print("| backend | gloo threads | case | forward+backward | exposed, per rank | exposed, critical path | step | "
               "exposed / today's (per rank / critical path) | exposed / same backend's buffers (per rank / critical path) | step / today's |")
         print("|---|---|---|---:|---:|---:|---:|---|---|---:|")
-        runs = [(b, t) for b in args.backends.split(",") for t in (args.gloo_threads.split(",") if b == "gloo" else ["-"])]
+        gloo_threads = args.gloo_threads.split(",")
+        if "realtime" in gloo_threads and not may_use_realtime():
+            print("(gloo's threads at real-time priority left out: this process may not use real-time scheduling; "
+                  "it needs CAP_SYS_NICE or `ulimit -r 1`)\n")
+            gloo_threads.remove("realtime")
+        runs = [(b, t) for b in args.backends.split(",") for t in (gloo_threads if b == "gloo" else ["-"])]
         for backend, threads in runs:
             base = {}
             for case in CASES:

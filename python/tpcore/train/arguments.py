@@ -64,8 +64,9 @@ class TrainArgs:
     overlap_param_gather: bool = _arg(False, "all-gather each parameter bucket during the next forward, just before its first use (needs --use-distributed-optimizer)")
     ddp_bucket_size: int | None = _arg(None, "elements per gradient bucket (default 40M on GPU, 1M on CPU)")
     grad_reduce_in_bf16: bool = _arg(False, "accumulate and reduce gradients in bf16 instead of fp32")
-    realtime_comm_threads: bool = _arg(False, "run gloo's communication threads at real-time priority (SCHED_RR 1; needs root, CAP_SYS_NICE or `ulimit -r 1`), "
-                                       "so that CPU collectives overlapped with compute are not starved of cores")
+    realtime_comm_threads: bool = _arg(False, "run gloo's communication threads at real-time priority (SCHED_RR 1; needs CAP_SYS_NICE or `ulimit -r 1`), "
+                                       "so that CPU collectives overlapped with compute get a core at once; for groups on gloo "
+                                       "(across hosts, or TPCORE_CPU_BACKEND=gloo): one host's groups use shared memory")
     # Data
     data_path: str | None = _arg(None, "prefix of the .bin/.idx dataset (tpcore-preprocess output)")
     tokenizer: str = _arg("byte", '"byte" or the path of a tokenizer.json (must match the data)')

@@ -192,9 +192,10 @@ class _Training:
             self.chunks, args.data_parallel_options(), tp_group=self.tp_group, dp_group=self.dp_group, pp_group=self.pp_group,
             lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, loss_scaler=scaler,
         )
+        self.realtime_threads = 0
         if args.realtime_comm_threads:  # after every group (and its gloo threads) exists; every rank learns if one failed
-            all_or_none(prioritize_communication_threads, "giving gloo's threads real-time priority (--realtime-comm-threads)", device,
-                        error_type=TrainingError)
+            self.realtime_threads = len(all_or_none(prioritize_communication_threads, "giving gloo's threads real-time priority "
+                                                    "(--realtime-comm-threads)", device, error_type=TrainingError))
         self.start = 0
         if self.resume_from:
             self._resume()
@@ -229,8 +230,9 @@ class _Training:
         options = args.data_parallel_options()
         dp_text = "".join(f" +{flag}" for flag, on in (("distributed-optimizer", options.use_distributed_optimizer),
                                                         ("overlap-grad-reduce", options.overlap_grad_reduce),
-                                                        ("overlap-param-gather", options.overlap_param_gather),
-                                                        ("realtime-comm-threads", args.realtime_comm_threads)) if on)
+                                                        ("overlap-param-gather", options.overlap_param_gather)) if on)
+        if args.realtime_comm_threads:  # what it reached: gloo threads exist only where a group runs on gloo
+            dp_text += f" +realtime-comm-threads ({self.realtime_threads} gloo threads; DP on {dist.get_backend(self.dp_group)})"
         self.logger.print(
             f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
             + (f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
