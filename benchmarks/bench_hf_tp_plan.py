@@ -119,9 +119,11 @@ def _describe_tp(model) -> tuple[dict, object]:
         info["tp_group_backend"] = "tpcore" if shm is not None else (dist.get_backend(tp_group) if tp_group else None)
     else:
         info["tp_group_backend"] = dist.get_backend(tp_group) if tp_group is not None else None
-    weight = model.model.layers[0].self_attn.q_proj.weight
+    attention = model.model.layers[0].self_attn
+    name = "q_proj" if hasattr(attention, "q_proj") else "qkv_proj"  # Phi-3 fuses q, k and v
+    weight = getattr(attention, name).weight
     local = weight.to_local() if hasattr(weight, "to_local") else weight
-    info["q_proj"] = f"{type(weight).__name__} {tuple(weight.shape)}, local {tuple(local.shape)}"
+    info[name] = f"{type(weight).__name__} {tuple(weight.shape)}, local {tuple(local.shape)}"
     return info, shm
 
 
@@ -250,7 +252,7 @@ def main() -> None:
         for backend in args.backends:
             row = _run(args.tp, backend, max(1, cores // args.tp), args, path, prompt)
             print(f"tp_plan TP={args.tp} on {backend}: default group {row['default_backend']}, mesh TP group "
-                  f"{row['tp_group_backend']} of {row['tp_group_size']} ranks, q_proj {row['q_proj']}; accelerate "
+                  f"{row['tp_group_backend']} of {row['tp_group_size']} ranks, {'q_proj' if 'q_proj' in row else 'qkv_proj'} {row.get('q_proj', row.get('qkv_proj'))}; accelerate "
                   f"{row['accelerate']}", flush=True)
             if row["tp_group_backend"] != backend:
                 raise RuntimeError(f"asked for {backend}, the mesh's TP group uses {row['tp_group_backend']}")
