@@ -196,35 +196,23 @@ GPT_NEOX = Policy(
     checkpoint_renames=((r"^lm_head\.", "embed_out."), (r"^embed_out\.", "lm_head.")),
 )
 
-COHERE = Policy(
-    name="cohere",
-    # Llama's modules (a parallel attention + MLP block, scaled logits: per element); with
-    # use_qk_norm, q / k norms whose weights hold one row per head.
-    model_types=("cohere", "cohere2"),
-    column=dict(LLAMA.column),
-    row=LLAMA.row,
-    embedding=("embed_tokens",),
-    head=("lm_head",),
-    attention=("layers.*.self_attn",),
-    per_head_weights={"layers.*.self_attn.q_norm": "heads", "layers.*.self_attn.k_norm": "kv_heads"},
-    attention_attributes=_DECODER_ATTRIBUTES,
-    num_kv_heads="num_key_value_heads",
-)
 
-OLMO2 = Policy(
-    name="olmo2",
-    # Llama's modules, with q / k RMS norms over all heads (not per head): split with the
-    # projections, their mean of squares summed over TP.
-    model_types=("olmo2", "olmo3"),
-    column=dict(LLAMA.column),
-    row=LLAMA.row,
-    embedding=("embed_tokens",),
-    head=("lm_head",),
-    attention=("layers.*.self_attn",),
-    split_norms={"layers.*.self_attn.q_norm": "heads", "layers.*.self_attn.k_norm": "kv_heads"},
-    attention_attributes=_DECODER_ATTRIBUTES,
-    num_kv_heads="num_key_value_heads",
-)
+def _like_llama(name: str, model_types: tuple[str, ...], **fields) -> Policy:
+    """Llama's modules and attention attributes under other model types, plus `fields`."""
+    return Policy(name=name, model_types=model_types, column=dict(LLAMA.column), row=LLAMA.row, embedding=LLAMA.embedding,
+                  head=LLAMA.head, attention=LLAMA.attention, attention_attributes=_DECODER_ATTRIBUTES,
+                  num_kv_heads="num_key_value_heads", **fields)
+
+
+_QK_NORMS = ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm")
+
+# Cohere: a parallel attention + MLP block and scaled logits (per element); with
+# use_qk_norm, q / k norms whose weights hold one row per head.
+COHERE = _like_llama("cohere", ("cohere", "cohere2"), per_head_weights=dict(zip(_QK_NORMS, ("heads", "kv_heads"))))
+
+# OLMo 2 / 3: q / k RMS norms over all heads at once (not per head): split with the
+# projections, their mean of squares summed over TP.
+OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=dict(zip(_QK_NORMS, ("heads", "kv_heads"))))
 
 PHI3 = Policy(
     name="phi3",
