@@ -76,14 +76,22 @@ FAMILIES = {
     "roberta": ("RobertaForMaskedLM", lambda: transformers.RobertaConfig(**_ENCODER, pad_token_id=1)),
 }
 ENCODERS = {"bert", "bert_model", "roberta"}
+SPLIT_QK_NORMS = {"olmo2", "olmo3", "cohere"}  # q / k norm weights cut by heads (not replicated)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def save_family(name: str, path, seed: int = 0) -> str:
-    """Build family `name` with random weights (seeded) and save_pretrained it to `path`."""
+    """Build family `name` with random weights (seeded) and save_pretrained it to `path`. Where
+    the q / k norms' weights are split over the heads, they are drawn too (transformers
+    initialises them to ones), so a rank loading the wrong heads' slice shows."""
     cls, make_config = FAMILIES[name]
     torch.manual_seed(seed)
-    getattr(transformers, cls)(make_config()).save_pretrained(path)
+    model = getattr(transformers, cls)(make_config())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if name in SPLIT_QK_NORMS and n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -241,6 +249,12 @@ def _backward_job(rank, world, name, path):
         assert any("norm" in n.lower() or "ln_" in n for n, _ in replicated), f"{what}: no replicated norm found"
         for n, p in replicated:  # norms, position embeddings, row-parallel biases
             assert_close(p.grad, dense_params[n].grad, f"{what} grad of {n}")
+        for rep in model.tpcore_plan.replacements:  # norms split by heads: this rank's rows of the dense gradient
+            if rep.role in ("norm", "per_head"):
+                load = rep.loads["weight"]
+                dense_grad = dense_params[load.key].grad
+                want = torch.cat([dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
+                assert_close(model.get_submodule(rep.name).weight.grad, want, f"{what} grad of {rep.name}.weight")
         if tp == 2:  # the same gradients from a model frozen while split, unfrozen, then given new parameters
             other = load_dense(path, cls, torch.float32).requires_grad_(False)
             other = tpcore.hf.parallelize(other).requires_grad_(True)
