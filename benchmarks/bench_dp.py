@@ -195,5 +195,6 @@ def main() -> None:
                       f"{exposed / base['today'][0]:.3f} / {critical / base['today'][2]:.3f} | "
                       f"{exposed / plain[0]:.3f} / {critical / plain[2]:.3f} | {step / base['today'][1]:.3f} |")
 
+
 if __name__ == "__main__":
     main()

@@ -123,7 +123,7 @@ def _describe_tp(model) -> tuple[dict, object]:
     name = "q_proj" if hasattr(attention, "q_proj") else "qkv_proj"  # Phi-3 fuses q, k and v
     weight = getattr(attention, name).weight
     local = weight.to_local() if hasattr(weight, "to_local") else weight
-    info[name] = f"{type(weight).__name__} {tuple(weight.shape)}, local {tuple(local.shape)}"
+    info["projection"] = f"{name} {type(weight).__name__} {tuple(weight.shape)}, local {tuple(local.shape)}"
     return info, shm
 
 
@@ -252,7 +252,7 @@ def main() -> None:
         for backend in args.backends:
             row = _run(args.tp, backend, max(1, cores // args.tp), args, path, prompt)
             print(f"tp_plan TP={args.tp} on {backend}: default group {row['default_backend']}, mesh TP group "
-                  f"{row['tp_group_backend']} of {row['tp_group_size']} ranks, {'q_proj' if 'q_proj' in row else 'qkv_proj'} {row.get('q_proj', row.get('qkv_proj'))}; accelerate "
+                  f"{row['tp_group_backend']} of {row['tp_group_size']} ranks, {row['projection']}; accelerate "
                   f"{row['accelerate']}", flush=True)
             if row["tp_group_backend"] != backend:
                 raise RuntimeError(f"asked for {backend}, the mesh's TP group uses {row['tp_group_backend']}")

@@ -89,6 +89,14 @@ class HeadLayout:
             first = self.tp_rank * self.local_kv_heads
         return ((first * self.head_dim, (first + self.local_kv_heads) * self.head_dim),)
 
+    def head_range(self, kind: str) -> tuple[int, int]:
+        """This rank's `[start, stop)` of the output features of a projection of the query
+        heads ("heads") or of the KV heads ("kv_heads")."""
+        if kind == "heads":
+            width = self.local_heads * self.head_dim
+            return self.tp_rank * width, (self.tp_rank + 1) * width
+        return self.kv_head_ranges()[0]
+
     def attribute(self, kind: str) -> int:
         return {
             "heads": self.local_heads,
@@ -160,8 +168,8 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
         if fan_out != q + 2 * kv:
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, expected q|k|v blocks of {layout.heads} + 2 x "
                              f"{layout.kv_heads} heads x {layout.head_dim}")
-        ((lo, hi),) = layout.kv_head_ranges()
-        ranges = (_chunk(q, tp, rank, what), (q + lo, q + hi), (q + kv + lo, q + kv + hi))
+        lo, hi = layout.head_range("kv_heads")
+        ranges = (layout.head_range("heads"), (q + lo, q + hi), (q + kv + lo, q + kv + hi))
     elif kind == "halves":
         if fan_out % 2:
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 2 equal halves")
@@ -200,13 +208,9 @@ def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> 
     width = module.weight.shape[0]
     if module.weight.dim() != 1 or width != heads * layout.head_dim:
         raise ValueError(f"tpcore.hf: norm {name!r} has weight {list(module.weight.shape)}, expected [{heads} heads x {layout.head_dim}]")
-    if kind == "heads":
-        ranges = (_chunk(width, layout.tp_size, layout.tp_rank, f"{name} features"),)
-    else:
-        ranges = layout.kv_head_ranges()
-    local = ranges[0][1] - ranges[0][0]
+    lo, hi = layout.head_range(kind)
     replicated = kind == "kv_heads" and layout.kv_replicated
-    return Replacement(name, "norm", width, local, False, {"weight": Load(f"{name}.weight", 0, ranges)}, kv_replicated=replicated,
+    return Replacement(name, "norm", width, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))}, kv_replicated=replicated,
                        eps=float(module.variance_epsilon))
 
 
@@ -218,13 +222,8 @@ def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Re
     if names != ["weight"] or weight is None or tuple(weight.shape) != (heads, layout.head_dim):
         shapes = {n: list(p.shape) for n, p in module.named_parameters(recurse=False)}
         raise ValueError(f"tpcore.hf: {name!r} holds {shapes}, expected one weight [{heads} heads, {layout.head_dim}]")
-    if kind == "heads":
-        rows = (_chunk(heads, layout.tp_size, layout.tp_rank, f"{name} heads"),)
-    else:
-        ((lo, hi),) = layout.kv_head_ranges()
-        rows = ((lo // layout.head_dim, hi // layout.head_dim),)
-    local = rows[0][1] - rows[0][0]
-    return Replacement(name, "per_head", layout.head_dim, local, False, {"weight": Load(f"{name}.weight", 0, rows)},
+    lo, hi = (f // layout.head_dim for f in layout.head_range(kind))  # in heads: the weight's rows
+    return Replacement(name, "per_head", layout.head_dim, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))},
                        kv_replicated=kind == "kv_heads" and layout.kv_replicated)
 
 
