@@ -69,6 +69,14 @@ FAMILIES = {
         **_DECODER, num_attention_heads=4, num_key_value_heads=4, sliding_window=4)),  # the same norms; local + global layers
     "phi3": ("Phi3ForCausalLM", lambda: transformers.Phi3Config(
         **_DECODER, num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.5)),  # fused q|k|v (KV copies at TP=4), gate|up; Phi-4-mini's partial rotary
+    # MoE: 4 experts, 2 per token; the load-balancing loss is on, so backward checks its gradient too.
+    "mixtral": ("MixtralForCausalLM", lambda: transformers.MixtralConfig(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, output_router_logits=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(  # a dense MLP in layer 1
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
+        norm_topk_prob=True, output_router_logits=True)),
+    "olmoe": ("OlmoeForCausalLM", lambda: transformers.OlmoeConfig(
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
     "gpt_neox": ("GPTNeoXForCausalLM", lambda: transformers.GPTNeoXConfig(
         **_DECODER, num_attention_heads=4, rotary_pct=0.5)),  # QKV fused per head
     "bert": ("BertForMaskedLM", lambda: transformers.BertConfig(**_ENCODER)),
@@ -76,7 +84,8 @@ FAMILIES = {
     "roberta": ("RobertaForMaskedLM", lambda: transformers.RobertaConfig(**_ENCODER, pad_token_id=1)),
 }
 ENCODERS = {"bert", "bert_model", "roberta"}
-SPLIT_QK_NORMS = {"olmo2", "olmo3", "cohere"}  # q / k norm weights cut by heads (not replicated)
+MOE = {"mixtral", "qwen3_moe", "olmoe"}
+SPLIT_QK_NORMS = {"olmo2", "olmo3", "cohere", "olmoe"}  # q / k norm weights cut by heads (not replicated)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -249,16 +258,17 @@ def _backward_job(rank, world, name, path):
         assert any("norm" in n.lower() or "ln_" in n for n, _ in replicated), f"{what}: no replicated norm found"
         for n, p in replicated:  # norms, position embeddings, row-parallel biases
             assert_close(p.grad, dense_params[n].grad, f"{what} grad of {n}")
-        for rep in model.tpcore_plan.replacements:  # norms split by heads: this rank's rows of the dense gradient
-            if rep.role in ("norm", "per_head"):
-                load = rep.loads["weight"]
-                dense_grad = dense_params[load.key].grad
-                want = torch.cat([dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
-                assert_close(model.get_submodule(rep.name).weight.grad, want, f"{what} grad of {rep.name}.weight")
+        for rep in model.tpcore_plan.replacements:  # norms split by heads, experts: this rank's slice of the dense gradient
+            if rep.role in ("norm", "per_head", "experts"):
+                for attr, load in rep.loads.items():
+                    dense_grad = dense_params[load.key].grad
+                    want = torch.cat([dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
+                    assert_close(getattr(model.get_submodule(rep.name), attr).grad, want, f"{what} grad of {rep.name}.{attr}")
         if tp == 2:  # the same gradients from a model frozen while split, unfrozen, then given new parameters
             other = load_dense(path, cls, torch.float32).requires_grad_(False)
             other = tpcore.hf.parallelize(other).requires_grad_(True)
             hooked = other.tpcore_plan.head_norms + [r.name for r in other.tpcore_plan.replacements if r.kv_replicated]
+            hooked += [router for _, router in other.tpcore_plan.moe_blocks]
             for module in map(other.get_submodule, hooked):  # new Parameter objects (all: ties would break)
                 module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
             other(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -281,18 +291,21 @@ def _backward_job(rank, world, name, path):
             stepped = model(input_ids=ids, attention_mask=mask).logits
         assert (after - before).abs().max() > 1e-2 * before.abs().max(), f"{what}: the step did not change the model"
         assert_close(stepped, after, f"{what} logits after one SGD step")
-        assert bool(model.tpcore_plan.head_norms) == (name in ("qwen3", "gemma3_text")), f"{what}: head norms {model.tpcore_plan.head_norms}"
+        assert bool(model.tpcore_plan.head_norms) == (name in ("qwen3", "gemma3_text", "qwen3_moe")), f"{what}: head norms {model.tpcore_plan.head_norms}"
+        assert bool(model.tpcore_plan.moe_blocks) == (name in MOE), f"{what}: MoE blocks {model.tpcore_plan.moe_blocks}"
         tpcore.destroy_model_parallel()
     return True
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "cohere"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral",
+                                  "qwen3_moe", "olmoe"])
 def test_backward_matches_dense(cpu_ranks, tmp_path, name):
     """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert),
     q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled embedding and one
     KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused gate|up (phi3), q / k norms over
     all heads, the k norm's KV heads replicated at TP=4 (olmo2), a weight row per head, replicated KV rows at TP=4
-    (cohere)."""
+    (cohere), sparse MoE blocks with the load-balancing loss: router, experts and the block's input
+    (mixtral; qwen3_moe beside a dense MLP layer; olmoe with split q / k norms)."""
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_backward_job, name, path))
 

@@ -29,7 +29,7 @@ def test_pattern_matching():
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3", "gpt_neox",
-                                  "phi3", "olmo2", "olmo3", "cohere", "cohere2"])
+                                  "phi3", "olmo2", "olmo3", "cohere", "cohere2", "mixtral", "qwen3_moe", "olmoe"])
 def test_policy_tables_agree_with_transformers_tp_plan(name):
     """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
     in the family's table with the same role, and each module it replicates with summed
@@ -40,6 +40,10 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
         assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
     policy = tpcore.hf.get_policy(config)
     for pattern, style in plan.items():
+        if style == "moe_tp_experts":
+            assert pattern in policy.moe_experts, f"{name}: {pattern} ({style}) is not an experts module of {policy.name}"
+        if pattern.rpartition(".")[0] in policy.moe_experts:  # an experts parameter: cut with its module
+            continue
         if style.removeprefix("local_").split("_")[0] in ("colwise", "rowwise"):  # colwise_gather_output, ...
             table = policy.column if "colwise" in style else policy.row
             assert pattern in table, f"{name}: {pattern} ({style}) is not in the {policy.name} table"

@@ -21,6 +21,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabPara
 from .lm_head import VocabParallelLMHead
 from .plan import Load, Plan, Replacement, make_plan
 from .grads import install_gradient_sums
+from .moe import install_moe_blocks
 from .policy import get_policy
 from .rank_config import RankConfig
 from .scaled_embedding import ScaledVocabParallelEmbedding
@@ -40,7 +41,7 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
     if rep.role == "row":
         return RowParallelLinear(rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common)
     if rep.role == "norm":
-        return SplitRMSNorm(rep.out_features, rep.eps, **common)
+        return SplitRMSNorm(rep.out_features, rep.eps, weight_after_cast=rep.weight_after_cast, **common)
     if rep.role == "embedding":
         args = (rep.in_features, rep.out_features)
         common.update(padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1)
@@ -48,6 +49,17 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
             return ScaledVocabParallelEmbedding(*args, embed_scale=rep.embed_scale, **common)
         return VocabParallelEmbedding(*args, **common)
     return VocabParallelLMHead(rep.in_features, rep.out_features, rep.bias, vocab_size=rep.vocab_size, **common)
+
+
+# Roles whose module is kept, its parameters cut (see plan.py).
+_KEPT = ("per_head", "experts")
+
+
+def _kept_shape(param: nn.Parameter, load: Load) -> nn.Parameter:
+    """A meta parameter shaped like `param` cut by `load` (along `load.dim`)."""
+    shape = list(param.shape)
+    shape[load.dim] = sum(hi - lo for lo, hi in load.ranges)
+    return nn.Parameter(torch.empty(shape, device="meta"))
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -96,9 +108,9 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
     for rep in plan.replacements:
         parent, child = _parent(model, rep.name)
         old = getattr(parent, child)
-        if rep.role == "per_head":  # the module stays; its weight becomes this rank's rows
+        if rep.role in _KEPT:  # the module stays; its parameters become this rank's slices
             layer = old
-            shapes = {"weight": nn.Parameter(torch.empty(rep.out_features, rep.in_features, device="meta"))}
+            shapes = {attr: _kept_shape(getattr(old, attr), load) for attr, load in rep.loads.items()}
         else:
             layer = _build_layer(rep, group, dtype or old.weight.dtype)
             shapes = layer._parameters
@@ -188,6 +200,7 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     tensors = dict(model.named_parameters(remove_duplicate=False))
     _apply(model, plan, group, DenseSource(tensors), None, None)
     install_gradient_sums(model, group)
+    install_moe_blocks(model, group)
     return model
 
 
@@ -259,7 +272,7 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
     wrong, seen = [], set()
     buffers = [(name, b) for name, b in model.named_buffers() if _is_persistent(model, name)]  # what _load_rest loads
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *buffers]:
-        key = source.resolve(name)
+        key = source.resolve(name) or source.resolve_experts(name)
         if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
             continue
         seen.add(key)
@@ -337,11 +350,12 @@ def from_pretrained(
     with _parameters_on_meta(), _default_dtype(dtype):
         model = cls(config)
     plan = make_plan(model, tp, rank)  # every size checked before any weight is read
-    source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames)
+    source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames, plan.policy.expert_parts)
     _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
     _apply(model, plan, group, source, dtype, device)
     _load_rest(model, source, dtype, device)
     install_gradient_sums(model, group)  # after _load_rest: it makes the norms' parameters
+    install_moe_blocks(model, group)
     if getattr(model, "can_generate", lambda: False)():
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)

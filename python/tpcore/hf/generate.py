@@ -111,7 +111,10 @@ def generate(
     tokens = input_ids.to(device)
     mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    accepted = inspect.signature(model.forward).parameters
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+    if "output_router_logits" in accepted:  # MoE: no load-balancing loss while decoding
+        keep_last["output_router_logits"] = False
     generator = torch.Generator(device=device).manual_seed(seed)
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
     eos = None if eos_token_id is None else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)

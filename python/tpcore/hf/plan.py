@@ -35,7 +35,8 @@ class Load:
 
 @dataclass
 class Replacement:
-    """One module to replace: `role` is column / row / embedding / head."""
+    """One module to replace (column / row / embedding / head / norm), or to keep with its
+    parameters cut (per_head / experts)."""
 
     name: str
     role: str
@@ -56,6 +57,8 @@ class Replacement:
     """The constant a scaled word embedding multiplies its lookup by (Gemma's)."""
     eps: float | None = None
     """A split norm's epsilon."""
+    weight_after_cast: bool = False
+    """A split norm that multiplies by its weight after casting back to the input dtype (OLMoE's)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class Plan:
     """Replicated modules whose gradients are summed over TP in backward (see `Policy.head_norms`)."""
     configs: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     """(attention module name, config fields it sees per rank) (see `Policy.attention_config`)."""
+    moe_blocks: list[tuple[str, str]] = field(default_factory=list)
+    """(sparse MoE block name, its router's name) (see `Policy.moe_experts`)."""
 
 
 def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayout:
@@ -197,8 +202,9 @@ def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     return Replacement(name, "row", fan_in, fan_out, module.bias is not None, loads)
 
 
-# RMS norm classes whose forward `SplitRMSNorm` reproduces (float32, weight before the cast).
-_SPLIT_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
+# RMS norm classes whose forward `SplitRMSNorm` reproduces (in float32) -> whether they
+# apply the weight after casting back to the input dtype.
+_SPLIT_RMS_NORMS = {"Olmo2RMSNorm": False, "Olmo3RMSNorm": False, "OlmoeRMSNorm": True}
 
 
 def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
@@ -211,7 +217,7 @@ def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> 
     lo, hi = layout.head_range(kind)
     replicated = kind == "kv_heads" and layout.kv_replicated
     return Replacement(name, "norm", width, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))}, kv_replicated=replicated,
-                       eps=float(module.variance_epsilon))
+                       eps=float(module.variance_epsilon), weight_after_cast=_SPLIT_RMS_NORMS[type(module).__name__])
 
 
 def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
@@ -225,6 +231,44 @@ def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Re
     lo, hi = (f // layout.head_dim for f in layout.head_range(kind))  # in heads: the weight's rows
     return Replacement(name, "per_head", layout.head_dim, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))},
                        kv_replicated=kind == "kv_heads" and layout.kv_replicated)
+
+
+def _experts(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
+    """Fused experts kept as they are, each expert's intermediate features cut: the gate and
+    up halves of `gate_up_proj` `[E, 2I, H]` along dim 1, `down_proj` `[E, H, I]` along dim 2."""
+    params = {n: p for n, p in module.named_parameters()}
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    layout_flags = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}
+    odd = [f for f, want in layout_flags.items() if getattr(module, f, want) != want]
+    if set(params) != {"gate_up_proj", "down_proj"} or gate_up.dim() != 3 or down.dim() != 3 or odd:
+        shapes = {n: list(p.shape) for n, p in params.items()}
+        raise ValueError(f"tpcore.hf: experts {name!r} ({type(module).__name__}) hold {shapes}{' with ' + str(odd) if odd else ''}; "
+                         "expected gate_up_proj [experts, 2 x inter, hidden] (gate half first) and down_proj [experts, hidden, inter], no bias")
+    experts, inter, hidden = down.shape[0], down.shape[2], down.shape[1]
+    if tuple(gate_up.shape) != (experts, 2 * inter, hidden):
+        raise ValueError(f"tpcore.hf: experts {name!r}: gate_up_proj {list(gate_up.shape)} does not match down_proj {list(down.shape)}")
+    lo, hi = _chunk(inter, layout.tp_size, layout.tp_rank, f"{name} intermediate features")
+    if (hi - lo) * down.element_size() % 16:  # down_proj's rows: torch's grouped GEMM fails on them
+        raise ValueError(f"tpcore.hf: experts {name!r}: {hi - lo} intermediate features per rank ({inter} / tensor_parallel_size "
+                         f"{layout.tp_size}) in {down.dtype} make rows of {(hi - lo) * down.element_size()} bytes; the grouped GEMM "
+                         "of transformers' experts needs multiples of 16 bytes: use a smaller tensor_parallel_size")
+    loads = {
+        "gate_up_proj": Load(f"{name}.gate_up_proj", 1, ((lo, hi), (inter + lo, inter + hi))),
+        "down_proj": Load(f"{name}.down_proj", 2, ((lo, hi),)),
+    }
+    return Replacement(name, "experts", hidden, hi - lo, False, loads)
+
+
+def _moe_block(model: nn.Module, experts: str, router: str) -> tuple[str, str]:
+    """(block, router) names for the experts module `experts`: its parent must hold the
+    experts and the router only (a shared expert's output would be summed over TP too)."""
+    block_name, _, child = experts.rpartition(".")
+    block = model.get_submodule(block_name)
+    holders = {n for n, m in block.named_children() if any(True for _ in m.parameters())}
+    if router not in holders or holders - {child, router} or any(True for _ in block.parameters(recurse=False)):
+        raise ValueError(f"tpcore.hf: MoE block {block_name!r} ({type(block).__name__}) holds {sorted(holders)}; expected "
+                         f"{child!r} and a router {router!r} only (shared experts are not supported)")
+    return block_name, f"{block_name}.{router}"
 
 
 def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, int], ...]]:
@@ -278,9 +322,10 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
     roles = [("column", p) for p in column] + [("row", p) for p in row]
     roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
     roles += [("norm", p) for p in policy.split_norms] + [("per_head", p) for p in policy.per_head_weights]
+    roles += [("experts", p) for p in policy.moe_experts]
     plan = Plan(policy, layout)
     head_norms = policy.head_norm_patterns(config)
-    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "per_head": [], "head": []}
+    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "per_head": [], "experts": [], "head": []}
     for name, module in model.named_modules():
         found = [(role, p) for role, p in roles if match(p, name)]
         if len(found) > 1:
@@ -295,6 +340,11 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 by_role[role].append(_split_norm(name, module, policy.split_norms[pattern], layout))
             elif role == "per_head":
                 by_role[role].append(_per_head(name, module, policy.per_head_weights[pattern], layout))
+            elif role == "experts":
+                by_role[role].append(_experts(name, module, layout))
+                plan.moe_blocks.append(_moe_block(model, name, policy.moe_router))
+                if isinstance(getattr(module, "intermediate_dim", None), int):
+                    plan.attributes.append((name, "intermediate_dim", by_role[role][-1].out_features))
             else:
                 by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
         if any(match(p, name) for p in head_norms):
@@ -314,5 +364,5 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 "the model's module names differ from the policy's patterns"
             )
     # Embeddings first: a tied LM head reuses the embedding's new weight.
-    plan.replacements = by_role["embedding"] + by_role["column"] + by_role["row"] + by_role["norm"] + by_role["per_head"] + by_role["head"]
+    plan.replacements = [rep for role in ("embedding", "column", "row", "norm", "per_head", "experts", "head") for rep in by_role[role]]
     return plan

@@ -46,7 +46,8 @@ ATTRIBUTE_KINDS = {
 """What a per-rank attention attribute counts (see `Policy.attention_attributes`)."""
 
 # Styles of HF's `base_model_tp_plan` that map onto tpcore's layers; other styles
-# (sequence_parallel norms, MoE experts, ...) leave the module replicated, which is correct.
+# (sequence_parallel norms, ...) leave the module replicated, which is correct. MoE experts
+# (`moe_tp_experts`, `packed_colwise`) come from `Policy.moe_experts`, not from the plan.
 _TP_PLAN_COLUMN = {"colwise": "plain", "local_colwise": "plain", "colwise_gather_output": "plain"}
 _TP_PLAN_ROW = {"rowwise", "local_rowwise", "rowwise_split_input"}
 _TP_PLAN_SUMMED_GRAD = {"replicated_with_grad_allreduce"}
@@ -95,6 +96,18 @@ class Policy:
     """Config field with the number of key / value heads (GQA); None: same as `num_heads`."""
     use_tp_plan: bool = False
     """Also take column / row modules from `config.base_model_tp_plan` where it has one."""
+    moe_experts: tuple[str, ...] = ()
+    """Patterns of fused experts modules (transformers' `*Experts`: `gate_up_proj`
+    `[experts, 2 x inter, hidden]`, `down_proj` `[experts, hidden, inter]`). Each rank keeps
+    every expert's slice of the intermediate features; the parent (the sparse MoE block)
+    takes its input through f and its output through g, once per block, and its router
+    stays replicated with its gradient summed over TP."""
+    moe_router: str = "gate"
+    """The attribute of a sparse MoE block that holds its router."""
+    expert_parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Fused experts parameter -> the per-expert checkpoint tensors it concatenates, relative
+    to the experts module, `{e}` the expert: transformers saves Mixtral's `gate_up_proj` as
+    `{e}.w1.weight` (gate) and `{e}.w3.weight` (up)."""
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     """(regex on a parameter's name, replacement): other names the tensor may have in a
     checkpoint (transformers renames some keys on save, e.g. GPT-NeoX's `lm_head` to `embed_out`)."""
@@ -109,6 +122,10 @@ class Policy:
         for pattern, kind in (*self.split_norms.items(), *self.per_head_weights.items()):
             if kind not in ("heads", "kv_heads"):
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: {pattern!r} has kind {kind!r}; one of ['heads', 'kv_heads']")
+        for leaf, parts in self.expert_parts.items():
+            if leaf not in ("gate_up_proj", "down_proj") or not parts or any("{e}" not in t for t in parts):
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: expert_parts {leaf!r}: {parts!r}; keys gate_up_proj / down_proj, "
+                                 "each a non-empty tuple of key templates with {e}")
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
 
@@ -142,7 +159,7 @@ def match(pattern: str, module_name: str) -> bool:
     return _compile(pattern).match(module_name) is not None
 
 
-# The table. Module names checked against transformers 5.23 (and older releases' names
+# The table. Module names checked against transformers 5.24 (and older releases' names
 # where they differ: GPT-NeoX's `embed_out`, Llama's per-module head counts before 4.48).
 _DECODER_ATTRIBUTES = {"num_key_value_groups": "kv_groups", "num_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width"}
 
@@ -214,6 +231,23 @@ COHERE = _like_llama("cohere", ("cohere", "cohere2"), per_head_weights=dict(zip(
 # projections, their mean of squares summed over TP.
 OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=dict(zip(_QK_NORMS, ("heads", "kv_heads"))))
 
+# Sparse MoE blocks: a router (`mlp.gate`) and fused experts (`mlp.experts`), which
+# transformers saves expert by expert.
+_EXPERTS = ("layers.*.mlp.experts",)
+_EXPERT_PARTS = {"gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"), "down_proj": ("{e}.down_proj.weight",)}
+
+# Mixtral's checkpoints keep the original names: `block_sparse_moe`, experts' w1 (gate), w3 (up), w2 (down).
+MIXTRAL = _like_llama("mixtral", ("mixtral",), moe_experts=_EXPERTS,
+                      expert_parts={"gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)},
+                      checkpoint_renames=((r"\.mlp\.", ".block_sparse_moe."),))
+
+# Qwen3-MoE: Qwen3's q / k norms per head; layers listed in `mlp_only_layers` keep a dense MLP.
+QWEN3_MOE = _like_llama("qwen3_moe", ("qwen3_moe",), head_norms=_QK_NORMS, moe_experts=_EXPERTS, expert_parts=_EXPERT_PARTS)
+
+# OLMoE: OLMo 2's q / k norms over all heads (weight applied after the cast back).
+OLMOE = _like_llama("olmoe", ("olmoe",), split_norms=dict(zip(_QK_NORMS, ("heads", "kv_heads"))), moe_experts=_EXPERTS,
+                    expert_parts=_EXPERT_PARTS)
+
 PHI3 = Policy(
     name="phi3",
     # Fused q|k|v and gate|up projections (Phi-3, Phi-3.5, Phi-4-mini). HF's own tp_plan
@@ -280,5 +314,5 @@ def get_policy(config) -> Policy:
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, PHI3, BERT):
+for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, MIXTRAL, QWEN3_MOE, OLMOE, PHI3, BERT):
     register_policy(_policy)

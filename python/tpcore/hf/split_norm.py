@@ -23,15 +23,18 @@ __all__ = ["SplitRMSNorm"]
 
 class SplitRMSNorm(nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)` over a feature dim split over the TP group, in
-    float32 with the weight applied before casting back (as transformers' `Olmo2RMSNorm`).
+    float32 with the weight applied before casting back (as transformers' `Olmo2RMSNorm`),
+    or after it with `weight_after_cast` (as `OlmoeRMSNorm`).
 
     Shapes: input `[..., features/tp]` (this rank's heads), weight `[features/tp]`; output
     like the input. The mean runs over all `features`.
     """
 
     def __init__(self, local_features: int, eps: float, *, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 weight_after_cast: bool = False) -> None:
         super().__init__()
+        self.weight_after_cast = weight_after_cast
         self.group = resolve_tensor_group(group)
         self.tp_size = dist.get_world_size(self.group)
         self.variance_epsilon = eps
@@ -44,7 +47,10 @@ class SplitRMSNorm(nn.Module):
         if self.tp_size > 1:  # forward and backward: the sum over every rank
             squares = copy_to_tensor_parallel(reduce_from_tensor_parallel(squares, self.group), self.group)
         variance = squares / (hidden.shape[-1] * self.tp_size)
-        return (self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))).to(dtype)
+        normed = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight_after_cast:
+            return self.weight * normed.to(dtype)
+        return (self.weight * normed).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, eps={self.variance_epsilon}"
