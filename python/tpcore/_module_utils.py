@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -15,3 +18,20 @@ def to_empty_keeping_attributes(module: nn.Module, device: torch.device | str) -
     for name, p in module.named_parameters():
         p.__dict__.update(attributes[name])
     return module
+
+
+class SharesProcessGroups:
+    """Mixed into tpcore's modules that hold a process group: `copy.deepcopy` gives a copy
+    that shares the group and copies everything else (weights, buffers, submodules). A
+    group is a handle on the ranks' communicator, which cannot be copied; before this,
+    deep-copying a split model (a reference model for DPO, an EMA copy) raised "cannot
+    pickle ProcessGroup"."""
+
+    def __deepcopy__(self, memo: dict) -> "SharesProcessGroups":
+        for value in vars(self).values():
+            if isinstance(value, dist.ProcessGroup):
+                memo.setdefault(id(value), value)
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone

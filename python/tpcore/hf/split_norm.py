@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._module_utils import SharesProcessGroups
 from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 __all__ = ["SplitRMSNorm"]
 
 
-class SplitRMSNorm(nn.Module):
+class SplitRMSNorm(SharesProcessGroups, nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)` over a feature dim split over the TP group, in
     float32 with the weight applied before casting back (as transformers' `Olmo2RMSNorm`),
     or after it with `weight_after_cast` (as `OlmoeRMSNorm`).

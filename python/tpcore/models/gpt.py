@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
-from .._module_utils import to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -70,7 +70,7 @@ def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
             p.sequence_parallel = True
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(SharesProcessGroups, nn.Module):
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
         super().__init__()
         c, tp = config, dist.get_world_size(group)
@@ -157,7 +157,7 @@ class ParallelBlock(nn.Module):
         return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
 
 
-class ParallelEmbedding(nn.Module):
+class ParallelEmbedding(SharesProcessGroups, nn.Module):
     """Word (vocab-parallel) plus learned positions; `[b, s]` ids -> `[s(/tp), b, h]`."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
@@ -189,7 +189,7 @@ class ParallelEmbedding(nn.Module):
         return _dropout(self.dropout, x, self.config.sequence_parallel)
 
 
-class _TiedHeadWeight(nn.Module):
+class _TiedHeadWeight(SharesProcessGroups, nn.Module):
     """The last pipeline stage's copy of the word embedding, for the tied LM head: named
     `embedding.word.weight` as on the first stage (the embedding group keeps them equal)."""
 
@@ -223,7 +223,7 @@ def _check_layer_indices(layers: Sequence[int], num_layers: int) -> list[int]:
     return layers
 
 
-class GPTModel(nn.Module):
+class GPTModel(SharesProcessGroups, nn.Module):
     """Tensor-parallel GPT; the same function as `ReferenceGPT` for every TP size.
 
     `GPTModel(config)` takes one seed from the default generator (seed every rank alike)

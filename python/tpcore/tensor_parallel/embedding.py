@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
-from .._module_utils import to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
@@ -45,7 +45,7 @@ def pad_vocab_size(vocab_size: int, tensor_parallel_size: int, make_vocab_size_d
     return -(-vocab_size // multiple) * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
     """`nn.Embedding` with the table split along the vocabulary over the TP group.
 
     Shapes: weight `[padded_vocab/tp, dim]` (padding rows are zero and never looked up);

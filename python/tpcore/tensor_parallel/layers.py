@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
-from .._module_utils import to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
@@ -72,7 +72,7 @@ def _master_parameters(
     return weight, bias
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(SharesProcessGroups, nn.Module):
     """Shared construction of the two layers; `shard_dim` is the weight dim split over TP."""
 
     shard_dim: int
