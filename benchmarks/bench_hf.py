@@ -4,7 +4,7 @@
                                   [--tp 1 2] [--cpu-backends tpcore gloo]
 
 The model (default: a Llama of 159M parameters, 636 MB in fp32, random weights, built
-from a config and saved with save_pretrained) is run
+from a config and saved with save_pretrained; `--experts N`: a Mixtral, sparse MoE) is run
 - by plain transformers in a fresh process (all cores, and 1 thread),
 - by tpcore.hf at TP=1 and TP=2, each rank a fresh worker started by tpcore.hf.launch
   (cores / TP threads each, so every contender uses the same cores); on CPU each TP size
@@ -227,16 +227,25 @@ def _all_ranks(model, fn):
     return values
 
 
+def model_name(args) -> str:
+    """What `_save_model` builds, for the report."""
+    return f"Mixtral, {args.experts} experts, top-{args.top_k}" if args.experts else "Llama"
+
+
 def _save_model(args, path: str) -> int:
     import transformers
 
-    config = transformers.LlamaConfig(
+    sizes = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=2048,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    if args.experts:  # each expert as wide as --ffn
+        config = transformers.MixtralConfig(**sizes, num_local_experts=args.experts, num_experts_per_tok=args.top_k)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -249,7 +258,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--ffn", type=int, default=2816, help="MLP width (each expert's with --experts)")
+    parser.add_argument("--experts", type=int, default=0, help="build a Mixtral (sparse MoE) with this many experts")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token, with --experts")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=3)
@@ -271,7 +282,7 @@ def main() -> None:
         path = args.model or tmp
         if args.model is None:
             params = _save_model(args, path)
-            print(f"model: Llama, {params / 1e6:.0f}M parameters, {params * 4 / MIB:.0f} MiB fp32 (random weights)", flush=True)
+            print(f"model: {model_name(args)}, {params / 1e6:.0f}M parameters, {params * 4 / MIB:.0f} MiB fp32 (random weights)", flush=True)
         vocab = __import__("transformers").AutoConfig.from_pretrained(path).vocab_size
         prompt = torch.randint(0, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         ctx = mp.get_context("spawn")

@@ -43,7 +43,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hf import MIB, NOISY, _save_model, add_model_args, ms, per_token_latency  # noqa: E402  (the same model as bench_hf.py)
+from bench_hf import MIB, NOISY, _save_model, add_model_args, model_name, ms, per_token_latency  # noqa: E402  (the same model as bench_hf.py)
 from ranks import collect_results  # noqa: E402
 
 _TIMEOUT_S = 1800
@@ -243,7 +243,7 @@ def main() -> None:
         path = args.model or tmp
         if args.model is None:
             params = _save_model(args, path)
-            print(f"model: Llama, {params / 1e6:.0f}M parameters, {params * 4 / MIB:.0f} MiB fp32 (random weights)", flush=True)
+            print(f"model: {model_name(args)}, {params / 1e6:.0f}M parameters, {params * 4 / MIB:.0f} MiB fp32 (random weights)", flush=True)
         vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
         prompt = torch.randint(0, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         for threads in (None, 1):  # None: torch's default (all cores)
