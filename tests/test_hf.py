@@ -75,6 +75,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(  # a dense MLP in layer 1
         **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
         norm_topk_prob=True, output_router_logits=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", lambda: transformers.Qwen2MoeConfig(  # a shared expert beside the routed ones
+        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, output_router_logits=True)),
     "olmoe": ("OlmoeForCausalLM", lambda: transformers.OlmoeConfig(
         **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
     "gpt_neox": ("GPTNeoXForCausalLM", lambda: transformers.GPTNeoXConfig(
@@ -84,7 +87,7 @@ FAMILIES = {
     "roberta": ("RobertaForMaskedLM", lambda: transformers.RobertaConfig(**_ENCODER, pad_token_id=1)),
 }
 ENCODERS = {"bert", "bert_model", "roberta"}
-MOE = {"mixtral", "qwen3_moe", "olmoe"}
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 SPLIT_QK_NORMS = {"olmo2", "olmo3", "cohere", "olmoe"}  # q / k norm weights cut by heads (not replicated)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -124,11 +127,23 @@ def load_dense(path: str, cls: str, dtype: torch.dtype):
 
 
 def _outputs(model, ids, mask) -> dict[str, torch.Tensor]:
-    """Hidden states, logits / pooled output, on the real (unpadded) positions, in float32."""
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    """Hidden states, logits / pooled output, on the real (unpadded) positions, in float32;
+    and each MoE router's choice: `experts[layer]` the chosen experts (sorted), `probs[layer]`
+    the router's probabilities."""
+    routes, handles = {}, []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):  # (logits, weights, indices)
+            layer = int(name.split("layers.")[1].split(".")[0])
+            handles.append(module.register_forward_hook(lambda m, a, out, layer=layer: routes.update(
+                {f"experts[{layer}]": out[2].sort(-1).values, f"probs[{layer}]": out[0].float().softmax(-1)})))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    finally:
+        for handle in handles:
+            handle.remove()
     keep = (torch.ones_like(ids) if mask is None else mask).bool()
-    result = {f"hidden_states[{i}]": h[keep].float() for i, h in enumerate(out.hidden_states)}
+    result = {f"hidden_states[{i}]": h[keep].float() for i, h in enumerate(out.hidden_states)} | routes
     if getattr(out, "logits", None) is not None:
         result["logits"] = out.logits[keep].float()
     if getattr(out, "pooler_output", None) is not None:
@@ -146,19 +161,47 @@ def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
     assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
     if exact is None:
         for name in want:
-            assert_close(got[name], want[name], f"{what} {name}")
+            if name.startswith("experts"):
+                assert torch.equal(got[name], want[name]), f"{what}: {name} differ from the dense model's"
+            else:
+                assert_close(got[name], want[name], f"{what} {name}")
         return
     truth = _outputs(exact, ids, mask)
+    last = _routed_alike(want, got, truth, what)
     for name in want:
+        if name.startswith(("experts", "probs")) or (name.startswith("hidden") and int(name[14:-1]) > last) or (name == "logits" and last < 1e9):
+            continue
         dense_error = (want[name] - truth[name]).abs().max().item()
         error = (got[name] - truth[name]).abs().max().item()
         assert error <= 2 * dense_error, f"{what} {name}: max |split - fp32| {error:.3g} > 2 x max |dense - fp32| {dense_error:.3g}"
 
 
+def _routed_alike(want, got, truth, what: str) -> int:
+    """The last hidden state that MoE routing leaves comparable: where the split bf16 model
+    routes a token to other experts than the float32 model, that token must be a near-tie
+    there (the k-th and (k+1)-th experts' probabilities in the float32 model closer than
+    twice the dense bf16 model's own error on them), and the outputs from that layer on
+    differ by whole experts: only the hidden states up to that layer's input compare.
+    Without MoE, or with the float32 model's routing everywhere: every output (1e9)."""
+    for layer in sorted(int(k[8:-1]) for k in got if k.startswith("experts")):
+        chosen, fp32 = got[f"experts[{layer}]"], truth[f"experts[{layer}]"]
+        moved = (chosen != fp32).any(-1)
+        if not moved.any():
+            continue
+        k = chosen.shape[-1]
+        ranked = truth[f"probs[{layer}]"].sort(-1, descending=True).values
+        margin = (ranked[:, k - 1] - ranked[:, k])[moved]
+        bound = 2 * (want[f"probs[{layer}]"] - truth[f"probs[{layer}]"]).abs().max().item()
+        assert (margin <= bound).all(), f"{what}: layer {layer} routes tokens {moved.nonzero().flatten().tolist()} to other experts " \
+                                        f"than the float32 model; their top-{k} margins {margin.tolist()} exceed the bf16 error bound {bound:.3g}"
+        return layer
+    return int(1e9)
+
+
 def _explained_by_near_tie(dense, exact, want, got, what: str) -> None:
     """At the first step where `got` leaves the dense greedy ids `want`, the dense bf16 model's
     logits of the two tokens must be closer than twice its own error against float32 there:
-    a near-tie that bf16 rounding may break either way, not a wrong model."""
+    a near-tie that bf16 rounding may break either way (MoE routing included), not a wrong model."""
     row, step = next((r, c) for r in range(want.shape[0]) for c in range(want.shape[1]) if want[r, c] != got[r, c])
     prefix = want[row : row + 1, :step]
     with torch.no_grad():
@@ -166,7 +209,8 @@ def _explained_by_near_tie(dense, exact, want, got, what: str) -> None:
         truth = exact(prefix).logits[0, -1].float()
     bound = 2 * (logits - truth).abs().max().item()
     gap = (logits[want[row, step]] - logits[got[row, step]]).item()
-    assert 0 <= gap <= bound, f"{what}: greedy ids differ at row {row} position {step}: dense logit gap {gap:.3g} > bf16 error bound {bound:.3g}"
+    # A negative gap: the dense model's own forward of the prefix (no KV cache) prefers the split model's token.
+    assert abs(gap) <= bound, f"{what}: greedy ids differ at row {row} position {step}: dense logit gap {gap:.3g} > bf16 error bound {bound:.3g}"
 
 
 def compare_generation(dense, parallel, ids, what: str, exact=None) -> None:
@@ -259,7 +303,7 @@ def _backward_job(rank, world, name, path):
         for n, p in replicated:  # norms, position embeddings, row-parallel biases
             assert_close(p.grad, dense_params[n].grad, f"{what} grad of {n}")
         for rep in model.tpcore_plan.replacements:  # norms split by heads, experts: this rank's slice of the dense gradient
-            if rep.role in ("norm", "per_head", "experts"):
+            if rep.role in ("norm", "per_head", "experts", "shared"):
                 for attr, load in rep.loads.items():
                     dense_grad = dense_params[load.key].grad
                     want = torch.cat([dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
@@ -268,7 +312,7 @@ def _backward_job(rank, world, name, path):
             other = load_dense(path, cls, torch.float32).requires_grad_(False)
             other = tpcore.hf.parallelize(other).requires_grad_(True)
             hooked = other.tpcore_plan.head_norms + [r.name for r in other.tpcore_plan.replacements if r.kv_replicated]
-            hooked += [router for _, router in other.tpcore_plan.moe_blocks]
+            hooked += [router for _, router in other.tpcore_plan.moe_blocks] + other.tpcore_plan.moe_summed
             for module in map(other.get_submodule, hooked):  # new Parameter objects (all: ties would break)
                 module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
             other(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -298,14 +342,14 @@ def _backward_job(rank, world, name, path):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral",
-                                  "qwen3_moe", "olmoe"])
+                                  "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_backward_matches_dense(cpu_ranks, tmp_path, name):
     """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert),
     q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled embedding and one
     KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused gate|up (phi3), q / k norms over
     all heads, the k norm's KV heads replicated at TP=4 (olmo2), a weight row per head, replicated KV rows at TP=4
     (cohere), sparse MoE blocks with the load-balancing loss: router, experts and the block's input
-    (mixtral; qwen3_moe beside a dense MLP layer; olmoe with split q / k norms)."""
+    (mixtral; qwen2_moe with a gated shared expert; qwen3_moe beside a dense MLP layer; olmoe with split q / k norms)."""
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_backward_job, name, path))
 

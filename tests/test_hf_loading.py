@@ -29,7 +29,7 @@ def test_pattern_matching():
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3", "gpt_neox",
-                                  "phi3", "olmo2", "olmo3", "cohere", "cohere2", "mixtral", "qwen3_moe", "olmoe"])
+                                  "phi3", "olmo2", "olmo3", "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_policy_tables_agree_with_transformers_tp_plan(name):
     """Where transformers ships a `base_model_tp_plan`, each colwise / rowwise module of it is
     in the family's table with the same role, and each module it replicates with summed

@@ -5,6 +5,7 @@ refuses, damaged checkpoints, router jitter, and the split q / k norms' rounding
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -67,32 +68,31 @@ def test_unsplittable_experts_fail_in_the_plan():
     make_plan(_meta("mixtral", intermediate_size=48), 4, 0)
 
 
-def _register(model_type: str) -> None:
-    moe = tpcore.hf.get_policy(transformers.MixtralConfig())
-    tpcore.hf.register_policy(tpcore.hf.Policy(name=model_type, model_types=(model_type,), column=moe.column, row=moe.row,
-                                               embedding=moe.embedding, head=moe.head, moe_experts=moe.moe_experts,
-                                               attention=moe.attention, attention_attributes=moe.attention_attributes,
-                                               num_kv_heads="num_key_value_heads"))
-
-
-def test_shared_experts_and_other_expert_layouts_are_refused():
-    """A shared expert beside the routed ones (Qwen2-MoE) would have its output summed over TP;
-    experts with biases (gpt-oss) are not the layout the plan cuts."""
+def test_modules_a_policy_does_not_account_for_are_refused():
+    """A shared expert the policy does not cut would have its output summed over TP by the
+    block's g; experts with biases (gpt-oss) are not the layout the plan cuts."""
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, num_experts=4)
-    for model_type, config, message in [
-        ("qwen2_moe", transformers.Qwen2MoeConfig(**small, moe_intermediate_size=32, shared_expert_intermediate_size=32),
-         "holds ['experts', 'gate', 'shared_expert', 'shared_expert_gate']; expected 'experts' and a router 'gate' only"),
-        ("gpt_oss", transformers.GptOssConfig(**small, num_local_experts=4, head_dim=8),
-         "expected gate_up_proj [experts, 2 x inter, hidden] (gate half first) and down_proj"),
-    ]:
-        _register(model_type)
-        try:
-            with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(config)
-            expect_error(ValueError, message, make_plan, model, 2, 0)
-        finally:
-            tpcore.hf.unregister_policy(model_type)
+    qwen2_moe = tpcore.hf.unregister_policy("qwen2_moe")
+    moe = tpcore.hf.get_policy(transformers.MixtralConfig())
+    try:
+        for model_type, config, message in [
+            ("qwen2_moe", transformers.Qwen2MoeConfig(**small, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+             "holds ['experts', 'gate', 'shared_expert', 'shared_expert_gate']; the policy accounts for 'experts', a router 'gate' "
+             "and its moe_shared / moe_summed modules, not ['model.layers.0.mlp.shared_expert.down_proj', "),
+            ("gpt_oss", transformers.GptOssConfig(**small, num_local_experts=4, head_dim=8),
+             "expected gate_up_proj [experts, 2 x inter, hidden] (gate half first) and down_proj"),
+        ]:  # Mixtral's policy (experts and a router, nothing else) under other model types
+            tpcore.hf.register_policy(dataclasses.replace(moe, name=model_type, model_types=(model_type,), expert_parts={},
+                                                          checkpoint_renames=()))
+            try:
+                with torch.device("meta"):
+                    model = transformers.AutoModelForCausalLM.from_config(config)
+                expect_error(ValueError, message, make_plan, model, 2, 0)
+            finally:
+                tpcore.hf.unregister_policy(model_type)
+    finally:
+        tpcore.hf.register_policy(qwen2_moe)
 
 
 def _damaged(tmp_path) -> list[tuple[str, type, list[str]]]:

@@ -52,7 +52,7 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
 
 
 # Roles whose module is kept, its parameters cut (see plan.py).
-_KEPT = ("per_head", "experts")
+_KEPT = ("per_head", "experts", "shared")
 
 
 def _kept_shape(param: nn.Parameter, load: Load) -> nn.Parameter:

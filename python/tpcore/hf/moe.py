@@ -83,3 +83,5 @@ def install_moe_blocks(model: nn.Module, group: dist.ProcessGroup) -> None:
         _hook_block(model.get_submodule(block_name), block_name, group)
         _hook_module(router, lambda p: copy_to_tensor_parallel(p, group))
         _hook_router(router, plan.layout.tp_size)
+    for name in plan.moe_summed:
+        _hook_module(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))

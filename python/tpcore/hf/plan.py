@@ -12,101 +12,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .moe_plan import check_moe_blocks, experts_slices, shared_linear
 from .policy import Policy, get_policy, match
+from .slices import HeadLayout, Load, Replacement, chunk, linear_shape
 
 __all__ = ["Load", "Replacement", "Plan", "HeadLayout", "make_plan"]
-
-
-@dataclass(frozen=True)
-class Load:
-    """Where one parameter of the parallel model comes from in the dense state dict."""
-
-    key: str
-    """The parameter's name in the dense model / checkpoint."""
-    dim: int | None = None
-    """The dim of the stored tensor that is cut; None: the whole tensor."""
-    ranges: tuple[tuple[int, int], ...] = ()
-    """`[start, stop)` ranges along `dim`, concatenated in order."""
-    rows: int | None = None
-    """Zero-pad dim 0 of the result to this many rows (vocab padding)."""
-    transpose: bool = False
-    """Transpose the 2-D result (GPT-2's Conv1D stores weights `[in, out]`)."""
-
-
-@dataclass
-class Replacement:
-    """One module to replace (column / row / embedding / head / norm), or to keep with its
-    parameters cut (per_head / experts)."""
-
-    name: str
-    role: str
-    in_features: int
-    out_features: int
-    """For column layers the size the tpcore layer is built with (tp x this rank's rows)."""
-    bias: bool
-    loads: dict[str, Load]
-    """Parameter attribute ("weight", "bias") -> its slice."""
-    padding_idx: int | None = None
-    vocab_size: int | None = None
-    kv_replicated: bool = False
-    """Column layer of KV heads copied on several ranks (TP > KV heads)."""
-    kv_rows: tuple[int, int] | None = None
-    """With `kv_replicated`: `[start, stop)` of this rank's output rows that are KV copies
-    (the k and v blocks of a fused q|k|v layer); None: every row."""
-    embed_scale: float | None = None
-    """The constant a scaled word embedding multiplies its lookup by (Gemma's)."""
-    eps: float | None = None
-    """A split norm's epsilon."""
-    weight_after_cast: bool = False
-    """A split norm that multiplies by its weight after casting back to the input dtype (OLMoE's)."""
-
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """Head counts of the dense model and of this rank."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tp_size: int
-    tp_rank: int
-
-    @property
-    def local_heads(self) -> int:
-        return self.heads // self.tp_size
-
-    @property
-    def kv_replicated(self) -> bool:
-        """TP is larger than the KV head count: each rank keeps a copy of the one KV head its queries use."""
-        return self.kv_heads % self.tp_size != 0
-
-    @property
-    def local_kv_heads(self) -> int:
-        return 1 if self.kv_replicated else self.kv_heads // self.tp_size
-
-    def kv_head_ranges(self) -> tuple[tuple[int, int], ...]:
-        """This rank's KV heads as a `[start, stop)` range of output features."""
-        if self.kv_replicated:
-            first = self.tp_rank * self.local_heads * self.kv_heads // self.heads
-        else:
-            first = self.tp_rank * self.local_kv_heads
-        return ((first * self.head_dim, (first + self.local_kv_heads) * self.head_dim),)
-
-    def head_range(self, kind: str) -> tuple[int, int]:
-        """This rank's `[start, stop)` of the output features of a projection of the query
-        heads ("heads") or of the KV heads ("kv_heads")."""
-        if kind == "heads":
-            width = self.local_heads * self.head_dim
-            return self.tp_rank * width, (self.tp_rank + 1) * width
-        return self.kv_head_ranges()[0]
-
-    def attribute(self, kind: str) -> int:
-        return {
-            "heads": self.local_heads,
-            "kv_heads": self.local_kv_heads,
-            "width": self.local_heads * self.head_dim,
-            "kv_groups": self.local_heads // self.local_kv_heads,
-        }[kind]
 
 
 @dataclass
@@ -117,13 +27,15 @@ class Plan:
     layout: HeadLayout
     replacements: list[Replacement] = field(default_factory=list)
     attributes: list[tuple[str, str, int]] = field(default_factory=list)
-    """(attention module name, attribute, per-rank value)."""
+    """(module name, attribute, per-rank value): attention head counts, experts' and shared linears' widths."""
     head_norms: list[str] = field(default_factory=list)
     """Replicated modules whose gradients are summed over TP in backward (see `Policy.head_norms`)."""
     configs: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     """(attention module name, config fields it sees per rank) (see `Policy.attention_config`)."""
     moe_blocks: list[tuple[str, str]] = field(default_factory=list)
     """(sparse MoE block name, its router's name) (see `Policy.moe_experts`)."""
+    moe_summed: list[str] = field(default_factory=list)
+    """Modules inside MoE blocks kept whole with their gradients summed (`Policy.moe_summed`)."""
 
 
 def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayout:
@@ -144,24 +56,8 @@ def _head_layout(config, policy: Policy, tp_size: int, tp_rank: int) -> HeadLayo
     return HeadLayout(heads, kv_heads, head_dim, tp_size, tp_rank)
 
 
-def _chunk(size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
-    if size % tp_size:
-        raise ValueError(f"tpcore.hf: {what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
-    step = size // tp_size
-    return tp_rank * step, (tp_rank + 1) * step
-
-
-def _linear_shape(name: str, module: nn.Module) -> tuple[int, int, bool]:
-    """(in_features, out_features, stored transposed) of an nn.Linear or HF's Conv1D."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nx"):
-        return module.nx, module.nf, True
-    raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Linear or Conv1D")
-
-
 def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Replacement:
-    fan_in, fan_out, transposed = _linear_shape(name, module)
+    fan_in, fan_out, transposed = linear_shape(name, module)
     tp, rank = layout.tp_size, layout.tp_rank
     what = f"{name} output features"
     if kind == "kv_heads":
@@ -179,9 +75,9 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
         if fan_out % 2:
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 2 equal halves")
         half = fan_out // 2
-        ranges = tuple((b * half + lo, b * half + hi) for b in range(2) for lo, hi in [_chunk(half, tp, rank, what)])
+        ranges = tuple((b * half + lo, b * half + hi) for b in range(2) for lo, hi in [chunk(half, tp, rank, what)])
     else:  # plain, heads, qkv_per_head: whole heads are contiguous rows
-        ranges = (_chunk(fan_out, tp, rank, what),)
+        ranges = (chunk(fan_out, tp, rank, what),)
     local = sum(hi - lo for lo, hi in ranges)
     dim = 1 if transposed else 0
     loads = {"weight": Load(f"{name}.weight", dim, ranges, transpose=transposed)}
@@ -194,8 +90,8 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
 
 
 def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
-    fan_in, fan_out, transposed = _linear_shape(name, module)
-    ranges = (_chunk(fan_in, layout.tp_size, layout.tp_rank, f"{name} input features"),)
+    fan_in, fan_out, transposed = linear_shape(name, module)
+    ranges = (chunk(fan_in, layout.tp_size, layout.tp_rank, f"{name} input features"),)
     loads = {"weight": Load(f"{name}.weight", 0 if transposed else 1, ranges, transpose=transposed)}
     if module.bias is not None:
         loads["bias"] = Load(f"{name}.bias")
@@ -233,44 +129,6 @@ def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Re
                        kv_replicated=kind == "kv_heads" and layout.kv_replicated)
 
 
-def _experts(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
-    """Fused experts kept as they are, each expert's intermediate features cut: the gate and
-    up halves of `gate_up_proj` `[E, 2I, H]` along dim 1, `down_proj` `[E, H, I]` along dim 2."""
-    params = {n: p for n, p in module.named_parameters()}
-    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    layout_flags = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}
-    odd = [f for f, want in layout_flags.items() if getattr(module, f, want) != want]
-    if set(params) != {"gate_up_proj", "down_proj"} or gate_up.dim() != 3 or down.dim() != 3 or odd:
-        shapes = {n: list(p.shape) for n, p in params.items()}
-        raise ValueError(f"tpcore.hf: experts {name!r} ({type(module).__name__}) hold {shapes}{' with ' + str(odd) if odd else ''}; "
-                         "expected gate_up_proj [experts, 2 x inter, hidden] (gate half first) and down_proj [experts, hidden, inter], no bias")
-    experts, inter, hidden = down.shape[0], down.shape[2], down.shape[1]
-    if tuple(gate_up.shape) != (experts, 2 * inter, hidden):
-        raise ValueError(f"tpcore.hf: experts {name!r}: gate_up_proj {list(gate_up.shape)} does not match down_proj {list(down.shape)}")
-    lo, hi = _chunk(inter, layout.tp_size, layout.tp_rank, f"{name} intermediate features")
-    if (hi - lo) * down.element_size() % 16:  # down_proj's rows: torch's grouped GEMM fails on them
-        raise ValueError(f"tpcore.hf: experts {name!r}: {hi - lo} intermediate features per rank ({inter} / tensor_parallel_size "
-                         f"{layout.tp_size}) in {down.dtype} make rows of {(hi - lo) * down.element_size()} bytes; the grouped GEMM "
-                         "of transformers' experts needs multiples of 16 bytes: use a smaller tensor_parallel_size")
-    loads = {
-        "gate_up_proj": Load(f"{name}.gate_up_proj", 1, ((lo, hi), (inter + lo, inter + hi))),
-        "down_proj": Load(f"{name}.down_proj", 2, ((lo, hi),)),
-    }
-    return Replacement(name, "experts", hidden, hi - lo, False, loads)
-
-
-def _moe_block(model: nn.Module, experts: str, router: str) -> tuple[str, str]:
-    """(block, router) names for the experts module `experts`: its parent must hold the
-    experts and the router only (a shared expert's output would be summed over TP too)."""
-    block_name, _, child = experts.rpartition(".")
-    block = model.get_submodule(block_name)
-    holders = {n for n, m in block.named_children() if any(True for _ in m.parameters())}
-    if router not in holders or holders - {child, router} or any(True for _ in block.parameters(recurse=False)):
-        raise ValueError(f"tpcore.hf: MoE block {block_name!r} ({type(block).__name__}) holds {sorted(holders)}; expected "
-                         f"{child!r} and a router {router!r} only (shared experts are not supported)")
-    return block_name, f"{block_name}.{router}"
-
-
 def _vocab_rows(vocab: int, layout: HeadLayout) -> tuple[int, tuple[tuple[int, int], ...]]:
     rows = -(-vocab // layout.tp_size)
     start = layout.tp_rank * rows
@@ -303,7 +161,7 @@ def _embedding(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
 
 
 def _head(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
-    fan_in, vocab, transposed = _linear_shape(name, module)
+    fan_in, vocab, transposed = linear_shape(name, module)
     if transposed:
         raise ValueError(f"tpcore.hf: LM head {name!r} is a Conv1D; only nn.Linear heads are supported")
     rows, ranges = _vocab_rows(vocab, layout)
@@ -311,6 +169,11 @@ def _head(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     if module.bias is not None:
         loads["bias"] = Load(f"{name}.bias", 0, ranges, rows=rows)
     return Replacement(name, "head", fan_in, rows * layout.tp_size, module.bias is not None, loads, vocab_size=vocab)
+
+
+# Every role, in the order the replacements are made: embeddings first, since a tied LM
+# head reuses the embedding's new weight.
+_ROLES = ("embedding", "column", "row", "norm", "per_head", "experts", "shared", "head")
 
 
 def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
@@ -322,10 +185,10 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
     roles = [("column", p) for p in column] + [("row", p) for p in row]
     roles += [("embedding", p) for p in policy.embedding] + [("head", p) for p in policy.head]
     roles += [("norm", p) for p in policy.split_norms] + [("per_head", p) for p in policy.per_head_weights]
-    roles += [("experts", p) for p in policy.moe_experts]
+    roles += [("experts", p) for p in policy.moe_experts] + [("shared", p) for p in policy.moe_shared]
     plan = Plan(policy, layout)
     head_norms = policy.head_norm_patterns(config)
-    by_role: dict[str, list[Replacement]] = {"embedding": [], "column": [], "row": [], "norm": [], "per_head": [], "experts": [], "head": []}
+    by_role: dict[str, list[Replacement]] = {role: [] for role in _ROLES}
     for name, module in model.named_modules():
         found = [(role, p) for role, p in roles if match(p, name)]
         if len(found) > 1:
@@ -341,14 +204,19 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
             elif role == "per_head":
                 by_role[role].append(_per_head(name, module, policy.per_head_weights[pattern], layout))
             elif role == "experts":
-                by_role[role].append(_experts(name, module, layout))
-                plan.moe_blocks.append(_moe_block(model, name, policy.moe_router))
+                by_role[role].append(experts_slices(name, module, layout))
                 if isinstance(getattr(module, "intermediate_dim", None), int):
                     plan.attributes.append((name, "intermediate_dim", by_role[role][-1].out_features))
+            elif role == "shared":
+                rep = shared_linear(name, module, policy.moe_shared[pattern], layout)
+                by_role[role].append(rep)
+                plan.attributes += [(name, "in_features", rep.in_features), (name, "out_features", rep.out_features)]
             else:
                 by_role[role].append((_embedding if role == "embedding" else _head)(name, module, layout))
         if any(match(p, name) for p in head_norms):
             plan.head_norms.append(name)
+        if any(match(p, name) for p in policy.moe_summed):
+            plan.moe_summed.append(name)
         if any(match(p, name) for p in policy.attention):
             for attribute, kind in policy.attention_attributes.items():
                 if isinstance(getattr(module, attribute, None), int):
@@ -363,6 +231,7 @@ def make_plan(model: nn.Module, tp_size: int, tp_rank: int) -> Plan:
                 f"tpcore.hf: policy {policy.name!r} found no {role} module in {type(model).__name__}; "
                 "the model's module names differ from the policy's patterns"
             )
-    # Embeddings first: a tied LM head reuses the embedding's new weight.
-    plan.replacements = [rep for role in ("embedding", "column", "row", "norm", "per_head", "experts", "head") for rep in by_role[role]]
+    accounted = {rep.name for rep in by_role["shared"]} | set(plan.moe_summed)
+    plan.moe_blocks = check_moe_blocks(model, [rep.name for rep in by_role["experts"]], policy.moe_router, accounted)
+    plan.replacements = [rep for role in _ROLES for rep in by_role[role]]
     return plan

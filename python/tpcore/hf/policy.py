@@ -104,6 +104,13 @@ class Policy:
     stays replicated with its gradient summed over TP."""
     moe_router: str = "gate"
     """The attribute of a sparse MoE block that holds its router."""
+    moe_shared: dict[str, str] = field(default_factory=dict)
+    """Pattern of an nn.Linear inside a sparse MoE block (a shared expert's) -> "column"
+    (output features cut) or "row" (input features cut): the module stays, its weight is
+    cut, and the block's f and g serve it, so it issues no collective of its own."""
+    moe_summed: tuple[str, ...] = ()
+    """Patterns of modules inside a sparse MoE block kept whole whose outputs scale the
+    block's partial sums (Qwen2-MoE's `shared_expert_gate`): their gradients are summed over TP."""
     expert_parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Fused experts parameter -> the per-expert checkpoint tensors it concatenates, relative
     to the experts module, `{e}` the expert: transformers saves Mixtral's `gate_up_proj` as
@@ -126,6 +133,9 @@ class Policy:
             if leaf not in ("gate_up_proj", "down_proj") or not parts or any("{e}" not in t for t in parts):
                 raise ValueError(f"tpcore.hf: policy {self.name!r}: expert_parts {leaf!r}: {parts!r}; keys gate_up_proj / down_proj, "
                                  "each a non-empty tuple of key templates with {e}")
+        for pattern, kind in self.moe_shared.items():
+            if kind not in ("column", "row"):
+                raise ValueError(f"tpcore.hf: policy {self.name!r}: moe_shared {pattern!r} has kind {kind!r}; one of ['column', 'row']")
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
 
@@ -236,6 +246,12 @@ OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=dict(zip(_QK_NORMS,
 _EXPERTS = ("layers.*.mlp.experts",)
 _EXPERT_PARTS = {"gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"), "down_proj": ("{e}.down_proj.weight",)}
 
+# Qwen2-MoE (Qwen1.5-MoE): a shared expert beside the routed ones, scaled by a sigmoid gate.
+QWEN2_MOE = _like_llama("qwen2_moe", ("qwen2_moe",), moe_experts=_EXPERTS, expert_parts=_EXPERT_PARTS,
+                        moe_shared={"layers.*.mlp.shared_expert.gate_proj": "column", "layers.*.mlp.shared_expert.up_proj": "column",
+                                    "layers.*.mlp.shared_expert.down_proj": "row"},
+                        moe_summed=("layers.*.mlp.shared_expert_gate",))
+
 # Mixtral's checkpoints keep the original names: `block_sparse_moe`, experts' w1 (gate), w3 (up), w2 (down).
 MIXTRAL = _like_llama("mixtral", ("mixtral",), moe_experts=_EXPERTS,
                       expert_parts={"gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)},
@@ -314,5 +330,5 @@ def get_policy(config) -> Policy:
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, MIXTRAL, QWEN3_MOE, OLMOE, PHI3, BERT):
+for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, PHI3, BERT):
     register_policy(_policy)
