@@ -118,6 +118,29 @@ def test_logits_and_per_token_loss(cpu_ranks):
     cpu_ranks.run(_logits)
 
 
+def _qk_norm_collectives(rank, world):
+    """Collectives of one backward on the TP group's shared-memory backend, with and without q / k norms."""
+    setup_tp(2)
+    shm = tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
+    assert shm is not None, "the TP group is not on the shared-memory backend"
+    ids = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    counts = {}
+    for norm in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(dataclasses.replace(VARIANTS["llama"], qk_norm=norm))
+        loss = model(ids, ids)
+        before = shm.fast_ops + shm.fallback_ops
+        loss.backward()
+        counts[norm] = shm.fast_ops + shm.fallback_ops - before
+    return counts
+
+
+def test_qk_norm_gradients_take_one_all_reduce_per_layer(cpu_ranks):
+    """The q and k norms' weight gradients are summed over TP in one all-reduce per layer, not one per norm."""
+    for counts in cpu_ranks.run(_qk_norm_collectives):
+        assert counts[True] - counts[False] == VARIANTS["llama"].num_layers, counts
+
+
 def _bad_configs(rank, world):
     setup_tp(4)
     base = VARIANTS["gpt2"]

@@ -107,7 +107,8 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         q = q.view(s, b, self.heads, d)
         k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
         if self.config.qk_norm:
-            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
+            q_params, k_params = self._summed_norm_parameters()
+            q, k = torch.func.functional_call(self.q_norm, q_params, (q,)), torch.func.functional_call(self.k_norm, k_params, (k,))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -115,16 +116,24 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
 
 
-    def _norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`norm` over each head of `x` `[s, b, heads, d]`. Its weights are shared by every head
-        and each rank holds some heads, so each rank's backward gives part of their gradient:
-        they enter through copy_to_tensor_parallel (identity; backward all-reduces over TP),
-        and `.grad` is the dense gradient on every rank. (KV heads copied over several ranks
-        are normalised on each: their shares are summed as well, as the dense model's are.)"""
+    def _summed_norm_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The q and k norms' parameters, for `functional_call`. The norms run over each head
+        with weights shared by every head, and each rank holds some heads, so each rank's
+        backward gives part of their gradient: all of them enter through one
+        copy_to_tensor_parallel of their concatenation (identity; backward: one all-reduce
+        over TP, not one per parameter), and `.grad` is the dense gradient on every rank.
+        (KV heads copied over several ranks are normalised on each: their shares are summed
+        as well, as the dense model's are.)"""
+        norms = (self.q_norm, self.k_norm)
         if self.tp_size == 1:
-            return norm(x)
-        params = {n: copy_to_tensor_parallel(p, self.group) for n, p in norm.named_parameters()}
-        return torch.func.functional_call(norm, params, (x,))
+            return tuple(dict(norm.named_parameters()) for norm in norms)
+        named = [(i, n, p) for i, norm in enumerate(norms) for n, p in norm.named_parameters()]
+        summed = copy_to_tensor_parallel(torch.cat([p.reshape(-1) for _, _, p in named]), self.group)
+        pieces = summed.split([p.numel() for _, _, p in named])
+        params: tuple[dict, dict] = ({}, {})
+        for (i, n, p), piece in zip(named, pieces):
+            params[i][n] = piece.view_as(p)
+        return params
 
 
 class ParallelMLP(nn.Module):
