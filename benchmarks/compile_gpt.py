@@ -47,7 +47,7 @@ def dtensor_gpt(dense: ReferenceGPT, world: int) -> ReferenceGPT:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     c = dense.config
-    if c.activation == "swiglu":
+    if c.gated_mlp:
         raise ValueError("the DTensor contender lays out GeLU MLPs only")
     mesh = init_device_mesh("cpu", (world,))
     h, kv, d = c.num_attention_heads // world, c.num_kv_heads // world, c.head_dim

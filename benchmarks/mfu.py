@@ -22,7 +22,7 @@ def matmul_parameters(c: GPTConfig) -> int:
     no matmul, the head is). Biases, norms and the position table are not matmuls."""
     qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim
     proj = c.num_attention_heads * c.head_dim * c.hidden_size
-    fc1 = c.hidden_size * c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1)
+    fc1 = c.hidden_size * c.ffn_hidden_size * (2 if c.gated_mlp else 1)
     fc2 = c.ffn_hidden_size * c.hidden_size
     return c.num_layers * (qkv + proj + fc1 + fc2) + c.hidden_size * c.vocab_size
 

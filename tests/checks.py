@@ -39,6 +39,9 @@ GQA_VARIANTS = {
     # Qwen3's shape: q / k norms over each head, heads wider than hidden / heads.
     "qwen3": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, kv_channels=16),
     "qwen3_kv2": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, num_kv_heads=2),
+    # Gemma's shape: (1 + weight) norms, GeGLU, scaled embeddings, tied head, one KV head of 16.
+    "gemma": dataclasses.replace(GPT_VARIANTS["llama"], norm="gemma_rmsnorm", activation="geglu", embedding_scale=8.0,
+                                 tie_embeddings=True, num_kv_heads=1, kv_channels=16),
 }
 
 

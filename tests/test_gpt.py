@@ -89,6 +89,9 @@ HEAD_SHAPE_CASES = [
     (4, "qwen3", True, False, "selective"),
     (2, "qwen3_kv2", False, False, "selective"),
     (4, "qwen3_kv2", True, True, "none"),  # k norms on replicated KV heads
+    (1, "gemma", False, False, "none"),
+    (2, "gemma", True, True, "selective"),
+    (4, "gemma", False, False, "full"),
 ]
 
 

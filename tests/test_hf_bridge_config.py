@@ -27,11 +27,12 @@ def _families():
         "qwen2": transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, rms_norm_eps=1e-5),
         "mistral": transformers.MistralConfig(**SMALL, sliding_window=128, head_dim=32),  # Mistral-Nemo's wider heads
         "qwen3": transformers.Qwen3Config(**SMALL, head_dim=16, attention_bias=True),
+        "gemma": transformers.GemmaConfig(**SMALL, head_dim=16),
         "gpt2": transformers.GPT2Config(vocab_size=99, n_embd=64, n_layer=3, n_head=4, n_positions=128, activation_function="gelu"),
     }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma", "gpt2"])
 def test_from_hf_to_hf_round_trip(family):
     hf = _families()[family]
     config = GPTConfig.from_hf(hf)
@@ -44,9 +45,13 @@ def test_from_hf_to_hf_round_trip(family):
     if family == "gpt2":
         assert (config.norm, config.activation, config.position_embedding, config.bias) == ("layernorm", "gelu_exact", "learned", True)
         assert config.ffn_hidden_size == 256 and config.tie_embeddings
+    elif family == "gemma":  # (1 + weight) norms, GeGLU, embeddings times sqrt(hidden), tied head
+        assert (config.norm, config.activation, config.position_embedding) == ("gemma_rmsnorm", "geglu", "rotary")
+        assert config.embedding_scale == 8.0 and config.tie_embeddings and exported["hidden_act"] == "gelu_pytorch_tanh"
     else:
         assert (config.norm, config.activation, config.position_embedding) == ("rmsnorm", "swiglu", "rotary")
         assert config.num_kv_heads == 4 and config.ffn_hidden_size == 96 and config.norm_eps == hf.rms_norm_eps
+    assert config.embedding_scale is None or family == "gemma"
     if family == "llama":
         assert config.rotary_base == 5e5 and config.rotary_scaling == LLAMA3
         assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, True, False, False)
@@ -54,8 +59,8 @@ def test_from_hf_to_hf_round_trip(family):
         assert (config.qkv_bias, config.proj_bias, config.mlp_bias, config.tie_embeddings) == (True, False, False, True)
     if family == "mistral":
         assert config.sliding_window == 128  # shorter than the context: GPTModel refuses longer sequences
-    if family in ("mistral", "qwen3"):
-        assert config.kv_channels == config.head_dim == {"mistral": 32, "qwen3": 16}[family] != config.hidden_size // config.num_attention_heads
+    if family in ("mistral", "qwen3", "gemma"):
+        assert config.kv_channels == config.head_dim == {"mistral": 32, "qwen3": 16, "gemma": 16}[family] != config.hidden_size // config.num_attention_heads
     else:
         assert config.kv_channels is None  # head_dim = hidden / heads: nothing to keep
     assert config.qk_norm == (family == "qwen3")
@@ -123,6 +128,17 @@ def test_gpt2_options_and_to_hf_refusals():
         GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, norm="rmsnorm").to_hf()
     with pytest.raises(ValueError, match="grouped-query"):
         GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, num_kv_heads=1).to_hf()
+    gemma = dict(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2, norm="gemma_rmsnorm", activation="geglu",
+                 position_embedding="rotary", bias=False, embedding_scale=4.0)
+    assert GPTConfig(**gemma).to_hf()["model_type"] == "gemma"
+    with pytest.raises(ValueError, match=r"Gemma has no embedding_scale \(must be sqrt\(hidden_size\)\), MLP biases"):
+        GPTConfig(**{**gemma, "embedding_scale": 2.0, "mlp_bias": True}).to_hf()
+    with pytest.raises(ValueError, match="only gemma scales its embeddings"):
+        GPTConfig(**{**gemma, "norm": "rmsnorm", "activation": "swiglu"}).to_hf()
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        GPTConfig.from_hf({**transformers.GemmaConfig(**SMALL).to_dict(), "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="embedding_scale must be None or a positive finite number"):
+        GPTConfig(**{**gemma, "embedding_scale": 0})
     with pytest.raises(FileNotFoundError, match="config.json"):
         GPTConfig.from_hf("/nonexistent/model")
 

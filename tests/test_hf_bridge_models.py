@@ -1,7 +1,8 @@
 """Hugging Face models into GPTModel and back, against transformers computed in this test.
 
 Tiny random Llama (GQA, llama3 rope scaling, attention biases), Qwen2 (q/k/v biases, tied
-head), Mistral (GQA, a sliding window: longer sequences are refused) and GPT-2 (erf
+head), Mistral (GQA, a sliding window: longer sequences are refused), Qwen3 (q / k norms), Gemma
+((1 + weight) norms, GeGLU, scaled embeddings, one KV head, tied head) and GPT-2 (erf
 GeLU, untied head) are saved with `save_pretrained`, loaded sliced into GPTModel at
 TP 1, 2, 4 and at TP 2 x PP 2 and TP 1 x PP 2 x 2 virtual chunks on 4 spawned ranks:
 logits and loss equal transformers' in fp32, greedy generations identical; exported back
@@ -36,6 +37,8 @@ def _hf_model(family: str):
         config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)  # q / k norms, wider heads
     elif family == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=32, head_dim=16)  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
+    elif family == "gemma":  # one KV head (Gemma 2B's), heads wider than hidden / heads, tied head
+        config = transformers.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=16, pad_token_id=0)
     else:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=8, n_positions=64, activation_function="gelu", tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -46,7 +49,7 @@ def _hf_model(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma", "gpt2"])
 def family_case(request, tmp_path_factory):
     """(family, folder, ids, transformers' logits, loss and greedy tokens)."""
     family = request.param

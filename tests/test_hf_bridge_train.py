@@ -46,7 +46,7 @@ def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma"])
 def run(request, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("hf_train")
     corpus = work / "docs.jsonl"
@@ -62,6 +62,12 @@ def run(request, tmp_path_factory) -> dict:
     torch.manual_seed(0)
     if request.param == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)).eval()
+    elif request.param == "gemma":  # (1 + weight) norms (drawn: they start at zero), GeGLU, scaled embeddings, tied head
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape, head_dim=16)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     folder = work / "llama"

@@ -25,12 +25,35 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight) over the last dim, in float32, cast back after the weight
+    (Gemma's); the weight starts at zero."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def make_norm(config: GPTConfig, dtype=None, device=None, size: int | None = None) -> nn.Module:
     """The config's norm over the last `size` features (default: hidden_size)."""
     size = config.hidden_size if size is None else size
     if config.norm == "rmsnorm":
         return RMSNorm(size, config.norm_eps, dtype=dtype, device=device)
+    if config.norm == "gemma_rmsnorm":
+        return GemmaRMSNorm(size, config.norm_eps, dtype=dtype, device=device)
     return nn.LayerNorm(size, eps=config.norm_eps, bias=config.bias, dtype=dtype, device=device)
+
+
+def scale_embedding(config: GPTConfig, x: torch.Tensor) -> torch.Tensor:
+    """The word embeddings' lookup times `config.embedding_scale`, rounded to x's dtype first (as Gemma's)."""
+    if config.embedding_scale is None:
+        return x
+    return x * torch.tensor(config.embedding_scale, dtype=x.dtype, device=x.device)
 
 
 def rotary_frequencies(head_dim: int, base: float, scaling: dict | None, device=None) -> torch.Tensor:
@@ -67,10 +90,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def mlp_activation(config: GPTConfig, h: torch.Tensor) -> torch.Tensor:
-    """The MLP's nonlinearity on fc1's output `[..., f]` (SwiGLU: `[..., 2f]`, gate then up)."""
-    if config.activation == "swiglu":  # a TP shard holds this rank's rows of both gate and up
+    """The MLP's nonlinearity on fc1's output `[..., f]` (SwiGLU, GeGLU: `[..., 2f]`, gate then up)."""
+    if config.gated_mlp:  # a TP shard holds this rank's rows of both gate and up
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if config.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
     return F.gelu(h, approximate="tanh" if config.activation == "gelu" else "none")
 
 

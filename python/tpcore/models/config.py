@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .._validation import check_positive_ints
@@ -16,8 +17,8 @@ ROTARY_SCALING_KEYS = {
 }
 
 _CHOICES = {
-    "norm": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "gelu_exact", "swiglu"),
+    "norm": ("layernorm", "rmsnorm", "gemma_rmsnorm"),
+    "activation": ("gelu", "gelu_exact", "swiglu", "geglu"),
     "position_embedding": ("learned", "rotary"),
     "recompute": ("none", "selective", "full"),
 }
@@ -56,11 +57,13 @@ class GPTConfig:
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
     norm: str = "layernorm"
-    """"layernorm" or "rmsnorm"."""
+    """"layernorm", "rmsnorm" or "gemma_rmsnorm" (`x / rms(x) * (1 + weight)` in float32,
+    cast back after the weight: Gemma's; its weights start at zero)."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     activation: str = "gelu"
-    """"gelu" (tanh approximation, GPT-2's "gelu_new"), "gelu_exact" (erf) or "swiglu" (SiLU-gated, Llama)."""
+    """"gelu" (tanh approximation, GPT-2's "gelu_new"), "gelu_exact" (erf), "swiglu" (SiLU-gated,
+    Llama) or "geglu" (tanh-approximated GeLU-gated, Gemma)."""
     position_embedding: str = "learned"
     """"learned" absolute positions or "rotary" (RoPE on queries and keys)."""
     rotary_base: float = 10000.0
@@ -73,6 +76,9 @@ class GPTConfig:
     sequences longer than this, where the window would change the result. None: no window."""
     tie_embeddings: bool = True
     """LM head shares the word-embedding weight."""
+    embedding_scale: float | None = None
+    """The word embeddings' lookup is multiplied by this, rounded to the model's dtype first
+    (Gemma: sqrt(hidden_size)); None: not scaled. The LM head is not."""
     bias: bool = True
     """Biases in the linear layers and norms (RMSNorm has none); the default of the three below."""
     qkv_bias: bool | None = None
@@ -131,6 +137,9 @@ class GPTConfig:
         if self.sliding_window is not None:
             check_positive_ints("GPTConfig", sliding_window=self.sliding_window)
         self._check_rotary_scaling()
+        scale = self.embedding_scale
+        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
+            raise ValueError(f"tpcore: GPTConfig: embedding_scale must be None or a positive finite number, got {scale!r}")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"tpcore: GPTConfig: {name} must be in [0, 1), got {getattr(self, name)}")
@@ -154,6 +163,11 @@ class GPTConfig:
             raise ValueError(f"tpcore: GPTConfig: rotary_scaling values must be positive numbers, got {scaling!r}")
         if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"tpcore: GPTConfig: rotary_scaling llama3 needs high_freq_factor > low_freq_factor, got {scaling!r}")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """fc1 holds [gate; up] (SwiGLU, GeGLU): twice ffn_hidden_size rows."""
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def head_dim(self) -> int:

@@ -33,7 +33,7 @@ from ..parallel_state import live_group_name, resolve_tensor_group
 from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
-from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
+from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables, scale_embedding
 from .config import GPTConfig
 from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
@@ -141,7 +141,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         c = self.config = config
         common = dict(bias=c.mlp_bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1), **common)
+        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if c.gated_mlp else 1), **common)
         self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +188,7 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.word(ids.t())
+        x = scale_embedding(self.config, self.word(ids.t()))
         if hasattr(self, "position"):
             pos = self.position.weight[: ids.shape[1]]
             if self.config.sequence_parallel:  # this rank's sequence shard of the positions

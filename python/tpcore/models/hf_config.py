@@ -4,8 +4,9 @@
     json.dump(config.to_hf(), open("config.json", "w"))
 
 Families: `gpt2` (LayerNorm, tanh or erf GeLU, learned positions, biases everywhere) and
-the Llama shape `llama`, `mistral`, `qwen2`, `qwen3` (RMSNorm, SwiGLU, rotary, GQA; Qwen2 has
-q/k/v biases only, Qwen3 q/k norms; head_dim other than hidden / heads is kv_channels). Both spellings of the rotary settings transformers has written are read
+the Llama shape `llama`, `mistral`, `qwen2`, `qwen3`, `gemma` (RMSNorm, SwiGLU, rotary, GQA; Qwen2 has
+q/k/v biases only, Qwen3 q/k norms; Gemma (1 + weight) norms, GeGLU, embeddings scaled by
+sqrt(hidden) and a tied head; head_dim other than hidden / heads is kv_channels). Both spellings of the rotary settings transformers has written are read
 (`rope_theta` + `rope_scaling` up to 4.x, `rope_parameters` from 5.x) and both are written,
 so either version loads the export. Anything GPTModel does not compute exactly (another
 rotary scaling, partial rotary, GPT-NeoX's parallel residual, ...) raises a ValueError naming the option. No transformers import.
@@ -20,11 +21,11 @@ from .config import GPTConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "read_hf_config", "hf_family"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
 }
 # Why the families transformers has and GPTModel lacks are refused (the first thing each needs).
 _MISSING = {
@@ -32,7 +33,7 @@ _MISSING = {
     "gptj": "GPT-J's parallel residual and interleaved partial rotary embeddings",
     "falcon": "Falcon's parallel attention / MLP",
     "phi": "Phi's parallel residual and partial rotary embeddings",
-    "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings",
+    "gemma2": "Gemma 2's logit soft-capping and extra norms around attention and MLP",
     "mixtral": "Mixtral's mixture-of-experts MLP",
 }
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
@@ -115,18 +116,30 @@ def _sliding_window(d: dict, model_type: str, num_layers: int) -> int | None:
     return int(window)
 
 
+def _gemma(d: dict) -> dict:
+    """What Gemma changes in the Llama shape."""
+    # transformers reads the legacy "gelu" as the tanh approximation; older configs name it hidden_activation.
+    act = d.get("hidden_activation") or d.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise _unsupported("gemma", "hidden_act", act)
+    if d.get("use_bidirectional_attention"):
+        raise _unsupported("gemma", "use_bidirectional_attention", d["use_bidirectional_attention"])
+    return dict(norm="gemma_rmsnorm", activation="geglu", embedding_scale=d["hidden_size"] ** 0.5,
+                tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+
+
 def _llama_like(d: dict, model_type: str) -> dict:
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
-    if d.get("hidden_act", "silu") != "silu":
+    if model_type != "gemma" and d.get("hidden_act", "silu") != "silu":
         raise _unsupported(model_type, "hidden_act", d["hidden_act"])
-    head_dim = d.get("head_dim", 128 if model_type == "qwen3" else None)  # Qwen3Config's default
+    head_dim = d.get("head_dim", {"qwen3": 128, "gemma": 256}.get(model_type))  # Qwen3Config's, GemmaConfig's defaults
     base, scaling = _rotary(d, model_type)
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
     else:
         qkv_bias = proj_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False))
-    return dict(
+    fields = dict(
         vocab_size=d["vocab_size"], num_layers=d["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
         num_kv_heads=d.get("num_key_value_heads") or heads, ffn_hidden_size=d["intermediate_size"], kv_channels=head_dim,
         max_position_embeddings=d.get("max_position_embeddings", 2048), attention_dropout=float(d.get("attention_dropout", 0.0)),
@@ -135,6 +148,7 @@ def _llama_like(d: dict, model_type: str) -> dict:
         tie_embeddings=bool(d.get("tie_word_embeddings", False)), bias=False, qkv_bias=qkv_bias, proj_bias=proj_bias,
         mlp_bias=mlp_bias, init_std=d.get("initializer_range", 0.02), qk_norm=model_type == "qwen3",
     )
+    return {**fields, **(_gemma(d) if model_type == "gemma" else {})}
 
 
 def _gpt2(d: dict) -> dict:
@@ -171,6 +185,18 @@ def config_from_hf(source, **overrides) -> GPTConfig:
 def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
     """The family whose architecture is exactly `c` (`preferred` when it fits); else a
     ValueError naming what fits none."""
+    if c.norm == "gemma_rmsnorm" and c.activation == "geglu" and c.position_embedding == "rotary":
+        wrong = {
+            "embedding_scale (must be sqrt(hidden_size))": c.embedding_scale is None or abs(c.embedding_scale - c.hidden_size**0.5) > 1e-6 * c.hidden_size**0.5,
+            "q / k norms (qk_norm)": c.qk_norm, "a sliding_window": c.sliding_window is not None, "MLP biases (mlp_bias)": c.mlp_bias,
+            "q/k/v and output projection biases that differ (qkv_bias, proj_bias)": c.qkv_bias != c.proj_bias,
+        }
+        if any(wrong.values()):
+            raise ValueError(f"tpcore: GPTConfig -> gemma: Gemma has no {', '.join(w for w, bad in wrong.items() if bad)}")
+        return "gemma"
+    if c.embedding_scale is not None:
+        raise ValueError(f"tpcore: GPTConfig -> only gemma scales its embeddings (embedding_scale={c.embedding_scale}), and only with "
+                         "norm='gemma_rmsnorm', activation='geglu', position_embedding='rotary'")
     if c.norm == "layernorm" and c.activation != "swiglu" and c.position_embedding == "learned":
         if not (c.bias and c.qkv_bias and c.proj_bias and c.mlp_bias):
             raise ValueError("tpcore: GPTConfig -> gpt2 needs biases everywhere (bias, qkv_bias, proj_bias, mlp_bias)")
@@ -210,7 +236,8 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
         )
     raise ValueError(
         f"tpcore: GPTConfig -> no supported Hugging Face family has norm={c.norm!r}, activation={c.activation!r}, "
-        f"position_embedding={c.position_embedding!r} (gpt2: layernorm + gelu + learned; llama / mistral / qwen2 / qwen3: rmsnorm + swiglu + rotary)"
+        f"position_embedding={c.position_embedding!r} (gpt2: layernorm + gelu + learned; llama / mistral / qwen2 / qwen3: rmsnorm + swiglu + rotary; "
+        "gemma: gemma_rmsnorm + geglu + rotary)"
     )
 
 
@@ -231,13 +258,16 @@ def config_to_hf(c: GPTConfig, base: dict | None = None) -> dict:
     scaling = c.rotary_scaling
     out.update(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_hidden_size,
-               max_position_embeddings=c.max_position_embeddings, hidden_act="silu", rms_norm_eps=c.norm_eps,
+               max_position_embeddings=c.max_position_embeddings, hidden_act="gelu_pytorch_tanh" if model_type == "gemma" else "silu",
+               rms_norm_eps=c.norm_eps,
                attention_dropout=c.attention_dropout,
                # 4.x reads rope_theta + rope_scaling, 5.x rope_parameters (and converts the former).
                rope_theta=c.rotary_base, rope_scaling=dict(scaling) if scaling else None,
                rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": c.rotary_base})
     if model_type == "llama":
         out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+    elif model_type == "gemma":
+        out.update(attention_bias=c.qkv_bias, hidden_activation="gelu_pytorch_tanh")  # 4.x's name of hidden_act
     elif model_type == "mistral":
         out.update(sliding_window=c.sliding_window)
     else:  # qwen2, qwen3: the window (if any) on every layer

@@ -25,9 +25,10 @@ __all__ = ["gpt_parameter_init", "initialize_gpt_parameters", "global_parameter_
 def gpt_parameter_init(name: str, config: GPTConfig) -> ShardedInit:
     """The distribution of the parameter called `name`: normal(0, init_std) weights,
     output projections (attention proj, fc2) scaled by 1/sqrt(2 layers), norm weights
-    one, norm and linear biases zero."""
+    one (zero for Gemma's norms, which scale by 1 + weight), norm and linear biases zero."""
     if "norm" in name:
-        return ShardedInit.constant(1.0 if name.endswith("weight") else 0.0)
+        unit = 0.0 if config.norm == "gemma_rmsnorm" else 1.0
+        return ShardedInit.constant(unit if name.endswith("weight") else 0.0)
     if name.endswith("bias"):
         return ShardedInit.constant(0.0)
     if name.endswith(("proj.weight", "fc2.weight")):

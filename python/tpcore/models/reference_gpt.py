@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables
+from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables, scale_embedding
 from .config import GPTConfig
 from .initialization import initialize_gpt_parameters
 from ..tensor_parallel.initialization import draw_seed
@@ -46,7 +46,7 @@ class DenseMLP(nn.Module):
     def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
         super().__init__()
         c = self.config = config
-        width = c.ffn_hidden_size * (2 if c.activation == "swiglu" else 1)  # SwiGLU: [gate; up]
+        width = c.ffn_hidden_size * (2 if c.gated_mlp else 1)  # SwiGLU, GeGLU: [gate; up]
         self.fc1 = nn.Linear(c.hidden_size, width, bias=c.mlp_bias, dtype=dtype, device=device)
         self.fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device)
 
@@ -71,13 +71,14 @@ class DenseBlock(nn.Module):
 class DenseEmbedding(nn.Module):
     def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
         super().__init__()
+        self.config = config
         self.word = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         if config.position_embedding == "learned":
             self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.word(ids.t())  # [s, b, h]
+        x = scale_embedding(self.config, self.word(ids.t()))  # [s, b, h]
         if hasattr(self, "position"):
             x = x + self.position.weight[: ids.shape[1]].unsqueeze(1)
         return self.dropout(x)

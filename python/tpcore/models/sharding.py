@@ -38,7 +38,7 @@ def rule_for(name: str, config: GPTConfig) -> Rule:
         heads = [c.num_attention_heads, c.num_kv_heads, c.num_kv_heads]
         return ("parts", 0, [n * c.head_dim for n in heads], heads)
     if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
-        sizes = [c.ffn_hidden_size] * (2 if c.activation == "swiglu" else 1)
+        sizes = [c.ffn_hidden_size] * (2 if c.gated_mlp else 1)
         return ("parts", 0, sizes, sizes)
     if name.endswith("attention.proj.weight"):
         return ("parts", 1, [c.num_attention_heads * c.head_dim], [c.num_attention_heads])

@@ -41,8 +41,9 @@ class TrainArgs:
     qk_layernorm: bool = _arg(False, "normalise each query and key head (Qwen3's q / k norms)")
     seq_length: int = _arg(128, "tokens per sample")
     max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
-    norm: str = _arg("layernorm", "normalisation", ("layernorm", "rmsnorm"))
-    activation: str = _arg("gelu", "MLP activation (gelu: tanh approximation)", ("gelu", "gelu_exact", "swiglu"))
+    norm: str = _arg("layernorm", "normalisation (gemma_rmsnorm: x / rms(x) * (1 + weight))", ("layernorm", "rmsnorm", "gemma_rmsnorm"))
+    activation: str = _arg("gelu", "MLP activation (gelu: tanh approximation)", ("gelu", "gelu_exact", "swiglu", "geglu"))
+    embedding_scale: float | None = _arg(None, "multiply the word embeddings by this (Gemma: sqrt(hidden-size))")
     position_embedding: str = _arg("learned", "positions", ("learned", "rotary"))
     dropout: float = _arg(0.0, "hidden dropout")
     attention_dropout: float = _arg(0.0, "attention-probability dropout")
@@ -210,6 +211,7 @@ class TrainArgs:
             activation=self.activation,
             position_embedding=self.position_embedding,
             tie_embeddings=not self.untie_embeddings,
+            embedding_scale=self.embedding_scale,
             bias=not self.disable_bias,
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
@@ -236,6 +238,7 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "adam_beta2": ("[)", 0.0, 1.0),
     "adam_eps": (">", 0.0, None),
     "initial_loss_scale": (">", 0.0, None),
+    "embedding_scale": (">", 0.0, None),
 }
 
 

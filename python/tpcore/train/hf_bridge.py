@@ -34,6 +34,7 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
     "activation": lambda c: c.activation,
     "position_embedding": lambda c: c.position_embedding,
     "untie_embeddings": lambda c: not c.tie_embeddings,
+    "embedding_scale": lambda c: c.embedding_scale,
     "disable_bias": lambda c: not c.bias,
 }
 
