@@ -66,6 +66,7 @@ def test_unsplittable_experts_fail_in_the_plan():
     expect_error(ValueError, "12 intermediate features per rank (48 / tensor_parallel_size 4) in torch.bfloat16 make rows of 24 bytes",
                  make_plan, _meta("mixtral", torch.bfloat16, intermediate_size=48), 4, 0)
     make_plan(_meta("mixtral", intermediate_size=48), 4, 0)
+    make_plan(_meta("mixtral", torch.bfloat16, intermediate_size=48, _experts_implementation="eager"), 4, 0)  # no grouped GEMM
 
 
 def test_modules_a_policy_does_not_account_for_are_refused():
@@ -161,6 +162,78 @@ def _jitter_job(rank, world, path):
 
 def test_router_jitter_in_training_is_refused_on_every_rank(cpu_ranks, tmp_path):
     assert all(cpu_ranks.run(_jitter_job, save_family("mixtral", tmp_path)))
+
+
+def _forward_collectives(model, ids) -> int:
+    import tpcore
+
+    shm = tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
+    before = shm.fast_ops + shm.fallback_ops
+    with torch.no_grad():
+        model(ids)
+    return shm.fast_ops + shm.fallback_ops - before
+
+
+def _block_job(rank, world, paths):
+    import tpcore
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=4)
+    ids = prompt()
+    counts = {name: _forward_collectives(tpcore.hf.from_pretrained(paths[name], model_class=FAMILIES[name][0]), ids)
+              for name in ("llama", "mixtral", "qwen2_moe")}
+    # A sparse MoE block takes the one all-reduce of the dense MLP it replaces, however many
+    # experts, and a shared expert adds none: its linears stay nn.Linear, cut.
+    assert counts["mixtral"] == counts["qwen2_moe"] == counts["llama"], counts
+    shared = tpcore.hf.from_pretrained(paths["qwen2_moe"], model_class="Qwen2MoeForCausalLM").model.layers[0].mlp.shared_expert
+    assert type(shared.down_proj) is torch.nn.Linear and shared.down_proj.weight.shape == (64, 96 // 4)
+    # Cast after the split: 96 / 4 = 24 features make 48-byte rows in bfloat16, 12 make 24.
+    model = tpcore.hf.parallelize(load_dense(paths["mixtral"], "MixtralForCausalLM", torch.float32))
+    model.to(torch.bfloat16)(ids)
+    narrow = load_dense(paths["narrow"], "MixtralForCausalLM", torch.float32)
+    model = tpcore.hf.parallelize(narrow).to(torch.bfloat16)
+    expect_error(RuntimeError, "12 intermediate features per rank (48 / tensor_parallel_size 4) in torch.bfloat16 make rows of 24 bytes",
+                 model, ids)
+    tpcore.destroy_model_parallel()
+    return True
+
+
+def test_moe_blocks_take_one_all_reduce_and_check_their_dtype(cpu_ranks, tmp_path):
+    paths = {name: save_family(name, tmp_path / name) for name in ("llama", "mixtral", "qwen2_moe")}
+    narrow = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**FAMILIES["mixtral"][1]().to_dict(), "intermediate_size": 48}))
+    narrow.save_pretrained(tmp_path / "narrow")
+    assert all(cpu_ranks.run(_block_job, {**paths, "narrow": str(tmp_path / "narrow")}))
+
+
+def _checkpoint_layouts_job(rank, world, folders):
+    import tpcore
+
+    ids = prompt()
+    dense = load_dense(folders[0], "Qwen3MoeForCausalLM", torch.float32)
+    with torch.no_grad():
+        want = dense(ids).logits
+    for tp in (2, 4):
+        tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+        for folder in folders:
+            with torch.no_grad():
+                got = tpcore.hf.from_pretrained(folder, model_class="Qwen3MoeForCausalLM")(ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=lambda m: f"{folder} TP={tp}: {m}")
+        tpcore.destroy_model_parallel()
+    return True
+
+
+def test_checkpoints_sharded_or_with_fused_experts_load(cpu_ranks, tmp_path):
+    """from_pretrained reads experts stored expert by expert across shards, and experts a
+    checkpoint stores fused as the model holds them (`experts.gate_up_proj`)."""
+    path = save_family("qwen3_moe", tmp_path / "single")
+    dense = load_dense(path, "Qwen3MoeForCausalLM", torch.float32)
+    dense.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text(open(f"{path}/config.json").read())
+    state = {k: v.contiguous() for k, v in dense.state_dict().items() if k != "lm_head.weight" or not dense.config.tie_word_embeddings}
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    assert any(k.endswith("experts.gate_up_proj") for k in load_file(str(fused / "model.safetensors")))
+    assert all(cpu_ranks.run(_checkpoint_layouts_job, [path, str(tmp_path / "sharded"), str(fused)]))
 
 
 def _split_norm_job(rank, world):

@@ -4,11 +4,26 @@ holds nothing the plan does not account for."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .slices import HeadLayout, Load, Replacement, chunk, linear_shape
 
-__all__ = ["experts_slices", "shared_linear", "check_moe_blocks"]
+__all__ = ["experts_slices", "shared_linear", "check_moe_blocks", "grouped_gemm_refusal"]
+
+
+def grouped_gemm_refusal(name: str, local: int, dtype: torch.dtype, config, tp_size: int) -> str | None:
+    """Why transformers' grouped GEMM (`experts_implementation="grouped_mm"`, the default)
+    would fail on experts whose local `down_proj` rows hold `local` features of `dtype`, or
+    None: torch's kernel needs rows of a multiple of 16 bytes (else it raises "strides should
+    be multiple of 16 bytes")."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if getattr(config, "_experts_implementation", "grouped_mm") != "grouped_mm" or local * size % 16 == 0:
+        return None
+    return (f"tpcore.hf: experts {name!r}: {local} intermediate features per rank ({local * tp_size} / tensor_parallel_size {tp_size}) "
+            f"in {dtype} make rows of {local * size} bytes; transformers' grouped GEMM (experts_implementation 'grouped_mm', "
+            "the default) needs multiples of 16 bytes: use a smaller tensor_parallel_size, or load the model with "
+            "experts_implementation='eager'")
 
 
 def experts_slices(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
@@ -26,10 +41,9 @@ def experts_slices(name: str, module: nn.Module, layout: HeadLayout) -> Replacem
     if tuple(gate_up.shape) != (experts, 2 * inter, hidden):
         raise ValueError(f"tpcore.hf: experts {name!r}: gate_up_proj {list(gate_up.shape)} does not match down_proj {list(down.shape)}")
     lo, hi = chunk(inter, layout.tp_size, layout.tp_rank, f"{name} intermediate features")
-    if (hi - lo) * down.element_size() % 16:  # down_proj's rows: torch's grouped GEMM fails on them
-        raise ValueError(f"tpcore.hf: experts {name!r}: {hi - lo} intermediate features per rank ({inter} / tensor_parallel_size "
-                         f"{layout.tp_size}) in {down.dtype} make rows of {(hi - lo) * down.element_size()} bytes; the grouped GEMM "
-                         "of transformers' experts needs multiples of 16 bytes: use a smaller tensor_parallel_size")
+    refusal = grouped_gemm_refusal(name, hi - lo, down.dtype, getattr(module, "config", None), layout.tp_size)
+    if refusal:
+        raise ValueError(refusal)
     loads = {
         "gate_up_proj": Load(f"{name}.gate_up_proj", 1, ((lo, hi), (inter + lo, inter + hi))),
         "down_proj": Load(f"{name}.down_proj", 2, ((lo, hi),)),
@@ -55,8 +69,8 @@ def shared_linear(name: str, module: nn.Module, kind: str, layout: HeadLayout) -
                        module.bias is not None, loads)
 
 
-def check_moe_blocks(model: nn.Module, experts: list[str], router: str, accounted: set[str]) -> list[tuple[str, str]]:
-    """(block, router) names for each experts module, after checking that each block's
+def check_moe_blocks(model: nn.Module, experts: list[str], router: str, accounted: set[str]) -> list[tuple[str, str, str]]:
+    """(block, router, experts) names for each experts module, after checking that each block's
     parameters all sit in its experts, its router, or modules in `accounted` (the shared
     experts' cut linears and the summed modules): any other module's output would be
     summed over TP by the block's g."""
@@ -74,5 +88,5 @@ def check_moe_blocks(model: nn.Module, experts: list[str], router: str, accounte
             holders = sorted(n for n, m in block.named_children() if any(True for _ in m.parameters()))
             raise ValueError(f"tpcore.hf: MoE block {block_name!r} ({type(block).__name__}) holds {holders}; the policy accounts for "
                              f"{child!r}, a router {router!r} and its moe_shared / moe_summed modules, not {stray or [router]}")
-        blocks.append((block_name, f"{block_name}.{router}"))
+        blocks.append((block_name, f"{block_name}.{router}", name))
     return blocks

@@ -32,8 +32,8 @@ class Plan:
     """Replicated modules whose gradients are summed over TP in backward (see `Policy.head_norms`)."""
     configs: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     """(attention module name, config fields it sees per rank) (see `Policy.attention_config`)."""
-    moe_blocks: list[tuple[str, str]] = field(default_factory=list)
-    """(sparse MoE block name, its router's name) (see `Policy.moe_experts`)."""
+    moe_blocks: list[tuple[str, str, str]] = field(default_factory=list)
+    """(sparse MoE block, its router, its experts) by name (see `Policy.moe_experts`)."""
     moe_summed: list[str] = field(default_factory=list)
     """Modules inside MoE blocks kept whole with their gradients summed (`Policy.moe_summed`)."""
 

@@ -101,7 +101,9 @@ class Policy:
     `[experts, 2 x inter, hidden]`, `down_proj` `[experts, hidden, inter]`). Each rank keeps
     every expert's slice of the intermediate features; the parent (the sparse MoE block)
     takes its input through f and its output through g, once per block, and its router
-    stays replicated with its gradient summed over TP."""
+    stays replicated with its gradient summed over TP. The block must route with the
+    router's weights (its second output), not its logits (the first), whose gradient is
+    divided by TP for the load-balancing loss, which every rank computes whole."""
     moe_router: str = "gate"
     """The attribute of a sparse MoE block that holds its router."""
     moe_shared: dict[str, str] = field(default_factory=dict)
