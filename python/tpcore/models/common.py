@@ -25,14 +25,14 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight) over the last dim, in float32, cast back after the weight
     (Gemma's); the weight starts at zero."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+        super().__init__(size, eps, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
