@@ -17,15 +17,17 @@ def _groups(model) -> list:
     return [m.group for m in model.modules() if hasattr(m, "group")]
 
 
-def _check_copy(original, clone, loss_of, what: str) -> None:
+def _check_copy(original, clone, loss_of, what: str, after_backward=lambda m: None) -> None:
     assert _groups(clone) and all(a is b for a, b in zip(_groups(clone), _groups(original))), f"{what}: groups not shared"
     for (n, p), q in zip(original.named_parameters(), clone.parameters()):
         assert p is not q and p.data_ptr() != q.data_ptr() and torch.equal(p, q), f"{what}: {n} not copied"
+        assert vars(q) == vars(p), f"{what}: {n}'s attributes {vars(q)} != {vars(p)}"  # tpcore's tags (sequence_parallel, ...)
     losses = []
     for m in (original, clone):
         m.zero_grad()
         loss = loss_of(m)
         loss.backward()
+        after_backward(m)
         losses.append(loss.detach())
     assert torch.equal(losses[0], losses[1]), f"{what}: loss {losses[1]} != {losses[0]}"
     for (n, p), q in zip(original.named_parameters(), clone.parameters()):
@@ -59,15 +61,17 @@ def test_split_hf_models_deep_copy(cpu_ranks, tmp_path):
 
 def _gpt_job(rank, world):
     import tpcore
-    from tpcore.models import GPTConfig, GPTModel
+    from tpcore.models import GPTConfig, GPTModel, finalize_sequence_parallel_grads
 
     tpcore.initialize_model_parallel(tensor_parallel_size=2)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=1, qk_norm=True,
-                       position_embedding="rotary", norm="rmsnorm")
-    model = GPTModel(config)
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
-    _check_copy(model, copy.deepcopy(model), lambda m: m(ids, ids), "GPTModel TP=2")
+    for sequence_parallel in (False, True):  # the norms' gradients summed over TP only where they are tagged
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=1, qk_norm=True,
+                           position_embedding="rotary", norm="rmsnorm", sequence_parallel=sequence_parallel)
+        model = GPTModel(config)
+        finalize = finalize_sequence_parallel_grads if sequence_parallel else (lambda m: None)
+        _check_copy(model, copy.deepcopy(model), lambda m: m(ids, ids), f"GPTModel TP=2 sp={sequence_parallel}", finalize)
     tpcore.destroy_model_parallel()
     return True
 

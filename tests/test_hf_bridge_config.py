@@ -133,6 +133,8 @@ def test_gpt2_options_and_to_hf_refusals():
     assert GPTConfig(**gemma).to_hf()["model_type"] == "gemma"
     with pytest.raises(ValueError, match=r"Gemma has no embedding_scale \(must be sqrt\(hidden_size\)\), MLP biases"):
         GPTConfig(**{**gemma, "embedding_scale": 2.0, "mlp_bias": True}).to_hf()
+    with pytest.raises(ValueError, match="no supported Hugging Face family has norm='layernorm', activation='geglu'"):
+        GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, activation="geglu").to_hf()  # (a KeyError)
     with pytest.raises(ValueError, match="only gemma scales its embeddings"):
         GPTConfig(**{**gemma, "norm": "rmsnorm", "activation": "swiglu"}).to_hf()
     with pytest.raises(ValueError, match="hidden_act='relu'"):

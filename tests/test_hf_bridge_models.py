@@ -37,8 +37,8 @@ def _hf_model(family: str):
         config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)  # q / k norms, wider heads
     elif family == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=32, head_dim=16)  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
-    elif family == "gemma":  # one KV head (Gemma 2B's), heads wider than hidden / heads, tied head
-        config = transformers.GemmaConfig(**{**common, "num_key_value_heads": 1}, head_dim=16, pad_token_id=0)
+    elif family == "gemma":  # one KV head (Gemma 2B's), heads of 16 (not hidden / heads), tied head; sqrt(48) is no float
+        config = transformers.GemmaConfig(**{**common, "num_key_value_heads": 1, "hidden_size": 48}, head_dim=16, pad_token_id=0)
     else:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=8, n_positions=64, activation_function="gelu", tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -194,6 +194,10 @@ def _bad_folders(tmp_path, folder: str) -> list[tuple]:
     # from the good one meets a folder that does not describe it.
     cases.append((wider, ValueError, [f"{wider}/config.json contradicts the weights", "gate_proj.weight", "[96, 64]", "[128, 64]"], wider))
     cases.append((wider, ValueError, [f"{wider}/config.json does not describe this model", "ffn_hidden_size: folder 128, model 96"]))
+    gemma = variant("gemma", model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh")
+    # A Gemma folder differs from a Llama of the same shapes in its norm, activation and embedding scale.
+    cases.append((gemma, ValueError, [f"{gemma}/config.json does not describe this model", "norm: folder 'gemma_rmsnorm', model 'rmsnorm'",
+                                      "embedding_scale: folder 8.0, model None"]))
     sharded = variant("sharded")  # the model split over two files, the second one lost
     state = safetensors.load_file(os.path.join(sharded, "model.safetensors"))
     os.remove(os.path.join(sharded, "model.safetensors"))

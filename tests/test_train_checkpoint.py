@@ -138,6 +138,8 @@ def _ckpt_save_and_errors(rank, world, root):
     # Another model shape: every differing field is listed.
     narrow = GPTModel(dataclasses.replace(config, hidden_size=32))
     expect_error(CheckpointError, "hidden_size: checkpoint 64, model 32", load_checkpoint, path, narrow, tp_group=tp_group)
+    scaled = GPTModel(dataclasses.replace(config, embedding_scale=8.0))  # the same shapes, another function
+    expect_error(CheckpointError, "embedding_scale: checkpoint None, model 8.0", load_checkpoint, path, scaled, tp_group=tp_group)
     dist.barrier()
 
 

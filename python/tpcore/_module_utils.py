@@ -25,12 +25,18 @@ class SharesProcessGroups:
     that shares the group and copies everything else (weights, buffers, submodules). A
     group is a handle on the ranks' communicator, which cannot be copied; before this,
     deep-copying a split model (a reference model for DPO, an EMA copy) raised "cannot
-    pickle ProcessGroup"."""
+    pickle ProcessGroup". The parameters keep the attributes tpcore sets on them
+    (`sequence_parallel`, `tensor_parallel_dim`), which torch's Parameter copy drops; a
+    trainer's `main_grad` buffer is left behind."""
 
     def __deepcopy__(self, memo: dict) -> "SharesProcessGroups":
         for value in vars(self).values():
             if isinstance(value, dist.ProcessGroup):
                 memo.setdefault(id(value), value)
+        for p in self.parameters():
+            if id(p) not in memo:
+                clone = copy.deepcopy(p, memo)
+                clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in p.__dict__.items() if k != "main_grad"})
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))

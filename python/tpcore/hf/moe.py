@@ -1,4 +1,4 @@
-"""Sparse MoE blocks (Mixtral, Qwen3-MoE, OLMoE) split over the tensor-parallel group.
+"""Sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) split over the tensor-parallel group.
 
 Every rank holds every expert, each cut along its intermediate features (plan.py), so
 each rank routes every token exactly as the dense model and its experts' output is a
@@ -10,6 +10,9 @@ whole block rather than each expert:
 - output: g (all-reduce; backward: identity);
 - the router stays replicated: its weight's gradient is summed over TP in backward, like
   a head norm's (grads.py);
+- a shared expert (Qwen2-MoE) is cut like the routed ones and issues no collective of its
+  own; modules that scale its partial output (its sigmoid gate) stay replicated with their
+  gradients summed, as the router;
 - the router logits the model returns (for the load-balancing loss, which every rank
   computes whole) pass through an identity whose backward divides by TP, so the sums
   above count that loss once.

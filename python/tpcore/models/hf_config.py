@@ -197,7 +197,7 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
     if c.embedding_scale is not None:
         raise ValueError(f"tpcore: GPTConfig -> only gemma scales its embeddings (embedding_scale={c.embedding_scale}), and only with "
                          "norm='gemma_rmsnorm', activation='geglu', position_embedding='rotary'")
-    if c.norm == "layernorm" and c.activation != "swiglu" and c.position_embedding == "learned":
+    if c.norm == "layernorm" and c.activation in ("gelu", "gelu_exact") and c.position_embedding == "learned":
         if not (c.bias and c.qkv_bias and c.proj_bias and c.mlp_bias):
             raise ValueError("tpcore: GPTConfig -> gpt2 needs biases everywhere (bias, qkv_bias, proj_bias, mlp_bias)")
         if c.num_kv_heads != c.num_attention_heads:

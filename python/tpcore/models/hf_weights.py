@@ -36,6 +36,7 @@ __all__ = ["load_hf_weights", "hf_sources", "ARCHITECTURE_FIELDS"]
 ARCHITECTURE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm", "norm", "norm_eps",
     "activation", "position_embedding", "rotary_base", "rotary_scaling", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
+    "embedding_scale",
 )
 """GPTConfig fields a Hugging Face folder fixes (max_position_embeddings too, with learned positions)."""
 

@@ -58,6 +58,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "require_che
 _SHAPE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm",
     "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
+    "embedding_scale",  # (a checkpoint from before the field has none: None, as a model without the scale)
 )
 
 
