@@ -170,6 +170,8 @@ GPT_CASES = [
     # KV heads replicated over TP.
     (2, "qwen3", True, False, "selective", False),
     (4, "qwen3_kv2", True, True, "none", False),
+    # Gemma's (1 + weight) norms, GeGLU and scaled embeddings, one KV head replicated over TP.
+    (2, "gemma", True, False, "selective", False),
 ]
 
 
