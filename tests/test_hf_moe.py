@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 import tpcore.hf
 from checks import expect_error
 from test_hf import FAMILIES, load_dense, prompt, save_family
+from test_hf_loading import _corrupt_checkpoints_job, _tiny
 from tpcore.hf.plan import Load, make_plan
 from tpcore.hf.weights import SafetensorsSource
 
@@ -50,23 +51,15 @@ def test_fused_experts_read_from_per_expert_tensors(tmp_path, name):
         assert source.stored_shape(gate_up)[0] == list(params[gate_up].shape)
 
 
-def _meta(name: str, dtype=torch.float32, **overrides):
-    config = FAMILIES[name][1]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    with torch.device("meta"):
-        return getattr(transformers, FAMILIES[name][0])(config).to(dtype)
-
-
 def test_unsplittable_experts_fail_in_the_plan():
     expect_error(ValueError, "mlp.experts intermediate features (90) is not divisible by tensor_parallel_size 4",
-                 make_plan, _meta("mixtral", intermediate_size=90), 4, 1)
+                 make_plan, _tiny("mixtral", intermediate_size=90), 4, 1)
     # 96 / 4 = 24 features: 96 bytes per row in float32, 48 in bfloat16; at 48 / 4 = 12, 24 bytes.
-    make_plan(_meta("mixtral", torch.bfloat16), 4, 0)
+    make_plan(_tiny("mixtral").to(torch.bfloat16), 4, 0)
     expect_error(ValueError, "12 intermediate features per rank (48 / tensor_parallel_size 4) in torch.bfloat16 make rows of 24 bytes",
-                 make_plan, _meta("mixtral", torch.bfloat16, intermediate_size=48), 4, 0)
-    make_plan(_meta("mixtral", intermediate_size=48), 4, 0)
-    make_plan(_meta("mixtral", torch.bfloat16, intermediate_size=48, _experts_implementation="eager"), 4, 0)  # no grouped GEMM
+                 make_plan, _tiny("mixtral", intermediate_size=48).to(torch.bfloat16), 4, 0)
+    make_plan(_tiny("mixtral", intermediate_size=48), 4, 0)
+    make_plan(_tiny("mixtral", intermediate_size=48, _experts_implementation="eager").to(torch.bfloat16), 4, 0)  # no grouped GEMM
 
 
 def test_modules_a_policy_does_not_account_for_are_refused():
@@ -116,28 +109,9 @@ def _damaged(tmp_path) -> list[tuple[str, type, list[str]]]:
     return cases
 
 
-def _damaged_job(rank, world, cases):
-    import torch.distributed as dist
-
-    import tpcore
-
-    tpcore.initialize_model_parallel(tensor_parallel_size=2)
-    for path, error, parts in cases:
-        try:
-            tpcore.hf.from_pretrained(path)
-        except error as e:
-            assert all(part in str(e) for part in parts), f"rank {rank}, {path}: expected {parts} in: {e}"
-        else:
-            raise AssertionError(f"rank {rank}: {path} loaded")
-    total = torch.ones(1)  # every rank raised before any collective: still in step
-    dist.all_reduce(total)
-    assert total.item() == world
-    tpcore.destroy_model_parallel()
-    return True
-
-
 def test_damaged_expert_checkpoints_fail_alike_on_every_rank(cpu_ranks, tmp_path):
-    assert all(cpu_ranks.run(_damaged_job, _damaged(tmp_path)))
+    messages = cpu_ranks.run(_corrupt_checkpoints_job, _damaged(tmp_path))  # each rank raised each error before any collective
+    assert all(m == messages[0] for m in messages), "every rank must raise the same error"
 
 
 def _jitter_job(rank, world, path):

@@ -17,7 +17,7 @@ def grouped_gemm_refusal(name: str, local: int, dtype: torch.dtype, config, tp_s
     would fail on experts whose local `down_proj` rows hold `local` features of `dtype`, or
     None: torch's kernel needs rows of a multiple of 16 bytes (else it raises "strides should
     be multiple of 16 bytes")."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if getattr(config, "_experts_implementation", "grouped_mm") != "grouped_mm" or local * size % 16 == 0:
         return None
     return (f"tpcore.hf: experts {name!r}: {local} intermediate features per rank ({local * tp_size} / tensor_parallel_size {tp_size}) "

@@ -234,14 +234,15 @@ def _like_llama(name: str, model_types: tuple[str, ...], **fields) -> Policy:
 
 
 _QK_NORMS = ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm")
+_QK_NORM_HEADS = dict(zip(_QK_NORMS, ("heads", "kv_heads")))  # which heads each of them spans
 
 # Cohere: a parallel attention + MLP block and scaled logits (per element); with
 # use_qk_norm, q / k norms whose weights hold one row per head.
-COHERE = _like_llama("cohere", ("cohere", "cohere2"), per_head_weights=dict(zip(_QK_NORMS, ("heads", "kv_heads"))))
+COHERE = _like_llama("cohere", ("cohere", "cohere2"), per_head_weights=_QK_NORM_HEADS)
 
 # OLMo 2 / 3: q / k RMS norms over all heads at once (not per head): split with the
 # projections, their mean of squares summed over TP.
-OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=dict(zip(_QK_NORMS, ("heads", "kv_heads"))))
+OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=_QK_NORM_HEADS)
 
 # Sparse MoE blocks: a router (`mlp.gate`) and fused experts (`mlp.experts`), which
 # transformers saves expert by expert.
@@ -263,7 +264,7 @@ MIXTRAL = _like_llama("mixtral", ("mixtral",), moe_experts=_EXPERTS,
 QWEN3_MOE = _like_llama("qwen3_moe", ("qwen3_moe",), head_norms=_QK_NORMS, moe_experts=_EXPERTS, expert_parts=_EXPERT_PARTS)
 
 # OLMoE: OLMo 2's q / k norms over all heads (weight applied after the cast back).
-OLMOE = _like_llama("olmoe", ("olmoe",), split_norms=dict(zip(_QK_NORMS, ("heads", "kv_heads"))), moe_experts=_EXPERTS,
+OLMOE = _like_llama("olmoe", ("olmoe",), split_norms=_QK_NORM_HEADS, moe_experts=_EXPERTS,
                     expert_parts=_EXPERT_PARTS)
 
 PHI3 = Policy(

@@ -20,9 +20,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32."""
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalized(x).to(x.dtype) * self.weight
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -35,8 +39,7 @@ class GemmaRMSNorm(RMSNorm):
             self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def make_norm(config: GPTConfig, dtype=None, device=None, size: int | None = None) -> nn.Module:
