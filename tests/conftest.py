@@ -37,3 +37,17 @@ def pool_for(request, device: str, tp: int) -> RankPool:
     if tp > pool.world:
         pytest.skip(f"TP={tp} needs {tp} {device} ranks, this machine has {pool.world}")
     return pool
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="release checks: searches draw ten times more cases and use up to 8 ranks",
+    )
+
+
+@pytest.fixture(scope="session")
+def long_tests(request) -> bool:
+    """Whether `--long` asks for the release checks' larger draws."""
+    return bool(request.config.getoption("--long"))

@@ -77,7 +77,7 @@ def test_dead_or_stopped_rank_fails_every_other_rank(fault):
             if fault == "kill":
                 assert "has died" in message and elapsed < 10, (elapsed, message)
             else:
-                assert "timed out" in message and elapsed < timeout_s + 5, (elapsed, message)
+                assert "Timed out" in message and elapsed < timeout_s + 5, (elapsed, message)
     finally:
         for p in procs:
             if p.is_alive():

@@ -146,8 +146,9 @@ void Group::check_peer(int peer, Clock::duration elapsed, const std::string& wai
   if (elapsed > config_.timeout) {
     const auto s =
         std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout).count() / 1000.0;
-    fail("tpcore shm: rank " + std::to_string(rank_) + ": " + waiting_for + " timed out after " +
-         std::to_string(s) + " s waiting for rank " + std::to_string(peer) +
+    // "Timed out", capitalised as torch's own backends say it (log filters look for it).
+    fail("tpcore shm: rank " + std::to_string(rank_) + ": Timed out after " + std::to_string(s) +
+         " s in " + waiting_for + ", waiting for rank " + std::to_string(peer) +
          " (it has not reached this call: is it stuck, stopped, or running a different "
          "collective?)");
   }
@@ -216,8 +217,9 @@ void Group::all_reduce_two_step(char* data, int64_t n, at::ScalarType dtype, Red
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
-    // Parts of 16 elements (64 bytes for fp32), the last one shorter.
-    const int64_t part = (m / world_ + 15) / 16 * 16;
+    // Parts of whole 16-element blocks (64 bytes for fp32), the last ones shorter or
+    // empty. The ceiling of m / world, so that the world parts cover all m elements.
+    const int64_t part = ((m + world_ - 1) / world_ + 15) / 16 * 16;
     auto part_range = [&](int r) {
       const int64_t lo = std::min(m, r * part);
       return std::make_pair(lo, std::min(m, lo + part));
