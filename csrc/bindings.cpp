@@ -104,33 +104,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The `tpcore` c10d backend (shared memory on one host); tpcore/_shm_backend.py registers it.
   py::class_<tpcore::shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<tpcore::shm::ShmBackend>>(
       m, "ShmBackend", "c10d backend: collectives through shared memory among ranks of one host")
-      .def(
-          py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                      double timeout_s, int64_t slot_bytes, int64_t cell_bytes, int cells,
-                      int64_t two_step_bytes, int64_t stream_bytes, py::function make_fallback) {
-            // The factory may run, and be dropped, on threads without the GIL.
-            std::shared_ptr<py::function> fn(new py::function(std::move(make_fallback)),
-                                             [](py::function* f) {
-                                               py::gil_scoped_acquire gil;
-                                               delete f;
-                                             });
-            auto factory = [fn]() {
-              py::gil_scoped_acquire gil;
-              return (*fn)().cast<c10::intrusive_ptr<c10d::Backend>>();
-            };
-            tpcore::shm::Config config;
-            config.slot_bytes = static_cast<size_t>(slot_bytes);
-            config.cell_bytes = static_cast<size_t>(cell_bytes);
-            config.cells = cells;
-            config.two_step_bytes = static_cast<size_t>(two_step_bytes);
-            if (stream_bytes >= 0) config.stream_bytes = static_cast<size_t>(stream_bytes);
-            config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-            py::gil_scoped_release nogil;  // rank 0 waits for the others to map the segment
-            return c10::make_intrusive<tpcore::shm::ShmBackend>(store, rank, size, config, factory);
-          }),
-          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
-          py::arg("slot_bytes"), py::arg("cell_bytes"), py::arg("cells"), py::arg("two_step_bytes"),
-          py::arg("stream_bytes"), py::arg("make_fallback"))
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       double timeout_s, int64_t slot_bytes, int64_t cell_bytes, int cells,
+                       int64_t two_step_bytes, int64_t stream_bytes, py::function make_fallback) {
+             // The factory may run, and be dropped, on threads without the GIL.
+             std::shared_ptr<py::function> fn(new py::function(std::move(make_fallback)),
+                                              [](py::function* f) {
+                                                py::gil_scoped_acquire gil;
+                                                delete f;
+                                              });
+             auto factory = [fn]() {
+               py::gil_scoped_acquire gil;
+               return (*fn)().cast<c10::intrusive_ptr<c10d::Backend>>();
+             };
+             tpcore::shm::Config config;
+             config.slot_bytes = static_cast<size_t>(slot_bytes);
+             config.cell_bytes = static_cast<size_t>(cell_bytes);
+             config.cells = cells;
+             config.two_step_bytes = static_cast<size_t>(two_step_bytes);
+             if (stream_bytes >= 0) config.stream_bytes = static_cast<size_t>(stream_bytes);
+             config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             auto without_gil = [](const std::function<void()>& fn) {
+               if (PyGILState_Check()) {
+                 py::gil_scoped_release nogil;
+                 fn();
+               } else {
+                 fn();
+               }
+             };
+             py::gil_scoped_release nogil;  // rank 0 waits for the others to map the segment
+             return c10::make_intrusive<tpcore::shm::ShmBackend>(store, rank, size, config, factory,
+                                                                 without_gil);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+           py::arg("slot_bytes"), py::arg("cell_bytes"), py::arg("cells"),
+           py::arg("two_step_bytes"), py::arg("stream_bytes"), py::arg("make_fallback"))
       .def_property_readonly("fast_ops", &tpcore::shm::ShmBackend::fast_ops)
       .def_property_readonly("fallback_ops", &tpcore::shm::ShmBackend::fallback_ops)
       .def_property_readonly("segment_name", &tpcore::shm::ShmBackend::segment_name);

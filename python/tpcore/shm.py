@@ -7,9 +7,10 @@ ranks of a group on one host (the C++ in csrc/comm/shm/), gloo for everything el
     group = dist.new_group([0, 1], backend="tpcore")
 
 all_reduce (sum, avg, max, min, product), all_gather, reduce_scatter, broadcast, barrier,
-all_to_all (equal splits) and send/recv (so batch_isend_irecv) of dense CPU tensors go
-through shared memory; any other operation, dtype or reduce op is delegated to an internal
-gloo backend built on the same store (on first use). A group whose ranks are not all on one
+monitored_barrier, all_to_all (equal splits) and send/recv (from a given rank or any rank;
+so batch_isend_irecv) of dense CPU tensors go through shared memory; any other operation
+(reduce, gather, scatter, uneven all_to_all), dtype or reduce op is delegated to an
+internal gloo backend built on the same store (on first use). A group whose ranks are not all on one
 host is plain gloo. tpcore's own groups (`initialize_model_parallel`) use this backend by
 default on CPU; ``TPCORE_CPU_BACKEND=gloo`` opts out.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -68,20 +70,45 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
     return parsed
 
 
-def _hosts(store: dist.Store, rank: int, size: int) -> list[str]:
+def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: list[int]) -> list[str]:
+    """Every member's host identity, exchanged through the group's store. A member that made
+    this group with gloo instead (gloo's own keys appear in the same store) is named at once,
+    and one that never comes within the group's timeout is named then, rather than leaving a
+    bare store timeout."""
     store.set(f"tpcore_host/{rank}", host_id())
-    return [store.get(f"tpcore_host/{r}").decode() for r in range(size)]
+    keys = [f"tpcore_host/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while not store.check(keys):
+        absent = [r for r in range(size) if not store.check([keys[r]])]
+        on_gloo = [ranks[r] for r in absent if store.check([f"0/{r}"])]  # gloo's address key
+        if on_gloo:
+            raise ValueError(
+                f"tpcore: rank {ranks[rank]} made the group of ranks {ranks} with backend 'tpcore', but "
+                f"rank(s) {on_gloo} made it with 'gloo': every rank must pass the same backend to "
+                "init_process_group / new_group"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"tpcore: Timed out after {timeout.total_seconds():g} s making the group of ranks {ranks}: "
+                f"rank(s) {[ranks[r] for r in absent]} never made it with backend 'tpcore' (do all ranks "
+                "call new_group with the same ranks and backend, in the same order?)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return [store.get(key).decode() for key in keys]
 
 
 def _create(opts, backend_options=None):
     """Backend factory torch.distributed calls for each group (every member rank)."""
     store, rank, size = opts.store, opts.group_rank, opts.group_size
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else timedelta(seconds=1800)
+    ranks = list(getattr(opts, "global_ranks_in_group", None) or range(size))
 
     def make_gloo():
         return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
 
-    if len(set(_hosts(store, rank, size))) > 1:
+    if len(set(_hosts(store, rank, size, timeout, ranks))) > 1:
         return make_gloo()  # ranks on several hosts: no shared memory
     return _C.ShmBackend(
         store,

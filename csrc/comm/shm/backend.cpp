@@ -133,10 +133,11 @@ class RecvWork : public c10d::Work {
 }  // namespace
 
 ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       const Config& config, Fallback make_fallback)
+                       const Config& config, Fallback make_fallback, WithoutGil without_gil)
     : c10d::Backend(rank, size),
       timeout_(config.timeout),
-      make_fallback_(std::move(make_fallback)) {
+      make_fallback_(std::move(make_fallback)),
+      without_gil_(std::move(without_gil)) {
   const std::string name_key = "tpcore_shm/segment", mapped_key = "tpcore_shm/mapped";
   group_ = std::make_unique<Group>(
       rank, size, config,
@@ -158,7 +159,12 @@ ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
       });
 }
 
-ShmBackend::~ShmBackend() = default;
+ShmBackend::~ShmBackend() {
+  // gloo's destructor joins its worker threads, which may need the GIL to drop the last
+  // reference to a Python-owned tensor of a finished operation: without releasing it here
+  // (when the caller holds it) that was a deadlock at destroy_process_group.
+  if (fallback_) without_gil_([this] { fallback_.reset(); });
+}
 
 c10d::Backend& ShmBackend::fallback() {
   std::lock_guard<std::mutex> lock(fallback_mu_);
@@ -182,6 +188,7 @@ ShmBackend* ShmBackend::of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, con
 }
 
 bool ShmBackend::all_reduce_sum(const at::Tensor& t) {
+  ++seq_;
   if (!reducible(t.scalar_type(), ReduceKind::kSum)) return false;
   group_->all_reduce(t, ReduceKind::kSum);
   ++fast_ops_;
@@ -189,11 +196,13 @@ bool ShmBackend::all_reduce_sum(const at::Tensor& t) {
 }
 
 void ShmBackend::all_gather(const at::Tensor& out, const at::Tensor& in) {
+  ++seq_;
   group_->all_gather(out, in);
   ++fast_ops_;
 }
 
 bool ShmBackend::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in) {
+  ++seq_;
   if (!reducible(in.scalar_type(), ReduceKind::kSum)) return false;
   group_->reduce_scatter(out, in, ReduceKind::kSum);
   ++fast_ops_;
@@ -201,12 +210,14 @@ bool ShmBackend::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in)
 }
 
 void ShmBackend::broadcast(const at::Tensor& t, int root) {
+  ++seq_;
   group_->broadcast(t, root);
   ++fast_ops_;
 }
 
 WorkPtr ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
                               const c10d::BroadcastOptions& opts) {
+  ++seq_;
   if (tensors.size() != 1 || !movable(tensors) || opts.rootTensor != 0)
     return fallback().broadcast(tensors, opts);
   on_contiguous(tensors[0], true, [&](const at::Tensor& t) {
@@ -217,6 +228,7 @@ WorkPtr ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
 
 WorkPtr ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
                               const c10d::AllreduceOptions& opts) {
+  ++seq_;
   const auto kind = kind_of(opts.reduceOp);
   if (tensors.size() != 1 || !movable(tensors) || !kind ||
       !reducible(tensors[0].scalar_type(), *kind))
@@ -227,6 +239,7 @@ WorkPtr ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
 
 WorkPtr ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                         const c10d::AllreduceCoalescedOptions& opts) {
+  ++seq_;
   const auto kind = kind_of(opts.reduceOp);
   bool fast = movable(tensors) && kind.has_value();
   for (const auto& t : tensors) fast = fast && reducible(t.scalar_type(), *kind);
@@ -237,11 +250,18 @@ WorkPtr ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
 }
 
 WorkPtr ShmBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  ++seq_;
   return fallback().reduce(tensors, opts);
 }
 
 WorkPtr ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                     const c10d::AllgatherOptions& opts) {
+  ++seq_;
+  return allgather_base(output, input, opts);
+}
+
+WorkPtr ShmBackend::allgather_base(at::Tensor& output, at::Tensor& input,
+                                   const c10d::AllgatherOptions& opts) {
   if (!movable(output) || !movable(input)) return fallback()._allgather_base(output, input, opts);
   TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
                     "tpcore shm: all_gather: output is ", output.scalar_type(), " but input is ",
@@ -256,6 +276,7 @@ WorkPtr ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
 
 WorkPtr ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                               std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  ++seq_;
   if (inputs.size() != 1 || outputs.size() != 1 || !movable(inputs) || !movable(outputs[0]))
     return fallback().allgather(outputs, inputs, opts);
   auto& outs = outputs[0];
@@ -276,31 +297,41 @@ WorkPtr ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
 WorkPtr ShmBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::AllgatherOptions& opts) {
+  ++seq_;
   return fallback().allgather_coalesced(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
+  ++seq_;
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: all_gather: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
+  for (size_t i = 0; i < inputs.size(); ++i) allgather_base(outputs[i], inputs[i], opts);
   return done(outputs, CoalescedOpTypes<OpType>::all_gather);
 }
 
 WorkPtr ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                            std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  ++seq_;
   return fallback().gather(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::scatter(std::vector<at::Tensor>& outputs,
                             std::vector<std::vector<at::Tensor>>& inputs,
                             const c10d::ScatterOptions& opts) {
+  ++seq_;
   return fallback().scatter(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                          const c10d::ReduceScatterOptions& opts) {
+  ++seq_;
+  return reduce_scatter_base(output, input, opts);
+}
+
+WorkPtr ShmBackend::reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                        const c10d::ReduceScatterOptions& opts) {
   const auto kind = kind_of(opts.reduceOp);
   if (!movable(output) || !movable(input) || !kind || !reducible(input.scalar_type(), *kind))
     return fallback()._reduce_scatter_base(output, input, opts);
@@ -319,6 +350,7 @@ WorkPtr ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
 WorkPtr ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                    std::vector<std::vector<at::Tensor>>& inputs,
                                    const c10d::ReduceScatterOptions& opts) {
+  ++seq_;
   const auto kind = kind_of(opts.reduceOp);
   if (outputs.size() != 1 || inputs.size() != 1 || !movable(outputs) || !movable(inputs[0]) ||
       !kind || !reducible(outputs[0].scalar_type(), *kind))
@@ -343,9 +375,10 @@ WorkPtr ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
 WorkPtr ShmBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::ReduceScatterOptions& opts) {
+  ++seq_;
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tpcore shm: reduce_scatter: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
+  for (size_t i = 0; i < inputs.size(); ++i) reduce_scatter_base(outputs[i], inputs[i], opts);
   return done(outputs, CoalescedOpTypes<OpType>::reduce_scatter);
 }
 
@@ -353,6 +386,7 @@ WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                   std::vector<int64_t>& output_splits,
                                   std::vector<int64_t>& input_splits,
                                   const c10d::AllToAllOptions& opts) {
+  ++seq_;
   // Equal splits only; uneven ones go to gloo.
   if (!output_splits.empty() || !input_splits.empty() || !movable(output) || !movable(input) ||
       input.numel() % getSize() != 0 || output.numel() != input.numel() ||
@@ -365,6 +399,7 @@ WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
 
 WorkPtr ShmBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                              const c10d::AllToAllOptions& opts) {
+  ++seq_;
   return fallback().alltoall(outputs, inputs, opts);
 }
 
@@ -385,16 +420,21 @@ WorkPtr ShmBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
 }
 
 WorkPtr ShmBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return fallback().recvAnysource(tensors, tag);
+  if (tensors.size() != 1 || !movable(tensors)) return fallback().recvAnysource(tensors, tag);
+  return recv(tensors, Group::kAnySource, tag);
 }
 
 WorkPtr ShmBackend::barrier(const c10d::BarrierOptions& opts) {
+  ++seq_;
   group_->barrier();
   return done({}, OpType::BARRIER);
 }
 
 void ShmBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  fallback().monitoredBarrier(opts, wait_all_ranks);
+  ++seq_;
+  // An unset timeout (negative) means the group's.
+  group_->monitored_barrier(opts.timeout.count() >= 0 ? opts.timeout : timeout_, wait_all_ranks);
+  ++fast_ops_;
 }
 
 }  // namespace tpcore::shm

@@ -22,11 +22,13 @@ namespace tpcore::shm {
 class ShmBackend : public c10d::Backend {
  public:
   using Fallback = std::function<c10::intrusive_ptr<c10d::Backend>()>;
+  // Runs a function with the GIL released when the calling thread holds it (bindings.cpp).
+  using WithoutGil = std::function<void(const std::function<void()>&)>;
 
   // Collective over the group (every rank constructs it): rank 0 creates the segment and
   // passes its name through `store`. `make_fallback` builds the gloo backend on first use.
   ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const Config& config,
-             Fallback make_fallback);
+             Fallback make_fallback, WithoutGil without_gil);
   ~ShmBackend() override;
 
   const std::string getBackendName() const override { return "tpcore"; }
@@ -81,6 +83,11 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  // c10d's sequence number: collectives issued on this group so far (the same on every
+  // rank of a group in step; torch reads it to check that). Setting it is a no-op: it
+  // starts at 0 on every rank, as in torch since 2.12.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
 
   // The shared-memory backend serving `t`'s device in `pg`, or null (tpcore's collectives
   // call it directly: the same work without c10d's dispatch, Work and future per call).
@@ -99,14 +106,20 @@ class ShmBackend : public c10d::Backend {
 
  private:
   c10d::Backend& fallback();
+  c10::intrusive_ptr<c10d::Work> allgather_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                     const c10d::ReduceScatterOptions& opts);
   c10::intrusive_ptr<c10d::Work> done(std::vector<at::Tensor> result, c10d::OpType op);
 
   std::unique_ptr<Group> group_;
   std::chrono::milliseconds timeout_;
   Fallback make_fallback_;
+  WithoutGil without_gil_;
   c10::intrusive_ptr<c10d::Backend> fallback_;
   std::mutex fallback_mu_;
   std::atomic<int64_t> fast_ops_{0}, fallback_ops_{0};
+  std::atomic<uint64_t> seq_{0};
 };
 
 }  // namespace tpcore::shm

@@ -88,18 +88,27 @@ class Group {
 
   // Point to point (p2p.cpp). send returns once the message is in the link (it drains
   // incoming links while waiting for room, so two ranks sending to each other cannot
-  // deadlock). post_recv registers a receive; wait_recv completes it.
+  // deadlock). post_recv registers a receive; wait_recv completes it. A receive from
+  // kAnySource takes the first message with its tag from whichever rank, and then names
+  // that rank in `src`. Receives match arriving messages in the order they were posted.
+  static constexpr int kAnySource = -1;
   struct Recv {
     int src;
     int64_t tag;
     char* data;
     uint64_t bytes;
+    uint64_t posted;  // order of posting, among this group's receives
     bool done = false;
     std::string error;  // set when the message that arrived does not fit
   };
   void send(const at::Tensor& t, int dst, int64_t tag);
   std::shared_ptr<Recv> post_recv(const at::Tensor& t, int src, int64_t tag);
   void wait_recv(const std::shared_ptr<Recv>& r);
+
+  // torch's monitored_barrier (monitored_barrier.cpp): rank 0 waits at most `timeout` for
+  // every other rank and, if one is missing, fails naming it (every missing rank with
+  // `wait_all`); the group is then unusable, so every rank raises with rank 0's reason.
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all);
 
   // Gives up on the group: peers stop waiting and raise `reason` too.
   void abort(const std::string& reason);
@@ -126,6 +135,7 @@ class Group {
   struct Message {
     int64_t tag;
     uint64_t total;
+    uint64_t arrived;  // order of arrival, among this group's messages from every rank
     uint64_t received = 0;
     std::shared_ptr<Recv> recv;  // null while nobody has asked for it
     bool keep = false;           // arriving into `kept`, not into recv's buffer
@@ -138,6 +148,15 @@ class Group {
     std::deque<std::shared_ptr<Message>> unclaimed;  // messages nobody asked for yet
   };
   static void finish_recv(Recv& r, const Message& m);
+  void send(const char* data, uint64_t bytes, int dst, int64_t tag);
+  std::shared_ptr<Recv> post_recv(char* data, uint64_t bytes, int src, int64_t tag);
+  // Waits for `r`; false once `deadline` has passed (a dead peer or an aborted group raise).
+  // `what` names the wait in errors (default: the message awaited).
+  bool wait_recv_until(const std::shared_ptr<Recv>& r, Clock::time_point deadline,
+                       std::string what = {});
+  // Takes a posted receive that will not be waited for off the queues.
+  void cancel_recv(const std::shared_ptr<Recv>& r);
+  void check_any_peer(Clock::duration elapsed, const std::string& waiting_for);
   void drain(int src, const Recv* until);
   void progress_all();
 
@@ -153,6 +172,9 @@ class Group {
   std::vector<std::unique_ptr<std::mutex>> send_mu_;
   std::vector<uint32_t> sent_cells_;
   std::vector<std::unique_ptr<Incoming>> incoming_;
+  std::deque<std::shared_ptr<Recv>> any_posted_;  // receives from any source, not matched yet
+  uint64_t posts_ = 0, arrivals_ = 0;
+  uint32_t monitored_barriers_ = 0;
 };
 
 }  // namespace tpcore::shm

@@ -46,11 +46,21 @@ void Group::drain(int src, const Recv* until) {
       auto m = std::make_shared<Message>();
       m->tag = cell->tag;
       m->total = cell->total;
-      auto it = std::find_if(in.posted.begin(), in.posted.end(),
-                             [&](const std::shared_ptr<Recv>& r) { return r->tag == cell->tag; });
-      if (it != in.posted.end()) {
-        m->recv = *it;
-        in.posted.erase(it);
+      m->arrived = arrivals_++;
+      // The earliest posted receive that takes it: one from this rank, or from any rank.
+      auto tagged = [&](const std::shared_ptr<Recv>& r) { return r->tag == cell->tag; };
+      auto mine = std::find_if(in.posted.begin(), in.posted.end(), tagged);
+      auto any = std::find_if(any_posted_.begin(), any_posted_.end(), tagged);
+      if (any != any_posted_.end() &&
+          (mine == in.posted.end() || (*any)->posted < (*mine)->posted)) {
+        m->recv = *any;
+        m->recv->src = src;
+        any_posted_.erase(any);
+      } else if (mine != in.posted.end()) {
+        m->recv = *mine;
+        in.posted.erase(mine);
+      }
+      if (m->recv) {
         if (m->recv->bytes != m->total) {
           m->recv->error = size_error(rank_, src, m->tag, m->recv->bytes, m->total);
           m->keep = true;  // read and drop it, so the link stays in step
@@ -94,10 +104,12 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
   check_usable();
   TORCH_CHECK_VALUE(dst >= 0 && dst < world_ && dst != rank_, "tpcore shm: send: peer ", dst,
                     " is not another rank of this group of ", world_);
+  send(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size(), dst, tag);
+}
+
+void Group::send(const char* data, uint64_t total, int dst, int64_t tag) {
   std::lock_guard<std::mutex> lock(*send_mu_[dst]);
   Channel* link = layout_.channel(base(), rank_, dst);
-  const char* data = static_cast<const char*>(t.data_ptr());
-  const uint64_t total = t.numel() * t.element_size();
   const uint32_t cells = static_cast<uint32_t>(layout_.cells());
   const std::string what = "sending " + std::to_string(total) + " bytes with tag " +
                            std::to_string(tag) + " to rank " + std::to_string(dst);
@@ -138,55 +150,115 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
 
 std::shared_ptr<Group::Recv> Group::post_recv(const at::Tensor& t, int src, int64_t tag) {
   check_usable();
-  TORCH_CHECK_VALUE(src >= 0 && src < world_ && src != rank_, "tpcore shm: recv: peer ", src,
-                    " is not another rank of this group of ", world_);
+  TORCH_CHECK_VALUE(src == kAnySource || (src >= 0 && src < world_ && src != rank_),
+                    "tpcore shm: recv: peer ", src, " is not another rank of this group of ",
+                    world_);
+  return post_recv(static_cast<char*>(t.data_ptr()), t.numel() * t.element_size(), src, tag);
+}
+
+std::shared_ptr<Group::Recv> Group::post_recv(char* data, uint64_t bytes, int src, int64_t tag) {
   auto r = std::make_shared<Recv>();
   r->src = src;
   r->tag = tag;
-  r->data = static_cast<char*>(t.data_ptr());
-  r->bytes = t.numel() * t.element_size();
+  r->data = data;
+  r->bytes = bytes;
   std::lock_guard<std::mutex> lock(p2p_mu_);
-  if (!incoming_[src]) incoming_[src] = std::make_unique<Incoming>();
-  Incoming& in = *incoming_[src];
-  auto it =
-      std::find_if(in.unclaimed.begin(), in.unclaimed.end(),
-                   [&](const std::shared_ptr<Message>& m) { return m->tag == tag && !m->recv; });
-  if (it == in.unclaimed.end()) {
-    in.posted.push_back(r);
+  r->posted = posts_++;
+  // A message that arrived before this receive: the earliest with its tag from `src`, or
+  // from any rank.
+  std::shared_ptr<Message> m;
+  int from = -1;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_ || (src != kAnySource && peer != src)) continue;
+    if (!incoming_[peer]) incoming_[peer] = std::make_unique<Incoming>();
+    for (const auto& kept : incoming_[peer]->unclaimed)
+      if (kept->tag == tag && !kept->recv) {
+        if (!m || kept->arrived < m->arrived) m = kept, from = peer;
+        break;
+      }
+  }
+  if (!m) {
+    if (src == kAnySource)
+      any_posted_.push_back(r);
+    else
+      incoming_[src]->posted.push_back(r);
     return r;
   }
-  std::shared_ptr<Message> m = *it;
+  r->src = from;
   m->recv = r;
-  if (m->total != r->bytes) r->error = size_error(rank_, src, tag, r->bytes, m->total);
+  if (m->total != r->bytes) r->error = size_error(rank_, from, tag, r->bytes, m->total);
   if (m->received == m->total) {
     finish_recv(*r, *m);
-    in.unclaimed.erase(it);
+    auto& unclaimed = incoming_[from]->unclaimed;
+    unclaimed.erase(std::find(unclaimed.begin(), unclaimed.end(), m));
   }
   return r;
 }
 
-void Group::wait_recv(const std::shared_ptr<Recv>& r) {
-  const std::string what = "receiving " + std::to_string(r->bytes) + " bytes with tag " +
-                           std::to_string(r->tag) + " from rank " + std::to_string(r->src);
+void Group::cancel_recv(const std::shared_ptr<Recv>& r) {
+  std::lock_guard<std::mutex> lock(p2p_mu_);
+  auto drop = [&](std::deque<std::shared_ptr<Recv>>& q) {
+    auto it = std::find(q.begin(), q.end(), r);
+    if (it != q.end()) q.erase(it);
+  };
+  drop(any_posted_);
+  for (auto& in : incoming_)
+    if (in) drop(in->posted);
+}
+
+void Group::check_any_peer(Clock::duration elapsed, const std::string& waiting_for) {
+  // Any live peer may still send: a peer's death alone is not a reason to stop, unless
+  // every peer is dead. The abort and the timeout are checked as for one peer.
+  bool any_alive = world_ == 1;
+  for (int peer = 0; peer < world_; ++peer)
+    if (peer != rank_ && process_alive(control(peer)->pid)) any_alive = true;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    if (any_alive && !process_alive(control(peer)->pid)) continue;
+    check_peer(peer, elapsed, waiting_for);
+    break;
+  }
+}
+
+bool Group::wait_recv_until(const std::shared_ptr<Recv>& r, Clock::time_point deadline,
+                            std::string what) {
+  const bool any = r->src == kAnySource;
+  if (what.empty())
+    what = "receiving " + std::to_string(r->bytes) + " bytes with tag " + std::to_string(r->tag) +
+           " from " + (any ? std::string("any rank") : "rank " + std::to_string(r->src));
   // Drains the other incoming links too: a peer blocked sending to this rank (its link
   // full) may be what the awaited sender waits for, in a cycle of ranks (a ring of large
   // messages deadlocked without this). Messages with a posted receive go straight into it.
   auto poll = [&](uint32_t) {
     std::lock_guard<std::mutex> lock(p2p_mu_);
-    drain(r->src, r.get());
-    if (!r->done)
-      for (int other = 0; other < world_; ++other)
-        if (other != rank_ && other != r->src) drain(other, nullptr);
+    if (!any) drain(r->src, r.get());
+    for (int other = 0; other < world_ && !r->done; ++other)
+      if (other != rank_ && (any || other != r->src)) drain(other, nullptr);
     return r->done;
   };
-
+  struct PastDeadline {};
   if (!poll(0)) {
     check_usable();
     // Wakes on this rank's inbox: each new cell from any rank re-runs the poll.
-    wait_until(control(rank_)->inbox, poll, policy_,
-               [&](Clock::duration elapsed) { check_peer(r->src, elapsed, what); });
+    try {
+      wait_until(control(rank_)->inbox, poll, policy_, [&](Clock::duration elapsed) {
+        if (Clock::now() > deadline) throw PastDeadline{};
+        // The peer's death, an abort, or the group's own timeout.
+        if (any)
+          check_any_peer(elapsed, what);
+        else
+          check_peer(r->src, elapsed, what);
+      });
+    } catch (const PastDeadline&) {
+      return false;
+    }
   }
   TORCH_CHECK_VALUE(r->error.empty(), r->error);
+  return true;
+}
+
+void Group::wait_recv(const std::shared_ptr<Recv>& r) {
+  wait_recv_until(r, Clock::time_point::max());
 }
 
 }  // namespace tpcore::shm

@@ -1,0 +1,179 @@
+"""The `tpcore` backend under torch.distributed calls that are not plain collectives:
+receives from any source, monitored_barrier (passing, and naming late ranks within its
+timeout), c10d sequence numbers and object collectives on subgroups, ending groups after
+operations that went through the gloo fallback, and ranks that disagree on the backend."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import tpcore
+
+
+def _any_source(rank, world):
+    g = dist.new_group(list(range(world)), backend="tpcore")
+    peers = range(1, world)
+    if rank == 0:
+        # dist.recv without src returns the sender's rank; irecv's work names it too
+        got = {}
+        for _ in peers:
+            t = torch.zeros(5)
+            src = dist.recv(t, group=g)
+            got[src] = t
+        assert sorted(got) == list(peers), got
+        for src, t in got.items():
+            assert torch.equal(t, torch.full((5,), float(src))), (src, t)
+        # messages that arrived before the receive was posted, several cells long (and
+        # within a link's 1 MiB, so that the senders are not waiting for room)
+        dist.barrier()  # the peers have sent
+        time.sleep(0.2)
+        for _ in peers:
+            t = torch.zeros(200_000)
+            work = dist.irecv(t, group=g, tag=3)
+            work.wait()
+            src = work._source_rank()
+            assert torch.equal(t, torch.arange(200_000, dtype=torch.float32) + src), src
+        # a receive from one rank and one from any rank, posted in that order: rank 2's first
+        # message goes to the first, its second to the second
+        specific, any_rank = torch.zeros(2), torch.zeros(2)
+        w1 = dist.irecv(specific, src=2, group=g, tag=7)
+        w2 = dist.irecv(any_rank, group=g, tag=7)
+        dist.barrier()  # rank 2 sends after this
+        w1.wait()
+        w2.wait()
+        assert specific.tolist() == [1.0, 1.0] and any_rank.tolist() == [2.0, 2.0], (specific, any_rank)
+        assert w2._source_rank() == 2
+    else:
+        dist.send(torch.full((5,), float(rank)), dst=0, group=g)
+        dist.send(torch.arange(200_000, dtype=torch.float32) + rank, dst=0, group=g, tag=3)
+        dist.barrier()
+        dist.barrier()  # rank 0 has posted its receives with tag 7
+        if rank == 2:
+            dist.send(torch.ones(2), dst=0, group=g, tag=7)
+            dist.send(torch.full((2,), 2.0), dst=0, group=g, tag=7)
+    assert tpcore.shm.shm_backend_of(g).fallback_ops == 0, "a receive from any source went to gloo"
+    dist.destroy_process_group(g)
+
+
+def test_recv_from_any_source(cpu_ranks):
+    cpu_ranks.run(_any_source)
+
+
+def _monitored_barrier(rank, world, late, wait_all):
+    g = dist.new_group(list(range(world)), backend="tpcore")
+    for _ in range(3):  # on time: passes, through shared memory
+        dist.monitored_barrier(g, timeout=timedelta(seconds=30), wait_all_ranks=wait_all)
+    assert tpcore.shm.shm_backend_of(g).fallback_ops == 0
+    dist.barrier()
+    if rank in late:
+        time.sleep(2.0)
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(g, timeout=timedelta(seconds=0.5), wait_all_ranks=wait_all)
+        outcome = "passed"
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group(g)
+    return outcome, elapsed
+
+
+def test_monitored_barrier_names_the_late_rank_within_its_timeout(cpu_ranks):
+    for late, wait_all, named in (((2,), False, "Rank 2 "), ((2, 3), True, "Ranks 2, 3 ")):
+        answers = cpu_ranks.run(_monitored_barrier, late, wait_all)
+        want = f"[Rank 0]: {named}failed to pass monitoredBarrier in 500 ms"
+        for rank, (outcome, elapsed) in enumerate(answers):
+            assert outcome.startswith("DistBackendError") and want in outcome, (rank, outcome)
+            # rank 0 gives up after the barrier's 0.5 s; the others raise as soon as it does
+            # (the late ranks as soon as they arrive)
+            assert elapsed < 1.8, (rank, elapsed, outcome)
+
+
+def _sequence_numbers(rank, world):
+    g = dist.new_group(list(range(world)), backend="tpcore")
+    before = g._get_sequence_number_for_group()
+    dist.all_reduce(torch.ones(3), group=g)
+    dist.broadcast(torch.ones(3), src=0, group=g)
+    dist.scatter(torch.zeros(2), [torch.ones(2)] * world if rank == 0 else None, src=0, group=g)  # gloo's
+    dist.barrier(group=g)
+    after = g._get_sequence_number_for_group()
+    numbers = [None] * world
+    dist.all_gather_object(numbers, (before, after))
+    assert all(n == numbers[0] for n in numbers), f"sequence numbers differ between ranks: {numbers}"
+    assert after - before == 4, (before, after)
+    # object collectives on a subgroup use them
+    pair = dist.new_group([0, 1], backend="tpcore")
+    if rank < 2:
+        objects = [None, None]
+        dist.all_gather_object(objects, {"rank": rank}, group=pair)
+        assert objects == [{"rank": 0}, {"rank": 1}], objects
+        dist.destroy_process_group(pair)
+    dist.destroy_process_group(g)
+
+
+def test_sequence_numbers_and_object_collectives_on_subgroups(cpu_ranks):
+    cpu_ranks.run(_sequence_numbers)
+
+
+def _fallback_ops_then_destroy(rank, world, repeats):
+    for i in range(repeats):
+        g = dist.new_group(list(range(world)), backend="tpcore")
+        t = torch.zeros(3)
+        dist.scatter(t, [torch.full((3,), float(r + i)) for r in range(world)] if rank == 0 else None, src=0, group=g)
+        assert t.tolist() == [float(rank + i)] * 3
+        dist.gather(t, [torch.zeros(3) for _ in range(world)] if rank == 0 else None, dst=0, group=g)
+        ins, outs = [1 + r for r in range(world)], [1 + rank] * world
+        out = torch.zeros(sum(outs))
+        dist.all_to_all_single(out, torch.full((sum(ins),), float(rank)), outs, ins, group=g)  # uneven: gloo's
+        assert out.tolist() == [float(r) for r in range(world) for _ in range(1 + rank)]
+        assert tpcore.shm.shm_backend_of(g).fallback_ops >= 3
+        dist.destroy_process_group(g)  # hung in gloo's destructor, which waited for the GIL
+
+
+def test_ending_a_group_after_gloo_fallback_operations(cpu_ranks):
+    cpu_ranks.run(_fallback_ops_then_destroy, 12, timeout=120)
+
+
+def _mixed_backends(rank, store_path, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+
+    import tpcore  # noqa: F401 - registers the backend
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    start = time.monotonic()
+    try:
+        dist.new_group([0, 1], backend="tpcore" if rank == 0 else "gloo")
+        results.put((rank, "made", time.monotonic() - start))
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        results.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_ranks_that_disagree_on_the_backend_get_a_clear_error():
+    """The tpcore rank names the gloo rank at once. (The gloo rank waits in gloo's own
+    connection code; a launcher ends it when the tpcore rank's process fails.)"""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(prefix="tpcore-mixed-"), "store")
+    procs = [ctx.Process(target=_mixed_backends, args=(r, store, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, outcome, elapsed = results.get(timeout=120)
+        assert rank == 0, (rank, outcome)
+        assert outcome.startswith("ValueError") and "rank(s) [1] made it with 'gloo'" in outcome, outcome
+        assert elapsed < 10, elapsed
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
