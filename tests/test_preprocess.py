@@ -61,6 +61,23 @@ def test_plain_text_and_custom_key(tmp_path):
     assert len(IndexedDataset(str(tmp_path / "k"))) == 1
 
 
+def test_utf8_byte_order_mark_keeps_the_first_document(tmp_path, capsys):
+    """Editors on Windows start UTF-8 files with a byte-order mark; it is no part of the
+    first document (as Python's "utf-8-sig" reads it), which must not be lost or changed."""
+    bom = "\ufeff".encode()
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(bom + b"".join(json.dumps({"text": t}).encode() + b"\n" for t in TEXTS))
+    prefix = str(tmp_path / "bom")
+    assert main(["--input", str(src), "--output-prefix", prefix, "--quiet"]) == 0
+    assert "0 malformed lines skipped" in capsys.readouterr().out
+    expected = [json.loads(line)["text"] for line in src.read_text(encoding="utf-8-sig").splitlines()]
+    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(prefix)] == expected == TEXTS
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes(bom + b"first line\nsecond line\n")
+    assert main(["--input", str(txt), "--output-prefix", str(tmp_path / "t"), "--quiet"]) == 0
+    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(str(tmp_path / "t"))] == ["first line", "second line"]
+
+
 def test_missing_input(tmp_path, capsys):
     assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "x"), "--quiet"]) == 1
     assert "does not exist" in capsys.readouterr().err

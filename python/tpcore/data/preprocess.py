@@ -4,7 +4,8 @@
     python -m tpcore.data.preprocess --input notes.txt --format text --output-prefix data/notes
 
 JSON lines: one document per line, text under `--json-key` (default "text"). Plain
-text: one document per non-empty line. A malformed line (bad JSON, key missing or not
+text: one document per non-empty line. Input is UTF-8; a byte-order mark at the start of
+the file is skipped. A malformed line (bad JSON, key missing or not
 a string) is skipped and counted (lines without the key counted apart), or with
 `--on-error fail` stops the run with its line number; a JSON input where no line has
 the key fails naming the key and the file (a wrong `--json-key`, not an empty corpus).
@@ -80,7 +81,9 @@ def _parsed_lines(path: str, fmt: str, key: str) -> Iterator[_Line]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                text = _document(raw.decode("utf-8"), fmt, key)
+                # "utf-8-sig" on the first line: a byte-order mark (Windows editors write one)
+                # is no part of the first document; json.loads would refuse the line for it.
+                text = _document(raw.decode("utf-8-sig" if number == 1 else "utf-8"), fmt, key)
             except UnicodeDecodeError as e:
                 yield number, None, f"not UTF-8 ({e.reason})"
                 continue
