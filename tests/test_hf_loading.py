@@ -341,3 +341,82 @@ def test_bad_checkpoints_fail_alike_on_every_rank(cpu_ranks, tmp_path):
     cases = _corrupt_checkpoints(tmp_path)
     messages = cpu_ranks.run(_corrupt_checkpoints_job, cases)
     assert all(m == messages[0] for m in messages), "every rank must raise the same error"
+
+
+def _config_beside_weights_job(rank, world, cases, ids):
+    import warnings
+
+    import tpcore
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    messages = {}
+    for path, expected in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = tpcore.hf.from_pretrained(path)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}, {path}: {m}")
+        messages[path] = [str(w.message) for w in caught if str(w.message).startswith("tpcore.hf")]
+    return messages
+
+
+def test_config_that_disagrees_with_the_weights_loads_as_transformers_does(cpu_ranks, tmp_path):
+    """Two config.json edits that transformers loads with a warning, not silently otherwise:
+    `tie_word_embeddings: true` beside a checkpoint that stores its own, different
+    `lm_head.weight` (transformers 5 keeps the saved head apart; 4.x ties it to the
+    embedding), and fewer `num_hidden_layers` than the weights hold (the rest are unexpected
+    keys). The split model gives transformers' logits and warns, naming the tensors."""
+    import json
+    import shutil
+
+    source = save_family("llama", tmp_path / "llama")  # its own head (tie_word_embeddings=False)
+
+    def variant(name: str, **changes) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        shutil.copyfile(f"{source}/model.safetensors", path / "model.safetensors")
+        config = json.loads(open(f"{source}/config.json").read())
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+        return str(path)
+
+    tied, short = variant("tied", tie_word_embeddings=True), variant("short", num_hidden_layers=1)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    cases, unexpected = [], {}
+    for path in (tied, short):
+        dense, info = transformers.LlamaForCausalLM.from_pretrained(path, output_loading_info=True)
+        with torch.no_grad():
+            cases.append((path, dense.eval()(ids).logits))
+        unexpected[path] = sorted(info["unexpected_keys"])
+    assert unexpected[tied] == [] and len(unexpected[short]) == 9  # layer 1's tensors
+    for messages in cpu_ranks.run(_config_beside_weights_job, cases, ids):
+        assert len(messages[tied]) == 1 and "lm_head.weight" in messages[tied][0] and "model.embed_tokens.weight" in messages[tied][0], messages
+        assert len(messages[short]) == 1, messages
+        assert f"9 tensor(s) of {short} are unexpected" in messages[short][0] and str(unexpected[short][:8]) in messages[short][0], messages
+
+
+def _save_pretrained_job(rank, world, path, out):
+    import os
+
+    import tpcore
+
+    tpcore.initialize_model_parallel(tensor_parallel_size=2)
+    dense = load_dense(path, "GPT2LMHeadModel", torch.float32)
+    for model in (tpcore.hf.from_pretrained(path), tpcore.hf.parallelize(copy.deepcopy(dense))):
+        for target in (model, model.transformer, copy.deepcopy(model)):
+            expect_error(NotImplementedError, f"tpcore.hf: save_pretrained of a {type(target).__name__} split by tpcore.hf is not supported",
+                         target.save_pretrained, out)
+    assert not os.path.exists(out)  # nothing written
+    if rank == 0:  # the dense model is untouched: it still saves (what the message advises)
+        dense.save_pretrained(out + "-dense")
+    return True
+
+
+def test_save_pretrained_of_a_split_model_is_refused(cpu_ranks, tmp_path):
+    """It wrote rank 0's slices under the full model's names (exit 0) and transformers could
+    not load the folder; now every rank raises, pointing to the export that works."""
+    path = save_family("gpt2", tmp_path / "gpt2")
+    out = str(tmp_path / "saved")
+    assert all(cpu_ranks.run(_save_pretrained_job, path, out))
+    reloaded = load_dense(out + "-dense", "GPT2LMHeadModel", torch.float32)
+    original = load_dense(path, "GPT2LMHeadModel", torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), original.state_dict().values()))

@@ -7,7 +7,11 @@ The layers' own initialisation never runs, so it does not matter how it draws.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import re
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -26,7 +30,7 @@ from .policy import get_policy
 from .rank_config import RankConfig
 from .scaled_embedding import ScaledVocabParallelEmbedding
 from .split_norm import SplitRMSNorm
-from .weights import DenseSource, SafetensorsSource
+from .weights import BLOCK_BYTES, DenseSource, SafetensorsSource
 
 __all__ = ["parallelize", "from_pretrained"]
 
@@ -136,6 +140,26 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
         module = model.get_submodule(name)
         module.config = RankConfig(module.config, fields)
     model.tpcore_plan = plan
+    _refuse_save_pretrained(model)
+
+
+def _save_pretrained_refused(cls: str, *args, **kwargs) -> None:
+    raise NotImplementedError(
+        f"tpcore.hf: save_pretrained of a {cls} split by tpcore.hf is not supported: each rank holds only its slices, "
+        "and the folder would hold one rank's slices under the full model's names, which transformers cannot load. "
+        "Save the dense model (or keep its folder) before splitting; to export fine-tuned weights, fine-tune through "
+        "tpcore's Hugging Face bridge (tpcore.models.load_hf_weights into a GPTModel, or the trainer's --load-hf) and "
+        "export with tpcore.models.export_hf (the trainer's --save-hf)"
+    )
+
+
+def _refuse_save_pretrained(model: nn.Module) -> None:
+    """Make `save_pretrained` (and `push_to_hub`, which calls it) of the split model and of
+    its transformers submodules raise instead of writing a folder that only looks right.
+    A partial of a module-level function: copy.deepcopy and pickle keep it."""
+    for module in model.modules():
+        if callable(getattr(module, "save_pretrained", None)):
+            module.save_pretrained = functools.partial(_save_pretrained_refused, type(module).__name__)
 
 
 def _check_not_parallel(model: nn.Module) -> None:
@@ -287,6 +311,78 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
         )
 
 
+def _warn_unexpected(model: nn.Module, source: SafetensorsSource, path: str) -> None:
+    """Warn, naming them, about the checkpoint's tensors that the model does not read, as
+    transformers reports its unexpected keys (and skips those its model class says to
+    ignore). A warning, not an error: transformers loads such folders too (a multi-token
+    prediction head, a base model read from a checkpoint with a head), and a split model
+    should load what the dense one loads; but a config.json with fewer layers than the
+    weights must not pass unnoticed."""
+    used: set[str] = set()
+    for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        used.update(source.stored_keys(name))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = sorted(k for k in source.files if k not in used and not any(p.search(k) for p in ignored))
+    if unexpected:
+        more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        warnings.warn(
+            f"tpcore.hf: {len(unexpected)} tensor(s) of {path} are unexpected (the model that config.json describes has no "
+            f"such parameter) and not loaded, as transformers does not load them: {unexpected[:8]}{more}. Does config.json "
+            "give fewer layers (num_hidden_layers) than the weights hold?",
+            stacklevel=3,
+        )
+
+
+def _same_stored(source: SafetensorsSource, a: str, b: str, dtype: torch.dtype) -> bool:
+    """Whether checkpoint tensors `a` and `b` are equal in `dtype` (as loaded), read a block
+    of rows at a time: no whole copy of an embedding table."""
+    shape = source.files[a].shape(a)
+    if shape != source.files[b].shape(b):
+        return False
+
+    def read(key: str, dim: int | None, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        return source.files[key].read(key, dim, ranges).to(dtype)
+
+    if not shape:
+        return torch.equal(read(a, None, []), read(b, None, []))
+    rows = max(1, BLOCK_BYTES // max(1, 8 * math.prod(shape[1:])))  # a block of at most BLOCK_BYTES in float64
+    return all(torch.equal(read(a, 0, [(lo, min(lo + rows, shape[0]))]), read(b, 0, [(lo, min(lo + rows, shape[0]))]))
+               for lo in range(0, shape[0], rows))
+
+
+def _untie_differing(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, path: str) -> None:
+    """A config.json that ties weights (`tie_word_embeddings`) beside a checkpoint that stores
+    both tied tensors, with different values: transformers >= 5 keeps each as saved (it
+    unties them and warns); earlier releases tie them, the first (the embedding) winning.
+    Do what the installed transformers does, and warn either way (a config edited by hand
+    is the usual cause). Each rank compares the same files alike: no collective."""
+    import transformers
+
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}, what it unties
+    if tied is not None:
+        pairs = list(tied.items())
+    else:
+        pairs = [(name, names[0]) for names in _names_by_parameter(model).values() for name in names[1:]]
+    for target, origin in pairs:
+        a, b = source.resolve(origin), source.resolve(target)
+        if a is None or b is None or a == b or _same_stored(source, a, b, dtype):
+            continue
+        if tied is None:
+            what = f"{target!r} is tied to {origin!r} and the checkpoint's {target!r} is not loaded"
+        else:
+            owner, attr = _parent(model, target)
+            old = owner._parameters[attr]
+            owner._parameters[attr] = nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad)
+            tied.pop(target)
+            what = "both are loaded as saved, untied"
+        warnings.warn(
+            f"tpcore.hf: {os.path.join(path, 'config.json')} ties {target!r} to {origin!r} (tie_word_embeddings), but the checkpoint "
+            f"holds both with different values: {what}, as transformers {transformers.__version__} does. Set "
+            "tie_word_embeddings to false in config.json to keep the saved head without this warning",
+            stacklevel=3,
+        )
+
+
 def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, device: torch.device) -> None:
     """Fill the parameters left on meta (norms, position embeddings...) and the persistent buffers."""
     aliases = _names_by_parameter(model)
@@ -352,6 +448,8 @@ def from_pretrained(
     plan = make_plan(model, tp, rank)  # every size checked before any weight is read
     source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames, plan.policy.expert_parts)
     _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
+    _warn_unexpected(model, source, path)
+    _untie_differing(model, source, dtype, path)
     _apply(model, plan, group, source, dtype, device)
     _load_rest(model, source, dtype, device)
     install_gradient_sums(model, group)  # after _load_rest: it makes the norms' parameters

@@ -100,6 +100,16 @@ class SafetensorsSource(SafetensorsFolder):
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None or self.resolve_experts(key) is not None
 
+    def stored_keys(self, key: str) -> list[str]:
+        """The checkpoint's tensors that the model's `key` is read from (several for experts
+        stored one by one; none when the checkpoint lacks it)."""
+        found = self.resolve(key)
+        if found is not None:
+            return [found]
+        if self.resolve_experts(key) is not None:
+            return [k for row in self._experts[key] for k in row]
+        return []
+
     def stored_shape(self, key: str) -> tuple[list[int], str]:
         if key not in self._experts:
             return super().stored_shape(key)
