@@ -195,3 +195,22 @@ def test_to_hf_native_checkpoint_loads_in_transformers(ckpt, tmp_path):
     meta_path.write_text(json.dumps(meta))
     assert convert.main(["--load", str(bad), "--to-hf", str(tmp_path / "bad_hf"), "--no-verify"]) == 1
     assert not (tmp_path / "bad_hf").exists()
+
+
+def test_to_hf_into_a_folder_with_other_files_is_refused(ckpt, tmp_path, capsys):
+    """A byte-level checkpoint exported into a folder that holds another model's
+    tokenizer.json would leave it beside the new model (transformers would load that
+    tokenizer with it: ids the model never saw). Refused, naming the file, nothing written;
+    an earlier export in the folder is replaced (exporting again is fine)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    assert convert.main(["--load", str(ckpt), "--to-hf", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} already holds ['tokenizer.json'], which the export would not write" in err and "empty or new folder" in err, err
+    assert os.listdir(out) == ["tokenizer.json"]  # untouched
+    again = tmp_path / "again"
+    assert convert.main(["--load", str(ckpt), "--to-hf", str(again)]) == 0
+    first = {name: (again / name).read_bytes() for name in os.listdir(again)}
+    assert convert.main(["--load", str(ckpt), "--to-hf", str(again), "--dtype", "bfloat16"]) == 0
+    assert sorted(os.listdir(again)) == sorted(first) and (again / "model.safetensors").read_bytes() != first["model.safetensors"]

@@ -190,6 +190,23 @@ def test_trainer_flags_against_load_hf(tmp_path):
         parse_args(["--norm", "rmsnorm", "--save-hf", str(tmp_path / "out")])
 
 
+def test_save_hf_into_the_load_hf_folder_is_refused(tmp_path, monkeypatch):
+    """--save-hf naming the --load-hf folder (under any spelling) would train every step,
+    overwrite the model it started from, then fail copying tokenizer.json onto itself:
+    refused when the arguments are read (every rank alike, before training)."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(transformers.LlamaConfig(**SMALL).to_dict()))
+    (folder / "tokenizer.json").write_text("{}")
+    (tmp_path / "link").symlink_to(folder, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    for same in (str(folder), "llama/", "./link", str(tmp_path / "link" / ".." / "llama")):
+        expect_error(ValueError, f"--save-hf {same} is the --load-hf folder llama: export into a folder of its own",
+                     parse_args, ["--load-hf", "llama", "--seq-length", "32", "--save-hf", same])
+    expect_error(ValueError, "--save-hf ckpt is the --save folder", parse_args, ["--save", "./ckpt", "--save-hf", "ckpt"])
+    assert parse_args(["--load-hf", "llama", "--seq-length", "32", "--save-hf", "llama-continued"]).save_hf == "llama-continued"
+
+
 def test_head_width_spellings_and_families():
     """kv_channels equal to hidden / heads is the default width (one spelling: Llama 3's
     config.json writes head_dim, Megatron scripts pass --kv-channels); a hidden size the

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -75,6 +76,32 @@ def test_save_path_that_is_a_file_fails_on_both_ranks_at_startup(workdir):
     _fails_on_both_ranks(proc, f"--save {blocked}: tpcore: writing {blocked} failed: EEXIST")
     assert "iter" not in proc.stdout and blocked.read_text() == "not a folder\n"
     assert time.monotonic() - start < 90
+
+
+def test_save_hf_folder_holding_another_models_files_fails_on_both_ranks_at_startup(workdir, tmp_path):
+    """A byte-level model exported beside another model's tokenizer.json would load with
+    that tokenizer: refused before the first step, the folder untouched."""
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    proc = _launch(workdir, "--train-iters", "3", "--save-hf", str(out))
+    _fails_on_both_ranks(proc, f"{out} already holds ['tokenizer.json'], which the export would not write or replace")
+    assert "iter" not in proc.stdout and os.listdir(out) == ["tokenizer.json"]
+
+
+def test_ranks_given_different_seeds_fail_on_every_rank_before_training(workdir, tmp_path):
+    """A per-rank environment gives rank 1 another --seed: each rank would draw other
+    replicated weights (norms, biases) and dropout masks, so the TP ranks' copies drift
+    apart while the run exits 0. Every rank must refuse at start-up, naming the flag."""
+    wrapper = tmp_path / "per_rank_seed.py"
+    wrapper.write_text("import os, sys\nfrom tpcore.train import main\n"
+                       "sys.exit(main(sys.argv[1:] + ['--seed', str(7 + int(os.environ['RANK']))]))\n")
+    save = tmp_path / "ckpt"
+    flags = FLAGS + ["--data-path", str(workdir / "corpus"), *SMALL, "--train-iters", "3", "--save", str(save)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(launcher + [str(wrapper), *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    _fails_on_both_ranks(proc, "the ranks were given different training arguments: --seed: 7 on rank(s) [0], 8 on rank(s) [1]")
+    assert not save.exists()  # refused before the first step made anything
 
 
 def test_diverged_fp32_run_stops_naming_the_step_and_saves_no_nan(workdir):

@@ -4,7 +4,9 @@
 
 The folder holds `config.json` (`GPTConfig.to_hf`), `generation_config.json`, the weights
 (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
-above `max_shard_size`) and the tokenizer files when given. `write_hf_folder` is the
+above `max_shard_size`) and the tokenizer files when given. The folder must be new, empty,
+or hold only files the export replaces (an earlier export's: `check_export_folder`), so
+that no other model's files are left beside this one. `write_hf_folder` is the
 streaming core: the file layout is planned from the config alone, then each GPTModel
 tensor is asked for in order (`fetch(name)`) as its TP pieces, cut into its Hugging Face
 tensors (q / k / v, gate / up, GPT-2's transposed Conv1D weights) as views of the pieces,
@@ -36,7 +38,7 @@ from .hf_weights import _source_shapes, hf_sources
 from .reference_gpt import ReferenceGPT
 from .sharding import merged_views, piece_shape, rule_for
 
-__all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "check_export_folder", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per weights file above which the export is sharded (transformers' default, 5 GB)."""
@@ -94,17 +96,55 @@ def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, config: GPTConfig, cou
     return dim, views
 
 
-def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
-    """Copy the tokenizer files of `tokenizer` (a folder, or one tokenizer.json) into `out_dir`."""
+def _tokenizer_files(tokenizer: str) -> list[tuple[str, str]]:
+    """(source path, name in the export) of each file of `tokenizer` (a folder, or one tokenizer.json) to copy."""
     if os.path.isfile(tokenizer):
-        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
-        return ["tokenizer.json"]
+        return [(tokenizer, "tokenizer.json")]
     if not os.path.isdir(tokenizer):
         raise FileNotFoundError(f"tpcore: tokenizer {tokenizer} to copy into the export does not exist")
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, name))]
-    for name in copied:
-        shutil.copyfile(os.path.join(tokenizer, name), os.path.join(out_dir, name))
-    return copied
+    return [(os.path.join(tokenizer, name), name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, name))]
+
+
+def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files of `tokenizer` (a folder, or one tokenizer.json) into `out_dir`."""
+    copied = _tokenizer_files(tokenizer)
+    for source, name in copied:
+        shutil.copyfile(source, os.path.join(out_dir, name))
+    return [name for _, name in copied]
+
+
+def _is_weights_file(name: str) -> bool:
+    """A weights file (or index, or unfinished `.tmp`) of a Hugging Face export: an export replaces them all."""
+    return name.startswith("model") and ".safetensors" in name
+
+
+def check_export_folder(out_dir: str, tokenizer: str | None = None) -> None:
+    """Raise FileExistsError unless `out_dir` is missing, empty, or holds only files that an
+    export with `tokenizer` (None: no tokenizer files) writes or replaces: config.json,
+    generation_config.json, the weights files and index, the tokenizer's files. Anything
+    else (a tokenizer file this export does not copy, another model's README) would be left
+    beside the new model: another tokenizer's tokenizer.json beside a byte-level model,
+    say, loads and fails at the first lookup. An earlier export into the same folder is
+    replaced, so re-running an export is fine. Also refuses a `tokenizer` whose files are
+    `out_dir`'s own: the export would overwrite that model's weights, then fail copying the
+    tokenizer onto itself."""
+    if not os.path.isdir(out_dir):
+        return  # missing (made by the export), or a file in the way (named when the export makes the folder)
+    copied = _tokenizer_files(tokenizer) if tokenizer is not None else []
+    if any(os.path.realpath(source) == os.path.realpath(os.path.join(out_dir, name)) for source, name in copied):
+        raise FileExistsError(
+            f"tpcore: the export into {out_dir} would overwrite the model whose tokenizer ({tokenizer}) it copies: "
+            "export into an empty or new folder"
+        )
+    owned = {"config.json", "generation_config.json", *(name for _, name in copied)}
+    foreign = sorted(name for name in os.listdir(out_dir) if name not in owned and not _is_weights_file(name))
+    if foreign:
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        raise FileExistsError(
+            f"tpcore: {out_dir} already holds {foreign[:8]}{more}, which the export would not write or replace: "
+            "they would be left beside the new model (another tokenizer's files break it at the first lookup). "
+            "Export into an empty or new folder, or remove them"
+        )
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -135,10 +175,11 @@ def write_hf_folder(
             counts[e.param] = counts.get(e.param, 0) + 1
     if write:
         try:
+            check_export_folder(out_dir, tokenizer)  # no stale files of another model beside this one
             os.makedirs(out_dir, exist_ok=True)
             # Weights of an earlier export here would be mixed with these: they go.
             for name in os.listdir(out_dir):
-                if name.startswith("model") and ".safetensors" in name:
+                if _is_weights_file(name):
                     os.remove(os.path.join(out_dir, name))
         except OSError as e:
             error = e

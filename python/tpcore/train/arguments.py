@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..models import GPTConfig
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
-from .hf_bridge import apply_hf_architecture, check_given_flags, hf_model_config
+from .hf_bridge import apply_hf_architecture, check_given_flags, check_save_hf_paths, hf_model_config
 from .optimizer_setup import DataParallelOptions
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
@@ -51,7 +51,7 @@ class TrainArgs:
     disable_bias: bool = _arg(False, "no biases in linear layers and norms")
     fused_lm_head_loss: bool = _arg(False, "LM head + loss chunk by chunk (logits never materialised)")
     load_hf: str | None = _arg(None, "start from a Hugging Face model folder: its architecture (a contradicting model flag raises), weights and tokenizer.json")
-    save_hf: str | None = _arg(None, "at the end, export the model as a Hugging Face folder here")
+    save_hf: str | None = _arg(None, "at the end, export the model as a Hugging Face folder here (a new or empty folder, or an earlier export's; not --load-hf's)")
     # Parallelism and memory
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
     pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
@@ -144,6 +144,7 @@ class TrainArgs:
             need(choices is None or getattr(self, name) in choices or (getattr(self, name) is None and "None" in str(f.type)), f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
         config = self.model_config()  # validates the model shape now, with the GPTConfig message
         if self.save_hf:
+            check_save_hf_paths(self, need)
             try:
                 config.to_hf()
             except ValueError as e:

@@ -18,7 +18,7 @@ import torch
 
 from ..data.tokenizer import load_tokenizer
 from ..models import GPTConfig, ReferenceGPT
-from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, write_hf_folder
+from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, check_export_folder, write_hf_folder
 from ..models.sharding import piece_shape, rule_for
 from .checkpoint import _opener, _shard_files
 from .checkpoint_index import read_metadata, require_checkpoint
@@ -59,12 +59,14 @@ def checkpoint_to_hf(
     `GPTConfig.to_hf` over the source model's config.json when the run started from one
     (`--load-hf`); the tokenizer files are copied when the run used a tokenizer.json or a
     Hugging Face folder. Returns `out_dir`; raises CheckpointError naming a damaged file,
-    ValueError when the architecture fits no Hugging Face family."""
+    ValueError when the architecture fits no Hugging Face family, FileExistsError when
+    `out_dir` holds files the export would not replace (`check_export_folder`)."""
     directory = require_checkpoint(checkpoint)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written
     tokenizer, eod = _tokenizer_of(meta)
+    check_export_folder(out_dir, tokenizer)  # before the shards are read: other files there would be left beside the model
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = _opener(meta, files, verify)
     names = list(ReferenceGPT(config, device="meta").state_dict())

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="checkpoint: a save directory (its 'latest') or an iter_N directory")
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--output", help="the .safetensors file to write (tpcore's dense format)")
-    out.add_argument("--to-hf", metavar="OUT_DIR", help="write a Hugging Face folder (config.json, safetensors, tokenizer) that transformers loads")
+    out.add_argument("--to-hf", metavar="OUT_DIR", help="write a Hugging Face folder (config.json, safetensors, tokenizer) that transformers loads; "
+                     "a new or empty folder, or an earlier export's (a folder holding other files is refused)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="with --to-hf: the weights' dtype (default: the checkpoint's)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checking each file's CRC-32 against the checkpoint's metadata")
     args = p.parse_args(argv)

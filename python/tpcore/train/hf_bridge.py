@@ -6,19 +6,28 @@ in Python, a TrainArgs field set away from its default does); the others take th
 the fused head + loss) stay with the flags. The tokenizer is the folder's tokenizer.json
 unless `--tokenizer` names another; the first step starts from the folder's weights
 (each rank reads its slices) unless `--load` resumes a checkpoint.
-`--save-hf`: at the end, the model is exported there (`models.export_hf`); the architecture
-is checked to fit a Hugging Face family before training starts.
+`--save-hf`: at the end, the model is exported there (`models.export_hf`); before training
+starts, the architecture is checked to fit a Hugging Face family, and the folder to be
+none of the run's other folders (the `--load-hf` model would be overwritten by its own
+export) and to hold no files but an earlier export's (`models.hf_export.check_export_folder`:
+another model's files would be left beside this one).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..models import GPTConfig
 from ..models.hf_config import read_hf_config
 
-__all__ = ["check_given_flags", "apply_hf_architecture", "hf_model_config", "check_tokenizer_fits", "load_initial_hf_weights", "save_hf"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "check_given_flags", "apply_hf_architecture", "hf_model_config", "check_tokenizer_fits", "load_initial_hf_weights", "save_hf",
+    "check_save_hf_paths", "check_save_hf_folder",
+]
 
 # TrainArgs model flag -> its value for a GPTConfig.
 _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
@@ -79,6 +88,43 @@ def apply_hf_architecture(args, defaults: dict[str, object], need: Callable[[boo
         need(os.path.isfile(os.path.join(path, "tokenizer.json")),
              f"--load-hf {path} has no tokenizer.json: pass the model's tokenizer with --tokenizer")
         args.tokenizer = path
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one folder (relative paths, symbolic links and, where
+    both exist, hard links or bind mounts resolved)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def check_save_hf_paths(args, need: Callable[[bool, str], None]) -> None:
+    """`need` that `--save-hf` is none of the run's other folders. Into `--load-hf` the
+    export would overwrite the weights training started from, then fail copying the
+    tokenizer onto itself: the source model lost. Into --save, --load or --log-dir it would
+    mix with the checkpoints and logs."""
+    for flag, folder in (("--load-hf", args.load_hf), ("--save", args.save), ("--load", args.load), ("--log-dir", args.log_dir),
+                         ("--tokenizer", None if args.tokenizer == "byte" or os.path.isfile(args.tokenizer) else args.tokenizer)):
+        need(not folder or not _same_folder(args.save_hf, folder),
+             f"--save-hf {args.save_hf} is the {flag} folder {folder}: export into a folder of its own (a new or empty one)")
+
+
+def check_save_hf_folder(args, device: torch.device | str) -> None:
+    """Before the first step: rank 0 (the exporting rank) checks that `--save-hf` holds no
+    files the export would not replace; every rank raises if not."""
+    import torch.distributed as dist
+
+    from ..models.hf_export import check_export_folder
+    from .agreement import all_or_none
+
+    def check() -> None:
+        if dist.get_rank() == 0:
+            check_export_folder(args.save_hf, None if args.tokenizer == "byte" else args.tokenizer)
+
+    all_or_none(check, f"checking --save-hf {args.save_hf}", device, error_type=ValueError)
 
 
 def hf_model_config(args) -> GPTConfig:

@@ -24,13 +24,13 @@ from ..pipeline_parallel import (
 )
 from ..tensor_parallel.random import model_parallel_manual_seed
 from .arguments import TrainArgs
-from .agreement import all_or_none
+from .agreement import all_or_none, check_same_arguments
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_index import read_latest
 from .checkpoint_integrity import random_id
 from .errors import CheckpointError, TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
-from .hf_bridge import check_tokenizer_fits, load_initial_hf_weights, save_hf
+from .hf_bridge import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .optimizer import LossScaler
 from .optimizer_setup import make_optimizer
@@ -145,6 +145,9 @@ class _Training:
         self.device = device
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         init_distributed(device, timeout.total_seconds())
+        # The first collective: ranks given other flags (a per-rank environment) would build
+        # other groups, or train replicated weights apart, before anything else could tell.
+        check_same_arguments(args)
         # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
         self.resume_from = _resume_point(args)
         pp, self.chunks_per_rank, self.schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.schedule
@@ -174,6 +177,8 @@ class _Training:
         self.valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
 
         self.dtype, self.autocast_dtype = precision(args)
+        if args.save_hf:  # another model's files there would be left beside the export
+            check_save_hf_folder(args, device)
         for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir), ("--save-hf", args.save_hf)):
             if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
                 check_output_folder(folder, flag, device)
