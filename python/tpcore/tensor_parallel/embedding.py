@@ -24,6 +24,10 @@ from .initialization import ShardedInit, check_init_method, draw_seed, init_shar
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
 
+# torch's own lazy form of torch.compiler.disable (dynamo graph-breaks on it the same way);
+# the public decorator where a torch lacks it.
+_disable_dynamo_lazily = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
 
 def vocab_shard(table: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
     """Rank `rank`'s `[rows, ...]` slice of a full `[vocab, ...]` table, zero-padded past its end."""
@@ -149,7 +153,9 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
             ids, weight, live_group_name(self.group), self.num_embeddings, padding_idx, self.sequence_parallel
         )
 
-    @torch.compiler.disable
+    # torch.compiler.disable, applied at the first call: the decorator imports torch._dynamo
+    # (2 s of every rank's start-up here), which a program that never compiles need not pay.
+    @_disable_dynamo_lazily
     def _lookup_to_sink(self, ids: torch.Tensor) -> torch.Tensor:
         # The same forward on the detached weight; the backward hands each token's gradient
         # to the sink, after the all-gather over the sequence that the op's own backward makes.
