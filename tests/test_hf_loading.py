@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import tpcore.hf
 from checks import expect_error
@@ -273,6 +273,7 @@ def test_user_registered_policy_splits_a_new_family(cpu_ranks, tmp_path):
 def _corrupt_checkpoints(tmp_path) -> list[tuple[str, type, list[str]]]:
     """(path, error type, strings the message must hold) for each way a folder can be bad."""
     import json
+    import os
     import shutil
     import struct
 
@@ -306,8 +307,16 @@ def _corrupt_checkpoints(tmp_path) -> list[tuple[str, type, list[str]]]:
     offsets = variant("offsets")  # a tensor's data range past the end of the file (a truncated download)
     open(f"{offsets}/model.safetensors", "wb").write(raw[: len(raw) - 100])
     cases.append((offsets, ValueError, [f"{offsets}/model.safetensors", "ends at byte", "truncated"]))
+    no_config = variant("no-config")  # transformers' "Unrecognized model ... Should have a `model_type` key in its config.json"
+    os.remove(f"{no_config}/config.json")
+    cases.append((no_config, FileNotFoundError, [f"{no_config} has no config.json"]))
     missing = str(tmp_path / "no-such-model")
     cases.append((missing, FileNotFoundError, [f"{missing} does not exist"]))
+    index = variant("index")  # an index.json that sends a tensor to a shard without it (a bare KeyError: 'transformer.wte.weight')
+    save_file({"other": torch.zeros(1)}, f"{index}/extra.safetensors")
+    weight_map = {key: "model.safetensors" for key in load_file(f"{good}/model.safetensors")}
+    open(f"{index}/model.safetensors.index.json", "w").write(json.dumps({"weight_map": {**weight_map, "transformer.wte.weight": "extra.safetensors"}}))
+    cases.append((index, ValueError, [f"{index}/model.safetensors.index.json maps 'transformer.wte.weight' to extra.safetensors, which does not hold it"]))
     return cases
 
 
@@ -337,7 +346,9 @@ def test_bad_checkpoints_fail_alike_on_every_rank(cpu_ranks, tmp_path):
     """A config.json that contradicts the weights (it raised an expand error on one rank and a
     gloo error on the other), a corrupt safetensors header length (MemoryError) or header
     (the file unnamed), a truncated file and a missing folder ("Repo id must be in the form")
-    each raise the same clear error on every rank, naming the file, before any collective."""
+    each raise the same clear error on every rank, naming the file, before any collective; so does an
+    index.json that names a shard without the tensor (a bare KeyError naming only the tensor) and
+    a folder without config.json (transformers' "Unrecognized model")."""
     cases = _corrupt_checkpoints(tmp_path)
     messages = cpu_ranks.run(_corrupt_checkpoints_job, cases)
     assert all(m == messages[0] for m in messages), "every rank must raise the same error"

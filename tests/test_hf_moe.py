@@ -99,6 +99,15 @@ def _damaged(tmp_path) -> list[tuple[str, type, list[str]]]:
     save_file({k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.2.up_proj.weight"}, str(missing / "model.safetensors"),
               metadata={"format": "pt"})
     cases.append((str(missing), KeyError, ["model.layers.0.mlp.experts.2.gate_proj.weight", "but not all of", "expert 2"]))
+    # A whole expert's down projection left out, later experts there: the error blamed config.json (expert 1) or named
+    # the fused tensor as missing (expert 0), not the tensor the download lacks.
+    for expert in (0, 1):
+        gap = tmp_path / f"gap{expert}"
+        gap.mkdir()
+        (gap / "config.json").write_text(open(f"{path}/config.json").read())
+        lost = f"model.layers.0.mlp.experts.{expert}.down_proj.weight"
+        save_file({k: v for k, v in tensors.items() if k != lost}, str(gap / "model.safetensors"), metadata={"format": "pt"})
+        cases.append((str(gap), KeyError, [f"{gap} lacks 1 tensor(s) of experts stored one by one: ['{lost}']"]))
     contradicts = tmp_path / "contradicts"  # config.json says 8 experts, the weights hold 4
     contradicts.mkdir()
     config = json.load(open(f"{path}/config.json"))

@@ -172,6 +172,10 @@ class SafetensorsFolder:
                 if not os.path.isfile(os.path.join(path, name)):
                     raise FileNotFoundError(f"tpcore: {index} lists {name}, which is not in {path}")
             files = {name: SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
+            for key, name in weight_map.items():  # else a bare KeyError naming the tensor only, at its first use
+                if key not in files[name].entries:
+                    raise ValueError(f"tpcore: {index} maps {key!r} to {name}, which does not hold it: the index and the shards "
+                                     "do not belong together (files of two downloads?)")
             self.files = {key: files[name] for key, name in weight_map.items()}
         elif os.path.isfile(single):
             file = SafetensorsFile(single)

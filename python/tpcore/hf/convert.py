@@ -293,16 +293,22 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
     """Every tensor of the checkpoint that the model has must have the shape config.json
     gives it. Checked from the headers before any weight is read: a contradiction made one
     rank fail cutting its slice (an expand error) while another went on into a collective."""
-    wrong, seen = [], set()
+    wrong, seen, lacking = [], set(), []
     buffers = [(name, b) for name, b in model.named_buffers() if _is_persistent(model, name)]  # what _load_rest loads
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *buffers]:
         key = source.resolve(name) or source.resolve_experts(name)
+        if source.resolve(name) is None and tensor.dim():  # experts stored one by one (or not at all)
+            lacking += source.missing_experts(name, tensor.shape[0])
         if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
             continue
         seen.add(key)
         found, file = source.stored_shape(key)
         if found != list(tensor.shape):
             wrong.append(f"{key!r} is {found} in {file} but the config gives {list(tensor.shape)}")
+    if lacking:  # before the shapes: the experts after a gap would read as another expert count
+        more = f" and {len(lacking) - 8} more" if len(lacking) > 8 else ""
+        raise KeyError(f"tpcore.hf: {path} lacks {len(lacking)} tensor(s) of experts stored one by one: {lacking[:8]}{more} "
+                       "(a partial download, or an index.json that leaves them out)")
     if wrong:
         more = f"; and {len(wrong) - 4} more" if len(wrong) > 4 else ""
         raise ValueError(
@@ -435,6 +441,8 @@ def from_pretrained(
             f"tpcore.hf: {path} {what} a save_pretrained folder (a hub model: download it first, "
             "e.g. huggingface_hub.snapshot_download)"
         )
+    if not os.path.isfile(os.path.join(path, "config.json")):  # transformers: "Unrecognized model ... Should have a `model_type` key"
+        raise FileNotFoundError(f"tpcore.hf: {path} has no config.json (a partial download, or not a save_pretrained folder)")
     group = resolve_tensor_group(group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if tensor_parallel_size is not None and tensor_parallel_size != tp:

@@ -97,6 +97,17 @@ class SafetensorsSource(SafetensorsFolder):
         self._experts[key] = experts
         return key
 
+    def missing_experts(self, key: str, count: int) -> list[str]:
+        """The per-expert tensors of fused `key` (`count` experts) that the checkpoint lacks
+        below the last expert it holds: a gap is a tensor lost from the download or the
+        index, not another expert count (which `stored_shape` shows)."""
+        parent, _, leaf = key.rpartition(".")
+        if leaf not in self.expert_parts:
+            return []
+        rows = [[f"{parent}.{t.format(e=e)}" for t in self.expert_parts[leaf]] for e in range(count)]
+        held = [e for e, row in enumerate(rows) if any(self.resolve(k) is not None for k in row)]
+        return [k for row in rows[: held[-1] + 1] for k in row if self.resolve(k) is None] if held else []
+
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None or self.resolve_experts(key) is not None
 
