@@ -126,9 +126,9 @@ def test_cli(ckpt, tmp_path, capsys):
         load_dense_gpt(str(junk))
 
 
-def test_failed_export_keeps_the_old_file(ckpt, tmp_path, monkeypatch):
+def test_failed_export_keeps_the_old_file(ckpt, tmp_path, monkeypatch, capsys):
     out = tmp_path / "gpt.safetensors"
-    out.write_bytes(b"old")
+    old = Path(export_safetensors(str(ckpt), str(out))).read_bytes()
 
     def broken(tensors, path, metadata=None):
         open(path, "wb").write(b"half")
@@ -137,7 +137,42 @@ def test_failed_export_keeps_the_old_file(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         export_safetensors(str(ckpt), str(out))
-    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["gpt.safetensors"]
+    assert out.read_bytes() == old and os.listdir(tmp_path) == ["gpt.safetensors"]
+
+    def read_only(tensors, path, metadata=None):  # what safetensors raises in a read-only folder: no OSError, a traceback
+        raise safetensors.SafetensorError(f'Error while serializing: I/O error: Read-only file system (os error 30) at path "{path}"')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", read_only)
+    assert convert.main(["--load", str(ckpt), "--output", str(out)]) == 1
+    assert f"tpcore: writing {out} failed: Error while serializing: I/O error: Read-only file system" in capsys.readouterr().err
+    assert out.read_bytes() == old and os.listdir(tmp_path) == ["gpt.safetensors"]
+
+
+def test_output_that_is_not_an_earlier_export_is_refused(ckpt, tmp_path, capsys):
+    """--output naming one of the checkpoint's own files (a shard, metadata.json, latest) replaced
+    it (the checkpoint lost), as it replaced any other file; a folder failed after the whole
+    export, naming a temporary file. Refused before anything is read or written, naming the
+    path; an earlier export is replaced. --to-hf naming a file: a bare "[Errno 17] File exists"."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    iteration = copy / "iter_0000003"
+    (tmp_path / "notes.txt").write_text("keep")
+    targets = [iteration / "model_tp01_pp00.pt", iteration / "metadata.json", copy / "latest", tmp_path / "notes.txt"]
+    before = {target: target.read_bytes() for target in targets}
+    for target in targets:
+        assert convert.main(["--load", str(copy), "--output", str(target)]) == 1
+        assert f"tpcore: {target} exists and is not an earlier export of tpcore-convert" in capsys.readouterr().err
+    assert all(target.read_bytes() == data for target, data in before.items())
+    for folder in (copy, iteration):
+        assert convert.main(["--load", str(copy), "--output", str(folder)]) == 1
+        assert f"tpcore: {folder} is a folder; the export writes one .safetensors file" in capsys.readouterr().err
+    assert convert.main(["--load", str(copy), "--to-hf", str(tmp_path / "notes.txt")]) == 1
+    assert f"tpcore: {tmp_path / 'notes.txt'} is a file; the export writes a folder there" in capsys.readouterr().err
+    assert before[tmp_path / "notes.txt"] == (tmp_path / "notes.txt").read_bytes()
+    out = tmp_path / "gpt.safetensors"
+    assert convert.main(["--load", str(copy), "--output", str(out)]) == 0
+    assert convert.main(["--load", str(copy), "--output", str(out)]) == 0  # an earlier export is replaced
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "gpt.safetensors", "notes.txt"]
 
 
 def _umask() -> int:
@@ -214,3 +249,23 @@ def test_to_hf_into_a_folder_with_other_files_is_refused(ckpt, tmp_path, capsys)
     first = {name: (again / name).read_bytes() for name in os.listdir(again)}
     assert convert.main(["--load", str(ckpt), "--to-hf", str(again), "--dtype", "bfloat16"]) == 0
     assert sorted(os.listdir(again)) == sorted(first) and (again / "model.safetensors").read_bytes() != first["model.safetensors"]
+
+
+def test_to_hf_into_the_runs_load_hf_folder_is_refused(ckpt, tmp_path, capsys):
+    """A run started from a Hugging Face folder (--load-hf) that holds only files an export
+    writes (config.json, model.safetensors): --to-hf into it replaced that model's weights,
+    the folder the trainer's --save-hf refuses. Refused, nothing written."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"the weights training started from")
+    meta_path = copy / "iter_0000003" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["args"]["load_hf"] = str(tmp_path / "." / "source")
+    meta_path.write_text(json.dumps(meta))
+    assert convert.main(["--load", str(copy), "--to-hf", str(source)]) == 1
+    assert f"tpcore: {source} is the Hugging Face folder the run started from (--load-hf" in capsys.readouterr().err
+    assert (source / "model.safetensors").read_bytes() == b"the weights training started from"
+    assert sorted(os.listdir(source)) == ["config.json", "model.safetensors"]

@@ -207,6 +207,19 @@ def test_save_hf_into_the_load_hf_folder_is_refused(tmp_path, monkeypatch):
     assert parse_args(["--load-hf", "llama", "--seq-length", "32", "--save-hf", "llama-continued"]).save_hf == "llama-continued"
 
 
+def test_save_hf_holding_the_runs_output_folders_is_refused(tmp_path, monkeypatch):
+    """--save-hf above --save or --log-dir passed the check at startup (the folder was still
+    empty), trained every step, then the export refused the folder for the checkpoints the
+    run had written into it: refused when the arguments are read."""
+    monkeypatch.chdir(tmp_path)
+    expect_error(ValueError, "--save-hf out holds the --save folder out/ckpt: the export would find the run's files there",
+                 parse_args, ["--save", "out/ckpt", "--save-hf", "out"])
+    expect_error(ValueError, "--save-hf ./out holds the --log-dir folder out/logs/run1", parse_args,
+                 ["--log-dir", "out/logs/run1", "--save-hf", "./out"])
+    assert parse_args(["--save", "out/ckpt", "--save-hf", "out/ckpt-hf"]).save_hf == "out/ckpt-hf"  # beside it
+    assert parse_args(["--save", "ckpt", "--save-hf", "ckpt/hf"]).save_hf == "ckpt/hf"  # inside it: the checkpoints are untouched
+
+
 def test_head_width_spellings_and_families():
     """kv_channels equal to hidden / heads is the default width (one spelling: Llama 3's
     config.json writes head_dim, Megatron scripts pass --kv-channels); a hidden size the

@@ -128,8 +128,10 @@ def check_export_folder(out_dir: str, tokenizer: str | None = None) -> None:
     replaced, so re-running an export is fine. Also refuses a `tokenizer` whose files are
     `out_dir`'s own: the export would overwrite that model's weights, then fail copying the
     tokenizer onto itself."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # else a bare "[Errno 17] File exists"
+        raise FileExistsError(f"tpcore: {out_dir} is a file; the export writes a folder there: give a new or empty folder")
     if not os.path.isdir(out_dir):
-        return  # missing (made by the export), or a file in the way (named when the export makes the folder)
+        return  # missing: made by the export
     copied = _tokenizer_files(tokenizer) if tokenizer is not None else []
     if any(os.path.realpath(source) == os.path.realpath(os.path.join(out_dir, name)) for source, name in copied):
         raise FileExistsError(

@@ -23,6 +23,7 @@ from ..models.sharding import piece_shape, rule_for
 from .checkpoint import _opener, _shard_files
 from .checkpoint_index import read_metadata, require_checkpoint
 from .errors import CheckpointError
+from .hf_bridge import _same_folder
 from .layout import ParallelLayout
 
 __all__ = ["checkpoint_to_hf"]
@@ -60,12 +61,17 @@ def checkpoint_to_hf(
     (`--load-hf`); the tokenizer files are copied when the run used a tokenizer.json or a
     Hugging Face folder. Returns `out_dir`; raises CheckpointError naming a damaged file,
     ValueError when the architecture fits no Hugging Face family, FileExistsError when
-    `out_dir` holds files the export would not replace (`check_export_folder`)."""
+    `out_dir` holds files the export would not replace (`check_export_folder`) or is the
+    run's `--load-hf` folder."""
     directory = require_checkpoint(checkpoint)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
     config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written
     tokenizer, eod = _tokenizer_of(meta)
+    source = (meta.get("args") or {}).get("load_hf")  # as the run was given it: resolved from here
+    if source and _same_folder(out_dir, source):  # its files may all be ones an export writes: its weights would go
+        raise FileExistsError(f"tpcore: {out_dir} is the Hugging Face folder the run started from (--load-hf {source}): "
+                              "the export would overwrite its weights; export into a new or empty folder")
     check_export_folder(out_dir, tokenizer)  # before the shards are read: other files there would be left beside the model
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = _opener(meta, files, verify)

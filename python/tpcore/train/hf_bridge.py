@@ -101,15 +101,26 @@ def _same_folder(a: str, b: str) -> bool:
         return False
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` lies below `folder` (relative paths and symbolic links resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
 def check_save_hf_paths(args, need: Callable[[bool, str], None]) -> None:
     """`need` that `--save-hf` is none of the run's other folders. Into `--load-hf` the
     export would overwrite the weights training started from, then fail copying the
     tokenizer onto itself: the source model lost. Into --save, --load or --log-dir it would
-    mix with the checkpoints and logs."""
+    mix with the checkpoints and logs; so would a --save-hf above --save or --log-dir, whose
+    files the export refuses only once training is over."""
     for flag, folder in (("--load-hf", args.load_hf), ("--save", args.save), ("--load", args.load), ("--log-dir", args.log_dir),
                          ("--tokenizer", None if args.tokenizer == "byte" or os.path.isfile(args.tokenizer) else args.tokenizer)):
         need(not folder or not _same_folder(args.save_hf, folder),
              f"--save-hf {args.save_hf} is the {flag} folder {folder}: export into a folder of its own (a new or empty one)")
+    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
+        need(not folder or not _inside(folder, args.save_hf),
+             f"--save-hf {args.save_hf} holds the {flag} folder {folder}: the export would find the run's files there and refuse "
+             "the folder after training; export into a folder of its own (a new or empty one)")
 
 
 def check_save_hf_folder(args, device: torch.device | str) -> None:
