@@ -177,3 +177,106 @@ def test_ranks_that_disagree_on_the_backend_get_a_clear_error():
         for p in procs:
             p.kill()
             p.join(10)
+
+
+def _catch(fn) -> str:
+    try:
+        fn()
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(e).__name__}: {e}"
+
+
+def _misuse(rank, world):
+    g = dist.new_group([0, 1], backend="tpcore")  # every rank makes every group, in order
+    if rank >= 2:
+        dist.barrier()
+        dist.new_group([0, 1], backend="tpcore", timeout=timedelta(seconds=1))
+        return None
+    out = {}
+    # One rank's call runs through shared memory, the other's through gloo (a reduce op the
+    # shared-memory path lacks): both name the mismatch, and the group stays usable.
+    x = torch.ones(4, dtype=torch.int32)
+    op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.BAND
+    out["shm vs gloo"] = _catch(lambda: dist.all_reduce(x, op=op, group=g))
+    out["reduce vs all_reduce"] = _catch(
+        lambda: dist.reduce(x, dst=0, group=g) if rank == 0 else dist.all_reduce(x, group=g)
+    )
+    y = torch.ones(3)
+    dist.all_reduce(y, group=g)
+    out["usable after"] = y.tolist()
+    # A receive of another dtype with the same number of bytes
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1, group=g)
+        out["dtype"] = "sent"
+    else:
+        out["dtype"] = _catch(lambda: dist.recv(torch.zeros(4, dtype=torch.int32), src=0, group=g))
+    dist.barrier()
+    # A rank arriving after its peer timed out fails too, instead of using what it left.
+    short = dist.new_group([0, 1], backend="tpcore", timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(2.5)
+    out["late"] = _catch(lambda: dist.all_reduce(torch.ones(4), group=short))
+    dist.destroy_process_group(short)
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_calls_that_do_not_match_fail_on_every_rank(cpu_ranks):
+    answers = cpu_ranks.run(_misuse)
+    for rank in (0, 1):
+        out = answers[rank]
+        for case in ("shm vs gloo", "reduce vs all_reduce"):
+            assert out[case].startswith("ValueError") and "mismatched collectives" in out[case], (rank, case, out[case])
+        assert "through gloo" in out["shm vs gloo"] and "reduce" in out["reduce vs all_reduce"], out
+        assert out["usable after"] == [2.0, 2.0, 2.0], out
+        assert out["late"].startswith("DistBackendError"), (rank, out["late"])
+    assert "Timed out" in answers[0]["late"], answers[0]["late"]
+    assert "gave up" in answers[1]["late"], answers[1]["late"]
+    assert answers[1]["dtype"].startswith("ValueError") and "Float" in answers[1]["dtype"] and "Int" in answers[1]["dtype"], answers[1]
+
+
+def _group_made_differently(rank, world, store_path, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+
+    import tpcore  # noqa: F401 - registers the backend
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    answers = {}
+    # Different rank lists in one new_group call
+    start = time.monotonic()
+    answers["ranks"] = (_catch(lambda: dist.new_group([0, 1] if rank == 0 else [0, 1, 2], backend="tpcore", timeout=timedelta(seconds=20))), time.monotonic() - start)
+    dist.barrier()
+    # A rank that reaches new_group after the others gave up (its timeout): it fails at once,
+    # not after the store's own timeout (300 s)
+    if rank == 1:
+        time.sleep(3)
+    start = time.monotonic()
+    answers["late"] = (_catch(lambda: dist.new_group([0, 1], backend="tpcore", timeout=timedelta(seconds=1))), time.monotonic() - start)
+    results.put((rank, answers))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_groups_made_with_other_ranks_or_too_late_are_named():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(prefix="tpcore-groups-"), "store")
+    procs = [ctx.Process(target=_group_made_differently, args=(r, 3, store, results), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        answers = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+    for rank in range(3):
+        outcome, elapsed = answers[rank]["ranks"]
+        assert outcome.startswith("ValueError") and "same ranks" in outcome, (rank, outcome)
+        assert elapsed < 10, (rank, elapsed)
+    assert "Timed out" in answers[0]["late"][0], answers[0]
+    outcome, elapsed = answers[1]["late"]
+    assert outcome != "no error" and "gave up" in outcome and elapsed < 10, (outcome, elapsed)

@@ -70,33 +70,51 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
     return parsed
 
 
+_ABANDONED = "tpcore_shm/abandoned"  # a rank that gave up making the group says why (backend.cpp too)
+
+
 def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: list[int]) -> list[str]:
-    """Every member's host identity, exchanged through the group's store. A member that made
-    this group with gloo instead (gloo's own keys appear in the same store) is named at once,
-    and one that never comes within the group's timeout is named then, rather than leaving a
-    bare store timeout."""
-    store.set(f"tpcore_host/{rank}", host_id())
+    """Every member's host identity, exchanged through the group's store with the group's
+    rank list. A member that made this group with gloo instead (gloo's own keys appear in
+    the same store) or with other ranks is named at once, and one that never comes within
+    the group's timeout is named then, rather than leaving a bare store timeout; the rank
+    that gives up leaves its reason in the store for the others."""
+    store.set(f"tpcore_host/{rank}", f"{host_id()}\n{ranks}")
     keys = [f"tpcore_host/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.001
-    while not store.check(keys):
-        absent = [r for r in range(size) if not store.check([keys[r]])]
-        on_gloo = [ranks[r] for r in absent if store.check([f"0/{r}"])]  # gloo's address key
-        if on_gloo:
+    try:
+        while not store.check(keys):
+            if store.check([_ABANDONED]):
+                raise RuntimeError(f"tpcore: rank {ranks[rank]}: a rank gave up making the group of ranks {ranks}: {store.get(_ABANDONED).decode()}")
+            absent = [r for r in range(size) if not store.check([keys[r]])]
+            on_gloo = [ranks[r] for r in absent if store.check([f"0/{r}"])]  # gloo's address key
+            if on_gloo:
+                raise ValueError(
+                    f"tpcore: rank {ranks[rank]} made the group of ranks {ranks} with backend 'tpcore', but "
+                    f"rank(s) {on_gloo} made it with 'gloo': every rank must pass the same backend to "
+                    "init_process_group / new_group"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tpcore: Timed out after {timeout.total_seconds():g} s making the group of ranks {ranks}: "
+                    f"rank(s) {[ranks[r] for r in absent]} never made it with backend 'tpcore' (do all ranks "
+                    "call new_group with the same ranks and backend, in the same order?)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        hosts, their_ranks = zip(*(store.get(key).decode().split("\n", 1) for key in keys))
+        other = [(r, theirs) for r, theirs in enumerate(their_ranks) if theirs != str(ranks)]
+        if other:
+            r, theirs = other[0]
             raise ValueError(
-                f"tpcore: rank {ranks[rank]} made the group of ranks {ranks} with backend 'tpcore', but "
-                f"rank(s) {on_gloo} made it with 'gloo': every rank must pass the same backend to "
-                "init_process_group / new_group"
+                f"tpcore: rank {ranks[rank]} made a group of ranks {ranks}, but its group rank {r} made it "
+                f"as {theirs}: every rank must pass the same ranks to new_group, in the same order of calls"
             )
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"tpcore: Timed out after {timeout.total_seconds():g} s making the group of ranks {ranks}: "
-                f"rank(s) {[ranks[r] for r in absent]} never made it with backend 'tpcore' (do all ranks "
-                "call new_group with the same ranks and backend, in the same order?)"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-    return [store.get(key).decode() for key in keys]
+    except Exception as e:
+        store.set(_ABANDONED, str(e))
+        raise
+    return list(hosts)
 
 
 def _create(opts, backend_options=None):

@@ -139,24 +139,53 @@ ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
       make_fallback_(std::move(make_fallback)),
       without_gil_(std::move(without_gil)) {
   const std::string name_key = "tpcore_shm/segment", mapped_key = "tpcore_shm/mapped";
-  group_ = std::make_unique<Group>(
-      rank, size, config,
-      [&](const std::string& name) {
-        store->set(name_key, std::vector<uint8_t>(name.begin(), name.end()));
-      },
-      [&]() {
-        const auto v = store->get(name_key);
-        return std::string(v.begin(), v.end());
-      },
-      [&]() { store->add(mapped_key, 1); },
-      [&]() {
-        const auto deadline = Clock::now() + config.timeout;
-        while (store->add(mapped_key, 0) < size) {
-          TORCH_CHECK(Clock::now() < deadline, "tpcore shm: ranks did not map the segment within ",
-                      config.timeout.count(), " ms");
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
-      });
+  // A rank that gives up on making the group leaves its reason here (tpcore/shm.py too).
+  const std::string abandoned_key = "tpcore_shm/abandoned";
+  auto wait_for_name = [&]() {
+    // Polled with the group's timeout: a blocking get would wait for the store's own (5 to
+    // 30 min), after rank 0 has long given up.
+    const auto deadline = Clock::now() + config.timeout;
+    while (!store->check({name_key})) {
+      if (store->check({abandoned_key})) {
+        const auto why = store->get(abandoned_key);
+        C10_THROW_ERROR(DistBackendError, "tpcore shm: rank " + std::to_string(rank) +
+                                              ": a rank gave up making this group: " +
+                                              std::string(why.begin(), why.end()));
+      }
+      if (Clock::now() > deadline)
+        C10_THROW_ERROR(DistBackendError,
+                        "tpcore shm: rank " + std::to_string(rank) + ": Timed out after " +
+                            std::to_string(config.timeout.count()) +
+                            " ms waiting for rank 0 to create the group's shared memory (is it "
+                            "stuck, or did it make the group with other ranks?)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    const auto v = store->get(name_key);
+    return std::string(v.begin(), v.end());
+  };
+  try {
+    group_ = std::make_unique<Group>(
+        rank, size, config,
+        [&](const std::string& name) {
+          store->set(name_key, std::vector<uint8_t>(name.begin(), name.end()));
+        },
+        wait_for_name, [&]() { store->add(mapped_key, 1); },
+        [&]() {
+          const auto deadline = Clock::now() + config.timeout;
+          while (store->add(mapped_key, 0) < size) {
+            TORCH_CHECK(Clock::now() < deadline,
+                        "tpcore shm: ranks did not map the segment within ", config.timeout.count(),
+                        " ms");
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        });
+  } catch (const std::exception& e) {
+    if (rank == 0 && !store->check({name_key})) {  // the others would wait for its name
+      const std::string why = e.what();
+      store->set(abandoned_key, std::vector<uint8_t>(why.begin(), why.end()));
+    }
+    throw;
+  }
 }
 
 ShmBackend::~ShmBackend() {
@@ -164,6 +193,19 @@ ShmBackend::~ShmBackend() {
   // reference to a Python-owned tensor of a finished operation: without releasing it here
   // (when the caller holds it) that was a deadlock at destroy_process_group.
   if (fallback_) without_gil_([this] { fallback_.reset(); });
+}
+
+c10d::Backend& ShmBackend::gloo(OpCode op, const std::vector<at::Tensor>& tensors, int64_t root,
+                                std::optional<c10d::ReduceOp> reduce_op) {
+  // The same numbers on every rank whose call matches: the first tensor's dtype, the
+  // elements of all of them (unknown for all_to_all, whose sizes may differ by rank).
+  uint64_t numel = 0;
+  for (const auto& t : tensors) numel += t.numel();
+  const int64_t reduce = reduce_op ? static_cast<int64_t>(reduce_op->op_) : 0;
+  group_->agree_on(OpHeader{static_cast<uint32_t>(op),
+                            tensors.empty() ? 0u : static_cast<uint32_t>(tensors[0].scalar_type()),
+                            numel, 1000 * reduce + root, 0, 1});
+  return fallback();
 }
 
 c10d::Backend& ShmBackend::fallback() {
@@ -219,7 +261,7 @@ WorkPtr ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
                               const c10d::BroadcastOptions& opts) {
   ++seq_;
   if (tensors.size() != 1 || !movable(tensors) || opts.rootTensor != 0)
-    return fallback().broadcast(tensors, opts);
+    return gloo(OpCode::kBroadcast, tensors, opts.rootRank).broadcast(tensors, opts);
   on_contiguous(tensors[0], true, [&](const at::Tensor& t) {
     group_->broadcast(t, static_cast<int>(opts.rootRank));
   });
@@ -232,7 +274,7 @@ WorkPtr ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
   const auto kind = kind_of(opts.reduceOp);
   if (tensors.size() != 1 || !movable(tensors) || !kind ||
       !reducible(tensors[0].scalar_type(), *kind))
-    return fallback().allreduce(tensors, opts);
+    return gloo(OpCode::kAllReduce, tensors, 0, opts.reduceOp).allreduce(tensors, opts);
   on_contiguous(tensors[0], true, [&](const at::Tensor& t) { group_->all_reduce(t, *kind); });
   return done(tensors, OpType::ALLREDUCE);
 }
@@ -243,7 +285,8 @@ WorkPtr ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
   const auto kind = kind_of(opts.reduceOp);
   bool fast = movable(tensors) && kind.has_value();
   for (const auto& t : tensors) fast = fast && reducible(t.scalar_type(), *kind);
-  if (!fast) return fallback().allreduce_coalesced(tensors, opts);
+  if (!fast)
+    return gloo(OpCode::kAllReduce, tensors, 0, opts.reduceOp).allreduce_coalesced(tensors, opts);
   for (auto& t : tensors)
     on_contiguous(t, true, [&](const at::Tensor& c) { group_->all_reduce(c, *kind); });
   return done(tensors, OpType::ALLREDUCE_COALESCED);
@@ -251,7 +294,7 @@ WorkPtr ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
 
 WorkPtr ShmBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   ++seq_;
-  return fallback().reduce(tensors, opts);
+  return gloo(OpCode::kReduce, tensors, opts.rootRank, opts.reduceOp).reduce(tensors, opts);
 }
 
 WorkPtr ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -262,7 +305,8 @@ WorkPtr ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
 
 WorkPtr ShmBackend::allgather_base(at::Tensor& output, at::Tensor& input,
                                    const c10d::AllgatherOptions& opts) {
-  if (!movable(output) || !movable(input)) return fallback()._allgather_base(output, input, opts);
+  if (!movable(output) || !movable(input))
+    return gloo(OpCode::kAllGather, {input})._allgather_base(output, input, opts);
   TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
                     "tpcore shm: all_gather: output is ", output.scalar_type(), " but input is ",
                     input.scalar_type());
@@ -278,7 +322,7 @@ WorkPtr ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                               std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   ++seq_;
   if (inputs.size() != 1 || outputs.size() != 1 || !movable(inputs) || !movable(outputs[0]))
-    return fallback().allgather(outputs, inputs, opts);
+    return gloo(OpCode::kAllGather, inputs).allgather(outputs, inputs, opts);
   auto& outs = outputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(),
                     "tpcore shm: all_gather: ", outs.size(), " output tensors for a group of ",
@@ -298,7 +342,7 @@ WorkPtr ShmBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& ou
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::AllgatherOptions& opts) {
   ++seq_;
-  return fallback().allgather_coalesced(outputs, inputs, opts);
+  return gloo(OpCode::kAllGather, inputs).allgather_coalesced(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -314,14 +358,14 @@ WorkPtr ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& out
 WorkPtr ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                            std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   ++seq_;
-  return fallback().gather(outputs, inputs, opts);
+  return gloo(OpCode::kGather, inputs, opts.rootRank).gather(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::scatter(std::vector<at::Tensor>& outputs,
                             std::vector<std::vector<at::Tensor>>& inputs,
                             const c10d::ScatterOptions& opts) {
   ++seq_;
-  return fallback().scatter(outputs, inputs, opts);
+  return gloo(OpCode::kScatter, outputs, opts.rootRank).scatter(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -334,7 +378,8 @@ WorkPtr ShmBackend::reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                         const c10d::ReduceScatterOptions& opts) {
   const auto kind = kind_of(opts.reduceOp);
   if (!movable(output) || !movable(input) || !kind || !reducible(input.scalar_type(), *kind))
-    return fallback()._reduce_scatter_base(output, input, opts);
+    return gloo(OpCode::kReduceScatter, {output}, 0, opts.reduceOp)
+        ._reduce_scatter_base(output, input, opts);
   TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
                     "tpcore shm: reduce_scatter: output is ", output.scalar_type(),
                     " but input is ", input.scalar_type());
@@ -354,7 +399,8 @@ WorkPtr ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
   const auto kind = kind_of(opts.reduceOp);
   if (outputs.size() != 1 || inputs.size() != 1 || !movable(outputs) || !movable(inputs[0]) ||
       !kind || !reducible(outputs[0].scalar_type(), *kind))
-    return fallback().reduce_scatter(outputs, inputs, opts);
+    return gloo(OpCode::kReduceScatter, outputs, 0, opts.reduceOp)
+        .reduce_scatter(outputs, inputs, opts);
   TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(),
                     "tpcore shm: reduce_scatter: ", inputs[0].size(),
                     " input tensors for a group of ", getSize());
@@ -391,7 +437,8 @@ WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
   if (!output_splits.empty() || !input_splits.empty() || !movable(output) || !movable(input) ||
       input.numel() % getSize() != 0 || output.numel() != input.numel() ||
       output.scalar_type() != input.scalar_type())
-    return fallback().alltoall_base(output, input, output_splits, input_splits, opts);
+    return gloo(OpCode::kAllToAll, {})
+        .alltoall_base(output, input, output_splits, input_splits, opts);
   const at::Tensor in = input.contiguous();
   on_contiguous(output, false, [&](const at::Tensor& out) { group_->all_to_all(out, in); });
   return done({output}, OpType::ALLTOALL_BASE);
@@ -400,7 +447,7 @@ WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
 WorkPtr ShmBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                              const c10d::AllToAllOptions& opts) {
   ++seq_;
-  return fallback().alltoall(outputs, inputs, opts);
+  return gloo(OpCode::kAllToAll, {}).alltoall(outputs, inputs, opts);
 }
 
 WorkPtr ShmBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

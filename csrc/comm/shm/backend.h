@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -106,6 +107,10 @@ class ShmBackend : public c10d::Backend {
 
  private:
   c10d::Backend& fallback();
+  // The gloo fallback for a collective, after one shared-memory step in which every rank
+  // checks that the others called the same operation (Group::agree_on).
+  c10d::Backend& gloo(OpCode op, const std::vector<at::Tensor>& tensors, int64_t root = 0,
+                      std::optional<c10d::ReduceOp> reduce_op = std::nullopt);
   c10::intrusive_ptr<c10d::Work> allgather_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::AllgatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_base(at::Tensor& output, at::Tensor& input,

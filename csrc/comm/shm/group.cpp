@@ -25,6 +25,12 @@ const char* op_name(uint32_t op) {
       return "barrier";
     case OpCode::kAllToAll:
       return "all_to_all";
+    case OpCode::kReduce:
+      return "reduce";
+    case OpCode::kGather:
+      return "gather";
+    case OpCode::kScatter:
+      return "scatter";
   }
   return "an unknown operation";
 }
@@ -32,12 +38,17 @@ const char* op_name(uint32_t op) {
 bool after_or_at(uint32_t seen, uint32_t step) { return static_cast<int32_t>(seen - step) >= 0; }
 
 OpHeader header(OpCode op, const at::Tensor& t, int64_t extra) {
-  return OpHeader{static_cast<uint32_t>(op), static_cast<uint32_t>(t.scalar_type()),
-                  static_cast<uint64_t>(t.numel()), extra, 0};
+  return OpHeader{static_cast<uint32_t>(op),
+                  static_cast<uint32_t>(t.scalar_type()),
+                  static_cast<uint64_t>(t.numel()),
+                  extra,
+                  0,
+                  0};
 }
 
 bool same(const OpHeader& a, const OpHeader& b) {
-  return a.op == b.op && a.dtype == b.dtype && a.numel == b.numel && a.extra == b.extra;
+  return a.op == b.op && a.dtype == b.dtype && a.numel == b.numel && a.extra == b.extra &&
+         a.algorithm == b.algorithm && a.through_gloo == b.through_gloo;
 }
 
 }  // namespace
@@ -97,13 +108,16 @@ Group::Group(int rank, int world, const Config& config,
 std::string Group::describe(const OpHeader& h) const {
   std::ostringstream out;
   out << op_name(h.op);
-  if (static_cast<OpCode>(h.op) != OpCode::kBarrier)
+  const auto op = static_cast<OpCode>(h.op);
+  if (op != OpCode::kBarrier && (h.numel > 0 || !h.through_gloo))
     out << " of " << h.numel << " " << c10::toString(static_cast<at::ScalarType>(h.dtype))
         << " elements";
-  if (static_cast<OpCode>(h.op) == OpCode::kBroadcast) out << " from rank " << h.extra;
-  if (static_cast<OpCode>(h.op) == OpCode::kAllReduce ||
-      static_cast<OpCode>(h.op) == OpCode::kReduceScatter)
-    out << " (reduce op " << h.extra << ")";
+  if (op == OpCode::kBroadcast || op == OpCode::kReduce || op == OpCode::kGather ||
+      op == OpCode::kScatter)
+    out << " with root " << (h.through_gloo ? h.extra % 1000 : h.extra);
+  if (op == OpCode::kAllReduce || op == OpCode::kReduceScatter || op == OpCode::kReduce)
+    out << " (reduce op " << (h.through_gloo ? h.extra / 1000 : h.extra) << ")";
+  if (h.through_gloo) out << " through gloo";
   return out.str();
 }
 
@@ -129,7 +143,7 @@ void Group::check_usable() {
                     "tpcore shm: this group is unusable since an earlier failure: " + broken_);
 }
 
-void Group::check_peer(int peer, Clock::duration elapsed, const std::string& waiting_for) {
+void Group::check_aborted(const std::string& waiting_for) {
   const Header* h = layout_.header(base());
   const uint32_t by = h->aborted.load(std::memory_order_acquire);
   if (by != 0 && by != static_cast<uint32_t>(rank_) + 1) {
@@ -139,10 +153,15 @@ void Group::check_peer(int peer, Clock::duration elapsed, const std::string& wai
     if (broken_.empty()) broken_ = why;
     C10_THROW_ERROR(DistBackendError, why);
   }
+}
+
+void Group::check_peer(int peer, Clock::duration elapsed, const std::string& waiting_for) {
+  check_aborted(waiting_for);
   const int pid = control(peer)->pid;
   if (!process_alive(pid))
     fail("tpcore shm: rank " + std::to_string(rank_) + ": " + waiting_for + ": rank " +
-         std::to_string(peer) + " (pid " + std::to_string(pid) + ") has died");
+         std::to_string(peer) + " (pid " + std::to_string(pid) +
+         ") has exited or died without joining it");
   if (elapsed > config_.timeout) {
     const auto s =
         std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout).count() / 1000.0;
@@ -164,6 +183,9 @@ void Group::sync(uint32_t step, const OpHeader& h) {
         control(r)->step, [step](uint32_t v) { return after_or_at(v, step); }, policy_,
         [&](Clock::duration elapsed) { check_peer(r, elapsed, describe(h)); });
   }
+  // A peer that gave up on this step (its timeout) had published it already: the data it
+  // left is abandoned, and a rank arriving late must fail as the others did, not use it.
+  check_aborted(describe(h));
   for (int r = 0; r < world_; ++r) {
     const OpHeader& other = control(r)->op[step & 1];
     // Every rank compares the same headers, so all of them raise, and at the same step:
@@ -192,8 +214,12 @@ void Group::reduce_parallel(void* out, const std::vector<const void*>& srcs, int
 void Group::all_reduce_one_shot(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_step = static_cast<int64_t>(layout_.slot_bytes()) / es;
-  const OpHeader h{static_cast<uint32_t>(OpCode::kAllReduce), static_cast<uint32_t>(dtype),
-                   static_cast<uint64_t>(n), static_cast<int64_t>(kind), 0};
+  const OpHeader h{static_cast<uint32_t>(OpCode::kAllReduce),
+                   static_cast<uint32_t>(dtype),
+                   static_cast<uint64_t>(n),
+                   static_cast<int64_t>(kind),
+                   0,
+                   0};
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n || off == 0; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
@@ -212,8 +238,12 @@ void Group::all_reduce_one_shot(char* data, int64_t n, at::ScalarType dtype, Red
 void Group::all_reduce_two_step(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_step = static_cast<int64_t>(layout_.slot_bytes()) / es;
-  const OpHeader h{static_cast<uint32_t>(OpCode::kAllReduce), static_cast<uint32_t>(dtype),
-                   static_cast<uint64_t>(n), static_cast<int64_t>(kind), 1};
+  const OpHeader h{static_cast<uint32_t>(OpCode::kAllReduce),
+                   static_cast<uint32_t>(dtype),
+                   static_cast<uint64_t>(n),
+                   static_cast<int64_t>(kind),
+                   1,
+                   0};
   std::vector<const void*> srcs(world_);
   for (int64_t off = 0; off < n; off += per_step) {
     const int64_t m = std::min(per_step, n - off);
@@ -351,10 +381,16 @@ void Group::all_to_all(const at::Tensor& out, const at::Tensor& in) {
   }
 }
 
+void Group::agree_on(const OpHeader& h) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  sync(++step_, h);
+}
+
 void Group::barrier() {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
-  sync(++step_, OpHeader{static_cast<uint32_t>(OpCode::kBarrier), 0, 0, 0, 0});
+  sync(++step_, OpHeader{static_cast<uint32_t>(OpCode::kBarrier), 0, 0, 0, 0, 0});
 }
 
 }  // namespace tpcore::shm

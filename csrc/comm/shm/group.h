@@ -35,7 +35,10 @@ enum class OpCode : uint32_t {
   kReduceScatter,
   kBroadcast,
   kBarrier,
-  kAllToAll
+  kAllToAll,
+  kReduce,  // these three only through gloo
+  kGather,
+  kScatter
 };
 
 struct Config {
@@ -85,6 +88,10 @@ class Group {
   // out chunk r [n] = rank r's in chunk `rank` [n] (in, out: [world * n]).
   void all_to_all(const at::Tensor& out, const at::Tensor& in);
   void barrier();
+  // One step that only compares `h` (through_gloo set) with every rank's: what the c10d
+  // backend runs before an operation it hands to gloo, so that ranks calling different
+  // operations, whichever transport each takes, all get the mismatch error.
+  void agree_on(const OpHeader& h);
 
   // Point to point (p2p.cpp). send returns once the message is in the link (it drains
   // incoming links while waiting for room, so two ranks sending to each other cannot
@@ -97,7 +104,8 @@ class Group {
     int64_t tag;
     char* data;
     uint64_t bytes;
-    uint64_t posted;  // order of posting, among this group's receives
+    uint64_t posted;     // order of posting, among this group's receives
+    int64_t dtype = -1;  // the at::ScalarType expected, or -1 for raw bytes
     bool done = false;
     std::string error;  // set when the message that arrived does not fit
   };
@@ -121,6 +129,8 @@ class Group {
   // Throws if the group was aborted, `peer` died or `elapsed` passed the timeout.
   void check_peer(int peer, Clock::duration elapsed, const std::string& waiting_for);
   void check_usable();
+  // Throws if a peer aborted the group.
+  void check_aborted(const std::string& waiting_for);
   [[noreturn]] void fail(const std::string& reason);
   std::string describe(const OpHeader& h) const;
   void all_reduce_one_shot(char* data, int64_t n, at::ScalarType dtype, ReduceKind kind);
@@ -136,6 +146,7 @@ class Group {
     int64_t tag;
     uint64_t total;
     uint64_t arrived;  // order of arrival, among this group's messages from every rank
+    int64_t dtype;     // as the sender gave it (Cell::dtype)
     uint64_t received = 0;
     std::shared_ptr<Recv> recv;  // null while nobody has asked for it
     bool keep = false;           // arriving into `kept`, not into recv's buffer
@@ -148,8 +159,9 @@ class Group {
     std::deque<std::shared_ptr<Message>> unclaimed;  // messages nobody asked for yet
   };
   static void finish_recv(Recv& r, const Message& m);
-  void send(const char* data, uint64_t bytes, int dst, int64_t tag);
-  std::shared_ptr<Recv> post_recv(char* data, uint64_t bytes, int src, int64_t tag);
+  void send(const char* data, uint64_t bytes, int dst, int64_t tag, int64_t dtype = -1);
+  std::shared_ptr<Recv> post_recv(char* data, uint64_t bytes, int src, int64_t tag,
+                                  int64_t dtype = -1);
   // Waits for `r`; false once `deadline` has passed (a dead peer or an aborted group raise).
   // `what` names the wait in errors (default: the message awaited).
   bool wait_recv_until(const std::shared_ptr<Recv>& r, Clock::time_point deadline,

@@ -31,8 +31,9 @@ struct OpHeader {
   uint32_t op;
   uint32_t dtype;
   uint64_t numel;
-  int64_t extra;  // reduce kind, root rank, ...
-  uint64_t pad;
+  int64_t extra;          // reduce kind, root rank, ... (through gloo: 1000 x reduce op + root)
+  uint32_t algorithm;     // which of an operation's algorithms (all_reduce: 1 = two-step)
+  uint32_t through_gloo;  // 1: the operation runs on the gloo fallback after this step
 };
 
 struct alignas(64) RankControl {
@@ -53,6 +54,7 @@ struct alignas(64) Cell {
   uint64_t total;   // bytes of the whole message
   uint64_t offset;  // of this cell's bytes within it
   uint64_t bytes;   // in this cell
+  int64_t dtype;    // the sender's at::ScalarType, or -1 for raw bytes
 };
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }

@@ -18,11 +18,19 @@ Group::~Group() = default;
 
 namespace {
 
-std::string size_error(int me, int src, int64_t tag, uint64_t expected, uint64_t got) {
+std::string dtype_name(int64_t dtype) {
+  return dtype < 0 ? std::string("bytes") : c10::toString(static_cast<at::ScalarType>(dtype));
+}
+
+// Why a message of `total` bytes of `dtype` from `src` does not fit receive `r` ("" if it
+// fits). Raw bytes (-1) on either side fit any dtype.
+std::string misfit(int me, int src, const Group::Recv& r, uint64_t total, int64_t dtype) {
+  if (r.bytes == total && (r.dtype < 0 || dtype < 0 || r.dtype == dtype)) return "";
   return "tpcore shm: rank " + std::to_string(me) + " expected a message of " +
-         std::to_string(expected) + " bytes with tag " + std::to_string(tag) + " from rank " +
-         std::to_string(src) + ", but rank " + std::to_string(src) + " sent " +
-         std::to_string(got) + " bytes with that tag";
+         std::to_string(r.bytes) + " bytes of " + dtype_name(r.dtype) + " with tag " +
+         std::to_string(r.tag) + " from rank " + std::to_string(src) + ", but rank " +
+         std::to_string(src) + " sent " + std::to_string(total) + " bytes of " + dtype_name(dtype) +
+         " with that tag";
 }
 
 }  // namespace
@@ -47,6 +55,7 @@ void Group::drain(int src, const Recv* until) {
       m->tag = cell->tag;
       m->total = cell->total;
       m->arrived = arrivals_++;
+      m->dtype = cell->dtype;
       // The earliest posted receive that takes it: one from this rank, or from any rank.
       auto tagged = [&](const std::shared_ptr<Recv>& r) { return r->tag == cell->tag; };
       auto mine = std::find_if(in.posted.begin(), in.posted.end(), tagged);
@@ -61,8 +70,8 @@ void Group::drain(int src, const Recv* until) {
         in.posted.erase(mine);
       }
       if (m->recv) {
-        if (m->recv->bytes != m->total) {
-          m->recv->error = size_error(rank_, src, m->tag, m->recv->bytes, m->total);
+        m->recv->error = misfit(rank_, src, *m->recv, m->total, m->dtype);
+        if (!m->recv->error.empty()) {
           m->keep = true;  // read and drop it, so the link stays in step
           m->kept.resize(m->total);
         }
@@ -104,10 +113,11 @@ void Group::send(const at::Tensor& t, int dst, int64_t tag) {
   check_usable();
   TORCH_CHECK_VALUE(dst >= 0 && dst < world_ && dst != rank_, "tpcore shm: send: peer ", dst,
                     " is not another rank of this group of ", world_);
-  send(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size(), dst, tag);
+  send(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size(), dst, tag,
+       static_cast<int64_t>(t.scalar_type()));
 }
 
-void Group::send(const char* data, uint64_t total, int dst, int64_t tag) {
+void Group::send(const char* data, uint64_t total, int dst, int64_t tag, int64_t dtype) {
   std::lock_guard<std::mutex> lock(*send_mu_[dst]);
   Channel* link = layout_.channel(base(), rank_, dst);
   const uint32_t cells = static_cast<uint32_t>(layout_.cells());
@@ -139,6 +149,7 @@ void Group::send(const char* data, uint64_t total, int dst, int64_t tag) {
     const uint64_t bytes = std::min<uint64_t>(layout_.cell_bytes(), total - off);
     cell->tag = tag;
     cell->total = total;
+    cell->dtype = dtype;
     cell->offset = off;
     cell->bytes = bytes;
     std::memcpy(layout_.cell_data(cell), data + off, bytes);
@@ -153,15 +164,18 @@ std::shared_ptr<Group::Recv> Group::post_recv(const at::Tensor& t, int src, int6
   TORCH_CHECK_VALUE(src == kAnySource || (src >= 0 && src < world_ && src != rank_),
                     "tpcore shm: recv: peer ", src, " is not another rank of this group of ",
                     world_);
-  return post_recv(static_cast<char*>(t.data_ptr()), t.numel() * t.element_size(), src, tag);
+  return post_recv(static_cast<char*>(t.data_ptr()), t.numel() * t.element_size(), src, tag,
+                   static_cast<int64_t>(t.scalar_type()));
 }
 
-std::shared_ptr<Group::Recv> Group::post_recv(char* data, uint64_t bytes, int src, int64_t tag) {
+std::shared_ptr<Group::Recv> Group::post_recv(char* data, uint64_t bytes, int src, int64_t tag,
+                                              int64_t dtype) {
   auto r = std::make_shared<Recv>();
   r->src = src;
   r->tag = tag;
   r->data = data;
   r->bytes = bytes;
+  r->dtype = dtype;
   std::lock_guard<std::mutex> lock(p2p_mu_);
   r->posted = posts_++;
   // A message that arrived before this receive: the earliest with its tag from `src`, or
@@ -186,7 +200,7 @@ std::shared_ptr<Group::Recv> Group::post_recv(char* data, uint64_t bytes, int sr
   }
   r->src = from;
   m->recv = r;
-  if (m->total != r->bytes) r->error = size_error(rank_, from, tag, r->bytes, m->total);
+  r->error = misfit(rank_, from, *r, m->total, m->dtype);
   if (m->received == m->total) {
     finish_recv(*r, *m);
     auto& unclaimed = incoming_[from]->unclaimed;
