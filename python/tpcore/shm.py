@@ -86,7 +86,10 @@ def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: l
     try:
         while not store.check(keys):
             if store.check([_ABANDONED]):
-                raise RuntimeError(f"tpcore: rank {ranks[rank]}: a rank gave up making the group of ranks {ranks}: {store.get(_ABANDONED).decode()}")
+                why = store.get(_ABANDONED).decode()
+                # the same kind of error as the rank that gave up: a ValueError for bad arguments
+                error = ValueError if why.startswith("ValueError: ") else RuntimeError
+                raise error(f"tpcore: rank {ranks[rank]}: a rank gave up making the group of ranks {ranks}: {why}")
             absent = [r for r in range(size) if not store.check([keys[r]])]
             on_gloo = [ranks[r] for r in absent if store.check([f"0/{r}"])]  # gloo's address key
             if on_gloo:
@@ -112,7 +115,8 @@ def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: l
                 f"as {theirs}: every rank must pass the same ranks to new_group, in the same order of calls"
             )
     except Exception as e:
-        store.set(_ABANDONED, str(e))
+        if not store.check([_ABANDONED]):  # the first rank to give up says why
+            store.set(_ABANDONED, f"{type(e).__name__}: {e}")
         raise
     return list(hosts)
 
