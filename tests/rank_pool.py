@@ -1,8 +1,8 @@
 """A reusable pool of spawned ranks for multi-process tests.
 
-Importing torch is the slow part on a small machine, so ranks are spawned once
-(spawn context, FileStore in a temp dir, gloo or NCCL, explicit timeouts) and run
-many jobs. A job is a picklable module-level function `fn(rank, world, *args)`
+Importing torch is the slow part on a small machine, so ranks are started once
+(forked warm: launch.warm_context; FileStore in a temp dir, gloo or NCCL, explicit
+timeouts) and run many jobs. A job is a picklable module-level function `fn(rank, world, *args)`
 run on every rank. A rank that raises, dies or stalls fails the job within
 seconds; the pool is then torn down and re-spawned for the next job, so the
 suite never hangs.
@@ -17,6 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from launch import warm_context
 from tpcore._workers import collect_answers, next_task, stop_workers
 
 # How long the other ranks get to finish once one rank has failed; they are
@@ -66,7 +67,7 @@ class RankPool:
         self._job_id = 0
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = warm_context()
         self._dir = tempfile.mkdtemp(prefix="tpcore-ranks-")
         store = os.path.join(self._dir, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world)]
@@ -116,10 +117,10 @@ class RankPool:
 
 
 def run_fresh_processes(target: Callable[..., None], world: int, *args: Any, timeout: float = 240.0) -> dict[int, Any]:
-    """Run `target(rank, world, *args, results)` in `world` new spawned processes (for tests
+    """Run `target(rank, world, *args, results)` in `world` new processes (for tests
     that make and end their own default groups, which the pool's ranks cannot); each puts
     `(rank, answer)` on `results`. Returns the answers by rank; kills what is left."""
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world, *args, results), daemon=True) for r in range(world)]
     for p in procs:

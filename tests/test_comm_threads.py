@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import tpcore
 from rank_pool import run_fresh_processes
-from test_train import COMPARED, FLAGS, RUN_TIMEOUT_S, _command, workdir  # noqa: F401 (workdir: the corpus fixture)
+from launch import torchrun
+from test_train import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, workdir  # noqa: F401 (workdir: the corpus fixture)
 from tpcore.comm_threads import may_use_realtime
 from tpcore.train import read_metrics
 
@@ -157,7 +158,9 @@ def _without_realtime_rights() -> None:
 
 def _run(workdir, name: str, *extra: str, **kwargs) -> subprocess.CompletedProcess:
     flags = FLAGS + DP2 + ["--data-path", str(workdir / "corpus"), "--log-dir", str(workdir / name), *extra]
-    return subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=GLOO, **kwargs)
+    if kwargs:  # process rights: the real launcher, started with them
+        return subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=GLOO, **kwargs)
+    return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S)
 
 
 @_NEEDS_RIGHT

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 pytest.importorskip("safetensors")
 import safetensors.torch  # noqa: E402
 
+from launch import torchrun  # noqa: E402
 from tpcore.data import load_tokenizer  # noqa: E402
 from tpcore.data.preprocess import preprocess  # noqa: E402
 from tpcore.models import ReferenceGPT, generate  # noqa: E402
@@ -28,6 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ROOT / "examples" / "generate.py"
 TIMEOUT = 300
 PROMPT, NEW = "The quick", 24
+
+
+def _run_ranks(nproc: int, program: list, cwd) -> str:
+    """`torchrun --nproc_per_node nproc program` (launch.torchrun); its stdout or a failure with its output."""
+    proc = torchrun(program, nproc, cwd=cwd, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{' '.join(map(str, program))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
 
 
 def _run(cmd: list[str], cwd) -> str:
@@ -45,8 +52,8 @@ def ckpt(tmp_path_factory) -> Path:
     corpus = work / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"The quick brown fox {i} jumps over the lazy dog. " * 3}) + "\n" for i in range(40)))
     preprocess(str(corpus), str(work / "data" / "docs"), append_eod=True)
-    _run([
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tpcore.train",
+    _run_ranks(2, [
+        "-m", "tpcore.train",
         "--data-path", str(work / "data" / "docs"), "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "0", "--lr", "0.01",
         "--tensor-parallel-size", "2", "--save", str(work / "ckpt"), "--device", "cpu", "--no-progress",
@@ -196,8 +203,8 @@ def test_generate_example_same_text_at_every_tp(ckpt, dense_file, tmp_path, caps
     assert tokens.shape[1] > len(PROMPT)
 
     flags = ["--load", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--greedy", "--device", "cpu"]
-    tp2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(GENERATE), *flags, "--tensor-parallel-size", "2"], tmp_path)
-    tp1 = _run([sys.executable, str(GENERATE), *flags], tmp_path)  # one rank: the TP=2 checkpoint resharded
+    tp2 = _run_ranks(2, [GENERATE, *flags, "--tensor-parallel-size", "2"], tmp_path)
+    tp1 = _run_ranks(1, [GENERATE, *flags], tmp_path)  # one rank: the TP=2 checkpoint resharded
     assert _example_main()(["--dense", str(dense_file), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--greedy", "--device", "cpu"]) == 0
     from_dense = capsys.readouterr().out
     assert tp2 == expected, f"TP=2: {tp2!r} != {expected!r}"  # printed once (rank 0 only)

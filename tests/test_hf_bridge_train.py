@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 safetensors = pytest.importorskip("safetensors.torch")
 
+from launch import torchrun  # noqa: E402
 from tpcore.data import GPTDataset, IndexedDataset  # noqa: E402
 from tpcore.data.preprocess import preprocess  # noqa: E402
 from tpcore.data.train_tokenizer import train_tokenizer  # noqa: E402
@@ -75,13 +75,14 @@ def run(request, tmp_path_factory) -> dict:
     (folder / "tokenizer.json").write_text(Path(tokenizer).read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
     preprocess(str(corpus), str(work / "data" / "docs"), tokenizer=str(folder), append_eod=True)
-    _run([
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m", "tpcore.train",
+    proc = torchrun([
+        "-m", "tpcore.train",
         "--load-hf", str(folder), "--data-path", str(work / "data" / "docs"), "--seq-length", str(SEQ), "--micro-batch-size", "2",
         "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS), "--eval-iters", "0", "--lr", "3e-3", "--lr-warmup-iters", "0",
         "--lr-decay-style", "constant", "--log-interval", "1", "--tensor-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--save", str(work / "ckpt"), "--save-hf", str(work / "exported"), "--device", "cpu", "--no-progress", "--seed", str(SEED),
-    ], cwd=work)
+    ], 4, cwd=work, timeout=400)
+    assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return {"work": work, "folder": folder, "model": model}
 
 

@@ -5,7 +5,6 @@ before any message; a rank that dies mid-schedule fails the others within the ti
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -15,12 +14,19 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 import tpcore
-from checks import GPT_VARIANTS as VARIANTS, assert_close, expect_error, per_rank_tensor
+from checks import GPT_VARIANTS as VARIANTS
+from checks import assert_close, expect_error, per_rank_tensor
+from launch import warm_context
 from tpcore import parallel_state
 from tpcore.models import ReferenceGPT
-from tpcore.pipeline_parallel import activation_shape, build_gpt_stages, forward_backward, gpt_forward_step, p2p
+from tpcore.pipeline_parallel import (
+    activation_shape,
+    build_gpt_stages,
+    forward_backward,
+    gpt_forward_step,
+    p2p,
+)
 
 SHAPE = [4, 2, 8]
 
@@ -202,7 +208,7 @@ def _dying_rank(rank, world, store_path, results):
 
 def test_a_rank_dying_mid_schedule_fails_every_other_rank_within_the_timeout():
     world = 4
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_dying_rank, args=(r, world, os.path.join(tmp, "store"), results), daemon=True) for r in range(world)]

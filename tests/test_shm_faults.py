@@ -6,7 +6,6 @@ timeout, naming it; nothing is left in /dev/shm. Each case runs in processes of 
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -15,6 +14,7 @@ import traceback
 from datetime import timedelta
 
 import pytest
+from launch import warm_context
 
 WORLD = 3
 VICTIM = 2
@@ -24,7 +24,6 @@ def _rank(rank: int, store_path: str, fault: str, timeout_s: float, results) -> 
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
-
     import tpcore  # noqa: F401 - registers the backend
 
     torch.set_num_threads(1)
@@ -51,7 +50,7 @@ def _rank(rank: int, store_path: str, fault: str, timeout_s: float, results) -> 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_dead_or_stopped_rank_fails_every_other_rank(fault):
     timeout_s = 60.0 if fault == "kill" else 4.0
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shm-faults-"), "store")
     procs = [ctx.Process(target=_rank, args=(r, store, fault, timeout_s, results), daemon=True) for r in range(WORLD)]
@@ -91,7 +90,6 @@ def test_dead_or_stopped_rank_fails_every_other_rank(fault):
 def _mismatched_layout(rank: int, world: int, store_dir: str, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
-
     import tpcore  # noqa: F401 - registers the backend
 
     store = dist.FileStore(os.path.join(store_dir, "store"), world)

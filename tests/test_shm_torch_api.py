@@ -5,7 +5,6 @@ operations that went through the gloo fallback, and ranks that disagree on the b
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -13,8 +12,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 import tpcore
+from launch import warm_context
 
 
 def _any_source(rank, world):
@@ -144,7 +143,6 @@ def test_ending_a_group_after_gloo_fallback_operations(cpu_ranks):
 def _mixed_backends(rank, store_path, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
-
     import tpcore  # noqa: F401 - registers the backend
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -162,7 +160,7 @@ def _mixed_backends(rank, store_path, results):
 def test_ranks_that_disagree_on_the_backend_get_a_clear_error():
     """The tpcore rank names the gloo rank at once. (The gloo rank waits in gloo's own
     connection code; a launcher ends it when the tpcore rank's process fails.)"""
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-mixed-"), "store")
     procs = [ctx.Process(target=_mixed_backends, args=(r, store, results), daemon=True) for r in range(2)]
@@ -239,7 +237,6 @@ def test_calls_that_do_not_match_fail_on_every_rank(cpu_ranks):
 def _group_made_differently(rank, world, store_path, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
-
     import tpcore  # noqa: F401 - registers the backend
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -261,7 +258,7 @@ def _group_made_differently(rank, world, store_path, results):
 
 
 def test_groups_made_with_other_ranks_or_too_late_are_named():
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-groups-"), "store")
     procs = [ctx.Process(target=_group_made_differently, args=(r, 3, store, results), daemon=True) for r in range(3)]

@@ -16,6 +16,7 @@ import time
 import traceback
 
 import pytest
+from launch import warm_context
 
 WORLD = 2
 
@@ -74,7 +75,8 @@ def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
     ("shutdown", "late"), ("destroy_process_group, then the exit hook", "late"),
 ])
 def test_ending_a_run_frees_every_group_and_its_threads(how, imported):
-    ctx = mp.get_context("spawn")
+    # tpcore imported late must not be imported yet: a spawned process; else a warm one
+    ctx = mp.get_context("spawn") if imported == "late" else warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shutdown-"), "store")
     procs = [ctx.Process(target=_rank, args=(r, store, how, imported, results), daemon=True) for r in range(WORLD)]

@@ -1,4 +1,5 @@
-"""End-to-end pretraining runs launched like users launch them (torchrun), compared with
+"""End-to-end pretraining runs launched like users launch them (torchrun's environment, from
+warm processes: launch.torchrun; the killed runs use torchrun itself), compared with
 each other: TP=2 vs TP=1 vs DP=2 vs PP=2 vs TP=2 x PP=2 on the same global batch, killed-and-
 resumed runs (TP=2, PP=2) vs uninterrupted ones, TP=2, PP=2 and TP=2 x PP=2 checkpoints
 continued at TP=1 x PP=1, and a TP=2 x PP=2 checkpoint through tpcore-convert and generate.py."""
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from checks import merge_pieces
+from launch import torchrun
 from tpcore.data import load_tokenizer, preprocess
 from tpcore.models import generate
 from tpcore.models.sharding import rule_for
@@ -46,8 +48,12 @@ def workdir(tmp_path_factory):
     return root
 
 
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt.py")
+
+
 def _command(nproc: int, flags: list[str]) -> list[str]:
-    script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt.py")
+    """The real launch command (torchrun for several ranks)."""
+    script = SCRIPT
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
     return launcher + [script] + flags
 
@@ -56,7 +62,7 @@ def _train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str
     """Run to completion; returns (metrics rows, stdout)."""
     out = workdir / name
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--log-dir", str(out), *extra]
-    proc = subprocess.run(_command(nproc, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = torchrun([SCRIPT, *flags], nproc, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return read_metrics(str(out / "metrics.csv")), proc.stdout
 
@@ -164,7 +170,7 @@ def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
 def _fails_on_both_ranks(workdir, message: str, *extra: str) -> None:
     """A 2-rank TP=2 run with `extra` flags exits non-zero with `message` from each rank."""
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--tensor-parallel-size", "2", *extra]
-    proc = subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = torchrun([SCRIPT, *flags], 2, timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0
     assert proc.stderr.count(message) >= 2, proc.stderr[-2000:]
 

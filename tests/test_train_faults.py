@@ -10,20 +10,20 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from test_train import FLAGS, RUN_TIMEOUT_S, _command, _descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
+from launch import torchrun
+from test_train import FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, _descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 SMALL = ["--tensor-parallel-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress"]
 
 
 def _launch(workdir, *extra: str) -> subprocess.CompletedProcess:
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), *SMALL, *extra]
-    return subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return torchrun([SCRIPT, *flags], 2, timeout=RUN_TIMEOUT_S)
 
 
 def _digests(folder) -> dict[str, str]:
@@ -98,8 +98,7 @@ def test_ranks_given_different_seeds_fail_on_every_rank_before_training(workdir,
                        "sys.exit(main(sys.argv[1:] + ['--seed', str(7 + int(os.environ['RANK']))]))\n")
     save = tmp_path / "ckpt"
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), *SMALL, "--train-iters", "3", "--save", str(save)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(launcher + [str(wrapper), *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = torchrun([wrapper, *flags], 2, timeout=RUN_TIMEOUT_S)
     _fails_on_both_ranks(proc, "the ranks were given different training arguments: --seed: 7 on rank(s) [0], 8 on rank(s) [1]")
     assert not save.exists()  # refused before the first step made anything
 

@@ -8,7 +8,6 @@ batch; bad combinations refused before any collective; a rank dying mid-reductio
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -17,10 +16,22 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from checks import assert_close
-from dp_checks import BASELINE, DISTRIBUTED, DISTRIBUTED_OVERLAP, OVERLAP, SEQ, Run, assert_same_params, batches, config_for, groups, setup
+from dp_checks import (
+    BASELINE,
+    DISTRIBUTED,
+    DISTRIBUTED_OVERLAP,
+    OVERLAP,
+    SEQ,
+    Run,
+    assert_same_params,
+    batches,
+    config_for,
+    groups,
+    setup,
+)
+from launch import warm_context
+from torch import nn
 from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.train.data_parallel import DataParallelGrads
 from tpcore.train.distributed_optimizer import DistributedAdamW
@@ -218,7 +229,7 @@ def _dying_rank(rank: int, store_dir: str, results) -> None:
 
 
 def test_a_rank_dying_mid_reduction_fails_the_other_within_the_timeout():
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as store_dir:
         procs = [ctx.Process(target=_dying_rank, args=(r, store_dir, results), daemon=True) for r in range(2)]
