@@ -90,9 +90,29 @@ def test_monitored_barrier_names_the_late_rank_within_its_timeout(cpu_ranks):
         want = f"[Rank 0]: {named}failed to pass monitoredBarrier in 500 ms"
         for rank, (outcome, elapsed) in enumerate(answers):
             assert outcome.startswith("DistBackendError") and want in outcome, (rank, outcome)
+            if rank:  # gloo's words, which torch's own tests match
+                assert f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0" in outcome, outcome
             # rank 0 gives up after the barrier's 0.5 s; the others raise as soon as it does
             # (the late ranks as soon as they arrive)
             assert elapsed < 1.8, (rank, elapsed, outcome)
+
+
+def _monitored_barrier_without_time(rank, world):
+    g = dist.new_group(list(range(world)), backend="tpcore")
+    outcome = "not called"
+    if rank == 0:  # a timeout spent before any rank's turn is rank 0's own, as gloo says
+        try:
+            dist.monitored_barrier(g, timeout=timedelta(seconds=0))
+            outcome = "passed"
+        except Exception as e:  # noqa: BLE001 - the error is what the test checks
+            outcome = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group(g)
+    return outcome
+
+
+def test_monitored_barrier_with_no_time_left_names_rank_0(cpu_ranks):
+    outcome = cpu_ranks.run(_monitored_barrier_without_time)[0]
+    assert "Rank 0 timed out in monitoredBarrier after 0 ms" in outcome, outcome
 
 
 def _sequence_numbers(rank, world):
