@@ -130,7 +130,9 @@ def _create(opts, backend_options=None):
     def make_gloo():
         return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
 
-    if len(set(_hosts(store, rank, size, timeout, ranks))) > 1:
+    # A one-rank group has no one to meet. (Its store prefix need not be its own: torch names
+    # groups by a counter, and one-rank subgroups that ranks make apart share names.)
+    if size > 1 and len(set(_hosts(store, rank, size, timeout, ranks))) > 1:
         return make_gloo()  # ranks on several hosts: no shared memory
     return _C.ShmBackend(
         store,
