@@ -101,7 +101,7 @@ def _rank_main(env: dict, program: list[str], cwd: str | None, out_path: str, er
 def _read(path: str) -> str:
     """A rank's output ("" if it died before writing any)."""
     try:
-        with open(path, errors="replace") as f:
+        with open(path, errors="replace", newline="") as f:  # the bytes' own line ends
             return f.read()
     except FileNotFoundError:
         return ""

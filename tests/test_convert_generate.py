@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,18 +30,11 @@ PROMPT, NEW = "The quick", 24
 
 
 def _run_ranks(nproc: int, program: list, cwd) -> str:
-    """`torchrun --nproc_per_node nproc program` (launch.torchrun); its stdout or a failure with its output."""
+    """`torchrun --nproc_per_node nproc program` (launch.torchrun); its stdout (no newline translation) or a
+    failure with its output."""
     proc = torchrun(program, nproc, cwd=cwd, timeout=TIMEOUT)
     assert proc.returncode == 0, f"{' '.join(map(str, program))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
-
-
-def _run(cmd: list[str], cwd) -> str:
-    """Run a subprocess; its stdout (bytes decoded, no newline translation) or a failure with its output."""
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=TIMEOUT)
-    out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out}\n{err}"
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,6 @@ from tpcore.train import convert, load_dense_state_dict  # noqa: E402
 from tpcore.train.logger import read_metrics  # noqa: E402
 
 SEQ, GLOBAL_BATCH, ITERS, SEED = 16, 4, 6, 1234
-
-
-def _run(cmd: list[str], cwd) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=400)
-    out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out}\n{err}"
-    return out
 
 
 def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import tpcore
 from launch import warm_context
+from rank_pool import run_fresh_processes
 
 
 def _any_source(rank, world):
@@ -305,18 +306,8 @@ def _group_made_differently(rank, world, store_path, results):
 
 
 def test_groups_made_with_other_ranks_or_too_late_are_named():
-    ctx = warm_context()
-    results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-groups-"), "store")
-    procs = [ctx.Process(target=_group_made_differently, args=(r, 3, store, results), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        answers = dict(results.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(10)
+    answers = run_fresh_processes(_group_made_differently, 3, store, timeout=120)
     for rank in range(3):
         outcome, elapsed = answers[rank]["ranks"]
         assert outcome.startswith("ValueError") and "same ranks" in outcome, (rank, outcome)

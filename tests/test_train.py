@@ -53,9 +53,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt
 
 def _command(nproc: int, flags: list[str]) -> list[str]:
     """The real launch command (torchrun for several ranks)."""
-    script = SCRIPT
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    return launcher + [script] + flags
+    return launcher + [SCRIPT] + flags
 
 
 def _train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str]:
