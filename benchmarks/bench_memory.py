@@ -42,8 +42,7 @@ from ranks import init_ranks, run_on_ranks  # noqa: E402
 
 import tpcore  # noqa: E402
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT  # noqa: E402
-from tpcore.models.sharding import merge, rule_for, shard  # noqa: E402
-from tpcore.tensor_parallel.embedding import pad_vocab_size  # noqa: E402
+from tpcore.tensor_parallel.shard_spec import merge, shard  # noqa: E402
 from tpcore.train import load_checkpoint, save_checkpoint  # noqa: E402
 from tpcore.train import checkpoint  # noqa: E402
 from tpcore.train.checkpoint import read_metadata  # noqa: E402
@@ -74,17 +73,17 @@ def _build_baseline(config: GPTConfig, group) -> GPTModel:
 
 def _load_baseline(directory: str, model: GPTModel, rank: int, tp: int) -> None:
     """The old load_checkpoint (weights): every saved shard loaded whole, merged, cut again."""
-    saved_tp, config = read_metadata(directory)["tensor_parallel_size"], model.config
+    saved_tp = read_metadata(directory)["tensor_parallel_size"]
     files = [os.path.join(directory, f"model_tp{r:02d}_pp00.pt") for r in range(saved_tp)]
     if saved_tp == tp:
         state = torch.load(files[rank], map_location="cpu", weights_only=True)["model"]
     else:
         states = [torch.load(f, map_location="cpu", weights_only=True)["model"] for f in files]
-        rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
+        specs = {name: p.shard_spec for name, p in model.named_parameters()}
         state = {}
         for name in states[0]:
-            rule = rule_for(name, config)
-            state[name] = shard(merge([s[name] for s in states], rule, config.vocab_size), rule, rank, tp, rows).contiguous()
+            spec = specs[name]
+            state[name] = shard(merge([s[name] for s in states], spec.at(saved_tp, 0)), spec).contiguous()
     model.load_state_dict(state)
 
 

@@ -115,6 +115,34 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
+def gpt_rule(name: str, config: GPTConfig) -> tuple:
+    """How GPTModel parameter `name` splits, written out here as the tests' reference (the
+    library's own is the shard spec each parameter carries): `("parts", dim, sizes, units)`,
+    `("vocab",)` or `("replicated",)`."""
+    c = config
+    if name in ("embedding.word.weight", "lm_head.weight"):
+        return ("vocab",)
+    if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
+        heads = [c.num_attention_heads, c.num_kv_heads, c.num_kv_heads]
+        return ("parts", 0, [n * c.head_dim for n in heads], heads)
+    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+        sizes = [c.ffn_hidden_size] * (2 if c.gated_mlp else 1)
+        return ("parts", 0, sizes, sizes)
+    if name.endswith("attention.proj.weight"):
+        return ("parts", 1, [c.num_attention_heads * c.head_dim], [c.num_attention_heads])
+    if name.endswith("mlp.fc2.weight"):
+        return ("parts", 1, [c.ffn_hidden_size], [c.ffn_hidden_size])
+    return ("replicated",)
+
+
+def param_specs(model) -> dict:
+    """Every parameter's shard spec by name, over a model or a list of pipeline chunks."""
+    from tpcore.tensor_parallel.shard_spec import shard_spec
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return {n: shard_spec(p) for chunk in chunks for n, p in chunk.named_parameters()}
+
+
 def _chunks(units: int, tp: int) -> int:
     """Chunks of a part of `units` heads at TP `tp`: one per rank, or one per head when
     there are fewer heads than ranks (each copied on tp // units adjacent ranks)."""

@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 import tpcore
-from checks import GPT_VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, slice_piece
+from checks import gpt_rule, GPT_VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, slice_piece
 from tpcore import parallel_state
-from tpcore.models.sharding import rule_for
 from tpcore.pipeline_parallel import (
     activation_shape, build_gpt_stages, duplicate_parameter_names, finalize_model_grads, forward_backward, gpt_forward_step, sync_tied_embeddings,
 )
@@ -41,7 +40,7 @@ def _build(variant: str, tp: int, pp: int, v: int, seed: int):
     chunks = build_gpt_stages(config, num_model_chunks=v, dtype=CASES[variant])
     sync_tied_embeddings(chunks)
     opt = ParallelAdamW(
-        chunks, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=s.tensor_group, dp_group=s.data_group,
+        chunks, is_replicated=lambda n: gpt_rule(n, config)[0] == "replicated", tp_group=s.tensor_group, dp_group=s.data_group,
         pp_group=s.pipeline_group, duplicates=duplicate_parameter_names(chunks), lr=1e-2, weight_decay=0.1,
     )
     return chunks, opt, s
@@ -92,7 +91,7 @@ def _dense_merge(files: dict, config) -> tuple[dict, dict, dict]:
     assert owner["embedding.word.weight"] == 0
     weights, moments = {}, {}
     for name, p in owner.items():
-        rule = rule_for(name, config)
+        rule = gpt_rule(name, config)
         weights[name] = merge_pieces([files[t, p]["model"][name] for t in range(tp)], rule, config)
         for key, value in files[0, p]["optimizer"]["params"][name].items():
             moments[f"{name}/{key}"] = value if key == "step" else merge_pieces([files[t, p]["optimizer"]["params"][name][key] for t in range(tp)], rule, config)
@@ -120,17 +119,17 @@ def _load(rank, world, root, variant, layout, tp, pp, v):
     what = f"{variant} {layout} -> TP{tp} x PP{pp} x v{v}"
     mine = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
     for name, p in mine.items():  # the last stage's tied copy too: from the first stage's file
-        assert torch.equal(p.detach(), slice_piece(weights[name], rule_for(name, config), tp_rank, tp, config)), f"{what}: {name}"
+        assert torch.equal(p.detach(), slice_piece(weights[name], gpt_rule(name, config), tp_rank, tp, config)), f"{what}: {name}"
     state = opt.state_dict()["params"]
     assert set(state) == set(mine)
     for name, entry in state.items():
         assert set(entry) == {key.split("/")[1] for key in moments if key.split("/")[0] == name}, f"{what}: {name} keys {set(entry)}"
         for key, got in entry.items():
             want = moments[f"{name}/{key}"]
-            want = want if key == "step" else slice_piece(want, rule_for(name, config), tp_rank, tp, config)
+            want = want if key == "step" else slice_piece(want, gpt_rule(name, config), tp_rank, tp, config)
             assert torch.equal(got, want), f"{what}: optimizer {name}/{key}"
     # Only the files holding a piece this rank shares were opened; no full tensor was made.
-    needed = {f"model_tp{t:02d}_pp{owner[name]:02d}.pt" for name in mine for t in ranks_sharing(weights[name].shape, rule_for(name, config), tp_rank, tp, saved_tp, config)}
+    needed = {f"model_tp{t:02d}_pp{owner[name]:02d}.pt" for name in mine for t in ranks_sharing(weights[name].shape, gpt_rule(name, config), tp_rank, tp, saved_tp, config)}
     assert {name for name in opened if name.startswith("model_")} == needed, f"{what}: opened {sorted(opened)}, needed {sorted(needed)}"
     local = max(t.untyped_storage().nbytes() for entry in state.values() for t in entry.values())
     assert seen.largest <= local, f"{what}: a {seen.largest}-byte tensor was allocated; the largest piece has {local}"

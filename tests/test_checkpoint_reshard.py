@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from tpcore import parallel_state
 from tpcore.models import GPTModel
-from tpcore.models.sharding import rule_for
 from tpcore.train import CheckpointError, ParallelAdamW, checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
-from checks import GPT_VARIANTS, GQA_VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, setup_tp, slice_piece
+from checks import gpt_rule, GPT_VARIANTS, GQA_VARIANTS, LargestAllocation, expect_error, merge_pieces, ranks_sharing, setup_tp, slice_piece
 
 # llama: untied head, GQA, SwiGLU (every "parts" rule), fp32; gpt2: tied, bf16 (fp32 masters);
 # llama_kv2: 2 KV heads, copied on 2 ranks at TP 4 (read from the first copy's file only).
@@ -29,7 +28,7 @@ def _make(variant: str, seed: int):
     config = VARIANTS[variant]
     model = GPTModel(config, dtype=CASES[variant])
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
-    opt = ParallelAdamW(model, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=tp_group, dp_group=dp_group, lr=1e-2, weight_decay=0.1)
+    opt = ParallelAdamW(model, is_replicated=lambda n: gpt_rule(n, config)[0] == "replicated", tp_group=tp_group, dp_group=dp_group, lr=1e-2, weight_decay=0.1)
     return model, opt
 
 
@@ -72,19 +71,19 @@ def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
     assert meta["tensor_parallel_size"] == saved_tp
     what = f"{variant} TP {saved_tp} -> {tp}"
     # Only the files holding a piece this rank shares are opened (again after each remap).
-    full = {name: merge_pieces([f["model"][name] for f in files], rule_for(name, config), config) for name in files[0]["model"]}
-    needed = {r for name in full for r in ranks_sharing(full[name].shape, rule_for(name, config), tp_rank, tp, saved_tp, config)}
+    full = {name: merge_pieces([f["model"][name] for f in files], gpt_rule(name, config), config) for name in files[0]["model"]}
+    needed = {r for name in full for r in ranks_sharing(full[name].shape, gpt_rule(name, config), tp_rank, tp, saved_tp, config)}
     opened = [path for path in opened if os.path.basename(path).startswith("model_")]  # not the RNG files
     assert set(opened) == {os.path.join(directory, f"model_tp{r:02d}_pp00.pt") for r in needed}, f"{what}: opened {sorted(opened)}"
     assert remap_bytes is None or len(opened) > 4 * len(needed), len(opened)
     for name, p in model.named_parameters():
-        rule = rule_for(name, config)
+        rule = gpt_rule(name, config)
         want = slice_piece(full[name], rule, tp_rank, tp, config)
         assert torch.equal(p.detach(), want.to(p.dtype)), f"{what}: {name}"
     state = opt.state_dict()["params"]
     keys = set()
     for name, entry in files[0]["optimizer"]["params"].items():
-        rule = rule_for(name, config)
+        rule = gpt_rule(name, config)
         assert set(state[name]) == set(entry), name
         for key, value in entry.items():
             keys.add(key)
@@ -114,7 +113,7 @@ def test_load_dense_state_dict_equals_the_merge(saved, saved_tp):
     config, state = load_dense_state_dict(directory)
     assert set(state) == set(files[0])
     for name, got in state.items():
-        assert torch.equal(got, merge_pieces([f[name] for f in files], rule_for(name, config), config)), name
+        assert torch.equal(got, merge_pieces([f[name] for f in files], gpt_rule(name, config), config)), name
 
 
 def _bad_piece(rank, world, path):

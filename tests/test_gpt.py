@@ -9,14 +9,14 @@ import torch
 
 import tpcore
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
-from tpcore.models.sharding import rule_for, unshard
+from tpcore.tensor_parallel.shard_spec import unshard
 from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, expect_error, setup_tp
 
 BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
 
 
 def _dense_grads(model: GPTModel) -> dict[str, torch.Tensor]:
-    return {n: unshard(p.grad, rule_for(n, model.config), model.group, model.config.vocab_size) for n, p in model.named_parameters()}
+    return {n: unshard(p.grad, p.shard_spec) for n, p in model.named_parameters()}
 
 
 def _equivalence(rank, world, tp, variant, sequence_parallel, fused, recompute):

@@ -11,16 +11,11 @@ from torch import nn
 
 import tpcore
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
-from tpcore.models.gpt import ParallelBlock
+from tpcore.models.gpt import ParallelBlock, attach_gpt_shard_specs
 from tpcore.models.initialization import initialize_gpt_parameters
 from tpcore.models.reference_gpt import DenseBlock
-from tpcore.models.sharding import rule_for, shard
-from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, LargestAllocation, gpt_rule, setup_tp, slice_piece
 from conftest import DEVICES, pool_for
-
-
-def _rows(config: GPTConfig, tp: int) -> int:
-    return tpcore.pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
 
 
 def _shards_are_slices(rank, world, tp, variant, dtype, device):
@@ -36,7 +31,7 @@ def _shards_are_slices(rank, world, tp, variant, dtype, device):
     assert [n for n, _ in model.named_parameters()] == list(state), "parameter names must not change"
     for name, param in model.named_parameters():
         assert param.dtype == dtype and param.device.type == device
-        want = shard(state[name], rule_for(name, config), tp_rank, tp, _rows(config, tp)).to(dtype)
+        want = slice_piece(state[name], gpt_rule(name, config), tp_rank, tp, config).to(dtype)
         assert torch.equal(param.detach().cpu(), want), f"TP={tp} {variant} {dtype}: {name}"
     merged = model.to_dense().state_dict()  # and the collective way back
     for name, want in state.items():
@@ -60,13 +55,14 @@ def _pipeline_stage_draws_global_layers(rank, world, tp):
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     stage = nn.Module()
     stage.layers = nn.ModuleList([ParallelBlock(config, group, None)]).to_empty(device="cpu")
+    attach_gpt_shard_specs(stage, config, group)
     initialize_gpt_parameters(stage, config, seed=11, tensor_parallel=(tp_rank, tp), layer_offset=2)
     state = dense.state_dict()
     for name, param in stage.named_parameters():
         full = state[name.replace("layers.0.", "layers.2.")]
-        assert torch.equal(param, shard(full, rule_for(name, config), tp_rank, tp, 0)), name
+        assert torch.equal(param, slice_piece(full, gpt_rule(name, config), tp_rank, tp, config)), name
     other = dict(stage.named_parameters())["layers.0.attention.qkv.weight"]
-    assert not torch.equal(other, shard(state["layers.0.attention.qkv.weight"], rule_for("layers.0.attention.qkv.weight", config), tp_rank, tp, 0))
+    assert not torch.equal(other, slice_piece(state["layers.0.attention.qkv.weight"], gpt_rule("layers.0.attention.qkv.weight", config), tp_rank, tp, config))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

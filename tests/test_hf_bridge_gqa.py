@@ -95,7 +95,8 @@ def _train_and_save(rank, world, folder, save_dir, dense_file):
     from checks import setup_tp
     from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
     from tpcore.models import GPTConfig, GPTModel, load_hf_weights
-    from tpcore.models.sharding import rule_for, unshard
+    from checks import param_specs
+    from tpcore.tensor_parallel.shard_spec import unshard
     from tpcore.train import save_checkpoint
 
     setup_tp(4)
@@ -115,10 +116,10 @@ def _train_and_save(rank, world, folder, save_dir, dense_file):
     kv = [w[16:] for w in every]
     assert kv[0].shape[0] == 16 and torch.equal(kv[0], kv[1]) and torch.equal(kv[2], kv[3]) and not torch.equal(kv[0], kv[2])
     save_checkpoint(save_dir, len(LRS), model, opt, consumed_samples=6, tp_group=tp_group, dp_group=dp_group)
-    dense = {name: unshard(p.detach(), rule_for(name, config), tp_group, config.vocab_size) for name, p in model.named_parameters()}
+    dense = {name: unshard(p.detach(), p.shard_spec) for name, p in model.named_parameters()}
     for name, entry in opt.state_dict()["params"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            dense[f"{name}/{key}"] = unshard(entry[key], rule_for(name, config), tp_group, config.vocab_size)
+            dense[f"{name}/{key}"] = unshard(entry[key], param_specs(model)[name])
     ids, _ = train_batch(99, config)
     with torch.no_grad():
         dense["logits"] = _gathered_logits(model, ids, tp_group)
@@ -138,7 +139,8 @@ def _load_at(rank, world, save_dir, dense_file, tp):
     from checks import setup_tp
     from train_checks import make_adamw, tp_dp_groups
     from tpcore.models import GPTConfig, GPTModel
-    from tpcore.models.sharding import rule_for, unshard
+    from checks import param_specs
+    from tpcore.tensor_parallel.shard_spec import unshard
     from tpcore.train import load_checkpoint
 
     setup_tp(tp)
@@ -151,10 +153,10 @@ def _load_at(rank, world, save_dir, dense_file, tp):
     opt = make_adamw(model, config)
     load_checkpoint(save_dir, model, opt, tp_group=tp_group)
     for name, p in model.named_parameters():
-        assert torch.equal(unshard(p.detach(), rule_for(name, config), tp_group, config.vocab_size), dense[name]), f"TP {tp}: {name}"
+        assert torch.equal(unshard(p.detach(), p.shard_spec), dense[name]), f"TP {tp}: {name}"
     for name, entry in opt.state_dict()["params"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            got = unshard(entry[key], rule_for(name, config), tp_group, config.vocab_size)
+            got = unshard(entry[key], param_specs(model)[name])
             assert torch.equal(got, dense[f"{name}/{key}"]), f"TP {tp}: optimizer {name}/{key}"
     with torch.no_grad():
         torch.testing.assert_close(_gathered_logits(model, dense["ids"], tp_group), dense["logits"], rtol=1e-5, atol=1e-5)

@@ -12,15 +12,13 @@ import torch
 import torch.distributed as dist
 
 import tpcore
-from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close
+from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, gpt_rule, slice_piece
 from tpcore import parallel_state
 from tpcore.models import ReferenceGPT
-from tpcore.models.sharding import rule_for, shard
 from tpcore.pipeline_parallel import (
     PipelineStats, activation_shape, build_gpt_stages, duplicate_parameter_names, finalize_model_grads, forward_backward,
     gpt_forward_step, sync_tied_embeddings, tied_embedding_copies,
 )
-from tpcore.tensor_parallel.embedding import pad_vocab_size
 from tpcore.train import ParallelAdamW
 from tpcore.train.optimizer import average_data_parallel_grads
 
@@ -49,8 +47,7 @@ def _batches(config, m: int, dp: int, seed: int):
 def _local_dense_grad(name: str, dense_grad: torch.Tensor, config) -> torch.Tensor:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
-    return shard(dense_grad, rule_for(name, config), rank, tp, rows)
+    return slice_piece(dense_grad, gpt_rule(name, config), rank, tp, config)
 
 
 def _check_case(config, dense, schedule: str, m: int, v: int, forward_only: bool = False, layers_per_stage=None) -> set[str]:
@@ -181,7 +178,7 @@ def _adamw_steps(rank, world, tp, pp, schedule, v):
             copies[0].add_(float(pp_rank))
     sync_tied_embeddings(chunks)
     opt = ParallelAdamW(
-        chunks, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=state.tensor_group,
+        chunks, is_replicated=lambda n: gpt_rule(n, config)[0] == "replicated", tp_group=state.tensor_group,
         dp_group=state.data_group, pp_group=state.pipeline_group, duplicates=duplicate_parameter_names(chunks),
         lr=LR, weight_decay=0.1, eps=EPS,
     )

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcore.models.sharding import merge, merged_views, rule_for, shard
+from tpcore.models.gpt_specs import gpt_shard_spec
+from tpcore.tensor_parallel.shard_spec import merge, merged_views, shard
 from tpcore.models import GPTConfig
 from tpcore.safetensors_io import BLOCK_BYTES, SafetensorsWriter
 
@@ -63,14 +64,13 @@ def test_merged_views_concatenate_to_merge(name, tp):
     """The views a streaming export writes are the merged tensor, whole or part by part
     (grouped-query attention with fewer KV heads than TP included)."""
     config = GPTConfig(vocab_size=50, num_layers=1, hidden_size=16, num_attention_heads=4, num_kv_heads=2, activation="swiglu", ffn_hidden_size=24)
-    rule = rule_for(name, config)
     full = torch.randn(*{"embedding.word.weight": (50, 16), "layers.0.attention.qkv.weight": (32, 16),
                          "layers.0.mlp.fc1.weight": (48, 16), "layers.0.attention.proj.weight": (16, 16)}[name])
-    rows = -(-50 // (tp * 8)) * 8 if rule[0] == "vocab" else 0
-    pieces = [shard(full, rule, r, tp, rows) for r in range(tp)]
-    dim, views = merged_views(pieces, rule, config.vocab_size)
-    assert torch.equal(torch.cat(views, dim), full) and torch.equal(merge(pieces, rule, config.vocab_size), full)
-    if rule[0] == "parts":
-        for k, part in enumerate(full.split(rule[2], rule[1])):
-            dim, views = merged_views(pieces, rule, config.vocab_size, part=k)
+    spec = gpt_shard_spec(name, config, tuple(full.shape)).at(tp, 0)
+    pieces = [shard(full, spec.at(tp, r)) for r in range(tp)]
+    dim, views = merged_views(pieces, spec)
+    assert torch.equal(torch.cat(views, dim), full) and torch.equal(merge(pieces, spec), full)
+    if spec.kind == "parts":
+        for k, part in enumerate(full.split([p.size for p in spec.parts], spec.dim)):
+            dim, views = merged_views(pieces, spec, part=k)
             assert torch.equal(torch.cat(views, dim), part), f"part {k}"

@@ -16,11 +16,10 @@ import time
 import pytest
 import torch
 
-from checks import merge_pieces
+from checks import gpt_rule, merge_pieces
 from launch import torchrun
 from tpcore.data import load_tokenizer, preprocess
 from tpcore.models import generate
-from tpcore.models.sharding import rule_for
 from tpcore.train import export_safetensors, load_dense_gpt, read_metrics
 
 ITERS = 150
@@ -251,7 +250,7 @@ def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tm
     assert meta["iteration"] == "15"
     for name, got in model.state_dict().items():  # the dense model is the shards merged, each from the one stage storing it
         (stage,) = [p for p in (0, 1) if name in files[0, p]]
-        assert torch.equal(got, merge_pieces([files[t, stage][name] for t in (0, 1)], rule_for(name, model.config), model.config)), name
+        assert torch.equal(got, merge_pieces([files[t, stage][name] for t in (0, 1)], gpt_rule(name, model.config), model.config)), name
     tokenizer = load_tokenizer("byte")
     expected = generate(model, torch.tensor([tokenizer.encode("the ")]), 12, greedy=True, eod=tokenizer.eod)
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")

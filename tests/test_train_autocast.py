@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from tpcore.models import GPTModel, ReferenceGPT
-from tpcore.models.sharding import rule_for, shard
 from tpcore.train.arguments import parse_args
 from tpcore.pipeline_parallel import gpt_forward_step
 from tpcore.train.trainer import precision
-from checks import GPT_VARIANTS, RTOL, setup_tp
+from checks import GPT_VARIANTS, RTOL, gpt_rule, setup_tp, slice_piece
 
 
 def test_autocast_flag_and_its_conflicts():
@@ -47,10 +46,9 @@ def _autocast_gpt(rank, world, tp, variant):
     loss.backward()
     _close(loss, ref.detach(), "loss")
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
-    rows = model.embedding.word.weight.shape[0]
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
-        want = shard(dense_grads[name], rule_for(name, config), tp_rank, tp, rows)
+        want = slice_piece(dense_grads[name], gpt_rule(name, config), tp_rank, tp, config)
         _close(param.grad, want, f"grad {name}")
 
 

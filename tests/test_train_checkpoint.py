@@ -16,7 +16,8 @@ import torch.distributed as dist
 from checks import GPT_VARIANTS as VARIANTS, expect_error, setup_tp
 from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 from tpcore.models import GPTModel, ReferenceGPT
-from tpcore.models.sharding import rule_for, unshard
+from tpcore.tensor_parallel.shard_spec import unshard
+from checks import param_specs
 from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
 
 # ---------------------------------------------------------------------------------------
@@ -39,11 +40,11 @@ def _train_steps(model, opt, steps, first=0):
         opt.step(LRS[step % len(LRS)], CLIP)
 
 
-def _dense_optimizer_state(opt, config, tp_group):
-    out = {}
+def _dense_optimizer_state(opt, model):
+    out, specs = {}, param_specs(model)
     for name, entry in opt.state_dict()["params"].items():
         for key, value in entry.items():
-            out[f"{name}/{key}"] = value.clone() if key == "step" else unshard(value, rule_for(name, config), tp_group, config.vocab_size)
+            out[f"{name}/{key}"] = value.clone() if key == "step" else unshard(value, specs[name])
     return out
 
 
@@ -67,7 +68,7 @@ def _ckpt_save_and_errors(rank, world, root):
         ref = {"model": {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}}
     else:
         model.to_dense()  # a collective
-    ref_opt = _dense_optimizer_state(opt, config, tp_group)
+    ref_opt = _dense_optimizer_state(opt, model)
     if rank == 0:
         ref["optimizer"] = ref_opt
         torch.save(ref, os.path.join(root, "dense_ref.pt"))
@@ -166,7 +167,7 @@ def _ckpt_reshard(rank, world, root, tp):
     assert set(dense) == set(ref["model"])
     for name, want in ref["model"].items():
         assert torch.equal(dense[name].detach(), want), f"TP={tp}: {name}"
-    got = _dense_optimizer_state(opt, config, tp_group)
+    got = _dense_optimizer_state(opt, model)
     assert set(got) == set(ref["optimizer"])
     for key, want in ref["optimizer"].items():
         assert torch.equal(got[key], want), f"TP={tp}: optimizer {key}"

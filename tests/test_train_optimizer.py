@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, per_rank_tensor, setup_tp
+from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, param_specs, per_rank_tensor, setup_tp
 from train_checks import BETAS, CLIP, EPS, LRS, WD, make_adamw, tp_dp_groups, train_batch
 from tpcore.models import GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
-from tpcore.models.sharding import rule_for, tp_copy_range, unshard
+from tpcore.tensor_parallel.shard_spec import unshard
 from tpcore.train import LossScaler, average_data_parallel_grads, grad_norm
 
 # ---------------------------------------------------------------------------------------
@@ -54,11 +54,11 @@ def _norm_and_adamw(rank, world, tp, variant, sequence_parallel):
         grads = [p.grad for p in model.parameters()]
         average_data_parallel_grads(grads, dp_group)
         for name, g in zip(names, grads):
-            assert_close(unshard(g, rule_for(name, config), tp_group, config.vocab_size), dense_params[name].grad, f"step {step}: DP-mean grad of {name}")
+            assert_close(unshard(g, param_specs(model)[name]), dense_params[name].grad, f"step {step}: DP-mean grad of {name}")
         # Copies of replicated KV heads (GQA with fewer KV heads than TP) count once.
-        copies = [tp_copy_range(n, config, dist.get_rank(tp_group), tp) for n in names]
+        copies = [param_specs(model)[n].copied_elements() for n in names]
         assert any(copies) == (config.num_kv_heads < tp and dist.get_rank(tp_group) % (tp // config.num_kv_heads) != 0)
-        norm = grad_norm(grads, [rule_for(n, config)[0] == "replicated" for n in names], tp_group, copies=copies)
+        norm = grad_norm(grads, [param_specs(model)[n].kind == "replicated" for n in names], tp_group, copies=copies)
         assert math.isclose(norm, dense_norm, rel_tol=1e-5), (step, norm, dense_norm)
         assert norm > CLIP, "the test must exercise clipping"
 

@@ -4,12 +4,11 @@ groups of the current layout, and the AdamW settings both files use."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tpcore import parallel_state
 from tpcore.models import GPTConfig
-from tpcore.models.sharding import rule_for, tp_copy_range
 from tpcore.train import ParallelAdamW
+from checks import param_specs
 
 BATCH, SEQ = 2, 8
 BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-3, 0.1, 0.05
@@ -28,6 +27,6 @@ def tp_dp_groups():
 
 def make_adamw(model, config: GPTConfig, **kw) -> ParallelAdamW:
     tp_group, dp_group = tp_dp_groups()
-    tp_rank, tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    return ParallelAdamW(model, is_replicated=lambda n: rule_for(n, config)[0] == "replicated", tp_group=tp_group, dp_group=dp_group,
-                         tp_copies=lambda n: tp_copy_range(n, config, tp_rank, tp), lr=LRS[0], weight_decay=WD, betas=BETAS, eps=EPS, **kw)
+    specs = param_specs(model)
+    return ParallelAdamW(model, is_replicated=lambda n: specs[n].kind == "replicated", tp_group=tp_group, dp_group=dp_group,
+                         tp_copies=lambda n: specs[n].copied_elements(), lr=LRS[0], weight_decay=WD, betas=BETAS, eps=EPS, **kw)

@@ -11,7 +11,7 @@ from torch import nn
 
 def to_empty_keeping_attributes(module: nn.Module, device: torch.device | str) -> nn.Module:
     """`module.to_empty(device)`, keeping the attributes tpcore sets on parameters
-    (`tensor_parallel_dim`, `sequence_parallel`): moving off the meta device makes new
+    (`shard_spec`, `sequence_parallel`): moving off the meta device makes new
     Parameter objects, which would drop them."""
     attributes = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     module.to_empty(device=device)
@@ -26,7 +26,7 @@ class SharesProcessGroups:
     group is a handle on the ranks' communicator, which cannot be copied; before this,
     deep-copying a split model (a reference model for DPO, an EMA copy) raised "cannot
     pickle ProcessGroup". The parameters keep the attributes tpcore sets on them
-    (`sequence_parallel`, `tensor_parallel_dim`), which torch's Parameter copy drops; a
+    (`sequence_parallel`, `shard_spec`), which torch's Parameter copy drops; a
     trainer's `main_grad` buffer is left behind."""
 
     def __deepcopy__(self, memo: dict) -> "SharesProcessGroups":

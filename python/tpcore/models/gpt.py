@@ -15,6 +15,8 @@ Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from functools import partial
 from typing import Sequence
 
@@ -33,14 +35,15 @@ from ..parallel_state import live_group_name, resolve_tensor_group
 from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
+from ..tensor_parallel.shard_spec import set_shard_spec, shard, shard_spec, unshard
 from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables, scale_embedding
 from .config import GPTConfig
+from .gpt_specs import gpt_shard_spec
 from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
 from .reference_gpt import ReferenceGPT
-from .sharding import rule_for, shard, unshard
 
-__all__ = ["GPTModel", "finalize_sequence_parallel_grads"]
+__all__ = ["GPTModel", "finalize_sequence_parallel_grads", "attach_gpt_shard_specs"]
 
 
 def _dropout(dropout: nn.Dropout, x: torch.Tensor, per_tp_rank: bool) -> torch.Tensor:
@@ -271,6 +274,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
             rows = pad_vocab_size(config.vocab_size, self.tp_size, config.make_vocab_size_divisible_by) // self.tp_size
             self.lm_head = nn.Module()
             self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, dtype=dtype, device="meta"))
+        attach_gpt_shard_specs(self, config, self.group)
         to_empty_keeping_attributes(self, device or "cpu")
         if _init and next(self.parameters()).device.type != "meta":
             self.reset_parameters()
@@ -290,13 +294,13 @@ class GPTModel(SharesProcessGroups, nn.Module):
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load the shards of a `ReferenceGPT` state dict (full tensors, same names)."""
-        c = self.config
-        rows = pad_vocab_size(c.vocab_size, self.tp_size, c.make_vocab_size_divisible_by) // self.tp_size
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name not in state:
                     raise KeyError(f"tpcore: GPTModel.load_dense_state_dict: {name!r} missing from the dense state dict")
-                piece = shard(state[name], rule_for(name, self.config), self.tp_rank, self.tp_size, rows)
+                if tuple(state[name].shape) != param.shard_spec.global_shape:
+                    raise ValueError(f"tpcore: GPTModel: {name} has shape {list(state[name].shape)} in the dense state dict, expected {list(param.shard_spec.global_shape)}")
+                piece = shard(state[name], param.shard_spec)
                 if piece.shape != param.shape:
                     raise ValueError(f"tpcore: GPTModel: {name} shard has shape {list(piece.shape)}, expected {list(param.shape)}")
                 param.copy_(piece)
@@ -308,7 +312,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
         p = next(self.parameters())
         dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
         state = {
-            name: unshard(param.detach(), rule_for(name, self.config), self.group, self.config.vocab_size)
+            name: unshard(param.detach(), param.shard_spec)
             for name, param in self.named_parameters()
         }
         dense.load_state_dict(state)
@@ -364,10 +368,22 @@ class GPTModel(SharesProcessGroups, nn.Module):
         return loss.t() if reduction == "none" else loss
 
 
+def attach_gpt_shard_specs(module: nn.Module, config: GPTConfig, group: dist.ProcessGroup) -> None:
+    """Give every parameter of `module` (a GPTModel, or modules of one under GPTModel's names:
+    `layers.i.…`) its spec from `gpt_shard_spec`, placed on this rank of `group`: the layers'
+    own specs call the fused QKV and fc1 one part each. Parameters marked `sequence_parallel`
+    get `partial_grad`."""
+    shapes = {name: tuple(t.shape) for name, t in ReferenceGPT(dataclasses.replace(config, num_layers=1), device="meta").state_dict().items()}
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, p in module.named_parameters():
+        spec = gpt_shard_spec(name, config, shapes[re.sub(r"^layers\.\d+\.", "layers.0.", name)]).at(tp, rank, group)
+        set_shard_spec(p, dataclasses.replace(spec, partial_grad=getattr(p, "sequence_parallel", False)))
+
+
 def finalize_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Sum over TP the gradients of parameters tagged `sequence_parallel` (norms and
-    positions; the row layers' biases are summed by the layers themselves): each rank saw only its sequence shard. Call after backward, before the step."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    """Sum over TP the gradients of parameters whose shard spec says `partial_grad` (norms
+    and positions under sequence parallelism; the row layers' biases are summed by the layers themselves): each rank saw only its sequence shard. Call after backward, before the step."""
+    grads = [p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them

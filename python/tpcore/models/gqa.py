@@ -3,7 +3,7 @@
 When `num_kv_heads < tp` (and divides it) GPTModel does what `tpcore.hf` does: every rank
 keeps a copy of the one KV head its query heads use, rank r holding KV head
 `r * num_kv_heads // tp`, so `tp / num_kv_heads` adjacent ranks share each head
-(`sharding.rule_for` / `part_chunks` lay the fused QKV weight out that way). Backward gives
+(the QKV weight's shard spec lays it out that way, `gpt_specs`). Backward gives
 each copy only the gradient of its own rank's query heads; the dense gradient is their sum.
 `ReplicatedKVGrad` makes that sum part of autograd (forward identity on the QKV weight /
 bias, backward sums the K/V rows over the ranks sharing the head), so `.grad` is the dense

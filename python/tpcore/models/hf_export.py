@@ -32,11 +32,12 @@ from torch import nn
 from .. import comm
 from .._atomic import atomic_output
 from ..safetensors_io import SafetensorsWriter
+from ..tensor_parallel.shard_spec import ShardSpec, merged_views
 from .config import GPTConfig
 from .hf_config import config_to_hf, hf_family
-from .hf_weights import _source_shapes, hf_sources
+from .gpt_specs import gpt_shard_spec
+from .hf_weights import hf_sources, source_shapes
 from .reference_gpt import ReferenceGPT
-from .sharding import merged_views, piece_shape, rule_for
 
 __all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "check_export_folder", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -71,7 +72,8 @@ def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = D
     entries = []
     for name, param in ReferenceGPT(config, device="meta").state_dict().items():
         sources = hf_sources(name, family)
-        for part, ((key, transposed), shape) in enumerate(zip(sources, _source_shapes(name, param.shape, config, len(sources)))):
+        spec = gpt_shard_spec(name, config, tuple(param.shape))
+        for part, ((key, transposed), shape) in enumerate(zip(sources, source_shapes(spec, len(sources)))):
             entries.append(HFEntry(key, name, part, transposed and len(shape) == 2, tuple(shape[::-1] if transposed else shape)))
     files: list[list[HFEntry]] = [[]]
     size = 0
@@ -87,10 +89,11 @@ def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = D
     return [(f"model-{i + 1:05d}-of-{len(files):05d}.safetensors", f) for i, f in enumerate(files)]
 
 
-def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, config: GPTConfig, count: int) -> tuple[int, list[torch.Tensor]]:
+def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, spec: ShardSpec, count: int) -> tuple[int, list[torch.Tensor]]:
     """Entry's Hugging Face tensor as `(dim, views)` of the GPTModel parameter's TP
-    `pieces` (rank order) that concatenate along `dim` to it: nothing is copied here."""
-    dim, views = merged_views(pieces, rule_for(entry.param, config), config.vocab_size, entry.part if count > 1 else None)
+    `pieces` (rank order; `spec` its logical shard spec) that concatenate along `dim` to it:
+    nothing is copied here."""
+    dim, views = merged_views(pieces, spec, entry.part if count > 1 else None)
     if entry.transposed:  # GPT-2's Conv1D stores [in, out]
         return 1 - dim, [v.t() for v in views]
     return dim, views
@@ -158,10 +161,11 @@ def _write_json(path: str, value: dict) -> None:
 def write_hf_folder(
     out_dir: str, config: GPTConfig, fetch: Callable[[str], list[torch.Tensor] | None], *, dtype: torch.dtype, write: bool = True,
     hf_config: dict | None = None, tokenizer: str | None = None, eos_token_id: int | None = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, specs: dict[str, ShardSpec] | None = None,
 ) -> BaseException | None:
     """Stream `config`'s export into `out_dir`. `fetch(name)` gives GPTModel parameter
-    `name` as every TP rank's piece, in rank order (a list of one: the full tensor); it is
+    `name` as every TP rank's piece, in rank order (a list of one: the full tensor), which
+    `specs[name]` describes (default: GPTModel's specs, `gpt_shard_spec`); it is
     called once per parameter, in order, also where `write` is False (it may be a
     collective), and only where `write` is its answer used. The pieces are written through
     views, block by block, and dropped before the next fetch. `hf_config` is the source
@@ -171,6 +175,8 @@ def write_hf_folder(
     error: BaseException | None = None
     out = config_to_hf(config, hf_config)  # raises alike everywhere, before any fetch, when no family fits
     files = plan_hf_files(config, dtype, max_shard_size)
+    if specs is None:
+        specs = {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in ReferenceGPT(config, device="meta").state_dict().items()}
     counts: dict[str, int] = {}  # Hugging Face tensors per GPTModel parameter
     for _, entries in files:
         for e in entries:
@@ -198,7 +204,7 @@ def write_hf_folder(
                 cached = (entry.param, fetch(entry.param))
             if writer is not None and error is None:
                 try:
-                    dim, parts = _hf_parts(cached[1], entry, config, counts[entry.param])
+                    dim, parts = _hf_parts(cached[1], entry, specs[entry.param], counts[entry.param])
                     writer.add_parts(parts, dim)
                     weight_map[entry.key] = file_name
                 except (OSError, ValueError) as e:
@@ -264,18 +270,18 @@ def export_hf(
     param = next(first.parameters())
     # One message in flight at a time, so tags may repeat; distinct ones name the tensor in errors.
     tags = {name: _TAG + i % _TAG for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
-    shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
-
     tp = dist.get_world_size(tp_group)
+    # The specs of the parameters other stages hold are GPTModel's (a stage holds only its own).
+    specs = {name: gpt_shard_spec(name, config, tuple(t.shape)).at(tp, 0) for name, t in ReferenceGPT(config, device="meta").state_dict().items()}
 
     def gathered_shape(name: str) -> list[int]:
         """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""
-        local = piece_shape(name, config, shapes[name], tp)
-        return list(local) if rule_for(name, config)[0] == "replicated" else [tp * local[0], *local[1:]]
+        local = specs[name].local_shape
+        return list(local) if specs[name].kind == "replicated" else [tp * local[0], *local[1:]]
 
     def fetch(name: str) -> list[torch.Tensor] | None:
         owner = layout.pipeline_rank_of(name)
-        replicated = rule_for(name, config)[0] == "replicated"
+        replicated = specs[name].kind == "replicated"
         gathered = None
         if pp_rank == owner:  # every piece along dim 0 into one buffer: no merged copy
             gathered = mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
@@ -293,7 +299,7 @@ def export_hf(
 
     error = write_hf_folder(
         out_dir, config, fetch, dtype=dtype or param.dtype, write=writer, hf_config=hf_config, tokenizer=tokenizer,
-        eos_token_id=eos_token_id, max_shard_size=max_shard_size,
+        eos_token_id=eos_token_id, max_shard_size=max_shard_size, specs=specs,
     )
     # Every rank learns whether the writer failed (one all-reduce), and raises alike.
     failed = torch.tensor([float(error is not None)], device=param.device)

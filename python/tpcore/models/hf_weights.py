@@ -5,11 +5,11 @@
     load_hf_weights(model, path)              # model.safetensors or a sharded index
 
 `hf_sources` names, for each GPTModel parameter, the Hugging Face tensors whose
-concatenation along the parameter's split dim (`sharding.rule_for`) is the full
-parameter: Llama's q / k / v make the fused QKV, gate / up make SwiGLU's fc1; GPT-2's
-Conv1D weights are stored `[in, out]` (transposed). A rank's piece is the ranges
-`sharding.piece_ranges` gives, mapped onto those tensors and read with ranged reads
-(`safetensors_io`): whole heads of Q, K and V, the padded vocabulary rows zero.
+concatenation along the parameter's split dim (its shard spec) is the full
+parameter: Llama's q / k / v are the parts of the fused QKV's shard spec, gate / up those of
+SwiGLU's fc1; GPT-2's Conv1D weights are stored `[in, out]` (transposed). A rank's piece is
+the ranges its parameter's shard spec gives, mapped onto those tensors and read with ranged
+reads (`safetensors_io`): whole heads of Q, K and V, the padded vocabulary rows zero.
 
 Every rank checks the folder's config and every tensor's shape for the whole model (not
 only its stage) from the headers before reading anything, and no collective runs: a bad
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ..safetensors_io import SafetensorsFolder
-from ..tensor_parallel.embedding import pad_vocab_size
+from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
 from .config import GPTConfig
+from .gpt_specs import gpt_shard_spec
 from .hf_config import config_from_hf, hf_family, read_hf_config
 from .reference_gpt import ReferenceGPT
-from .sharding import full_shape, piece_ranges, rule_for
 
-__all__ = ["load_hf_weights", "hf_sources", "ARCHITECTURE_FIELDS"]
+__all__ = ["load_hf_weights", "hf_sources", "source_shapes", "ARCHITECTURE_FIELDS"]
 
 ARCHITECTURE_FIELDS = (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm", "norm", "norm_eps",
@@ -79,13 +79,15 @@ def hf_sources(name: str, family: str) -> list[tuple[str, bool]]:
     return [(f"{_TOP[family][module]}.{kind}", False)]
 
 
-def _source_shapes(name: str, shape: Sequence[int], config: GPTConfig, count: int) -> list[list[int]]:
-    """The full shape of each of `count` source tensors of parameter `name` (full `shape`),
+def source_shapes(spec: ShardSpec, count: int) -> list[list[int]]:
+    """The full shape of each of `count` source tensors of the parameter `spec` describes,
     in the parameter's orientation: one source is the whole; several are its parts."""
+    shape = list(spec.global_shape)
     if count == 1:
-        return [list(shape)]
-    _, dim, sizes, _ = rule_for(name, config)
-    return [[size if d == dim else n for d, n in enumerate(shape)] for size in sizes]
+        return [shape]
+    if len(spec.parts) != count:
+        raise ValueError(f"tpcore: {count} Hugging Face tensors for a parameter of {len(spec.parts)} parts")
+    return [[p.size if d == spec.dim else n for d, n in enumerate(shape)] for p in spec.parts]
 
 
 class HFFolder:
@@ -117,7 +119,8 @@ class HFFolder:
         """Every tensor the whole model needs is there with the shape the config gives."""
         for name, param in ReferenceGPT(self.config, device="meta").state_dict().items():
             sources = self.sources(name)
-            for (key, transposed), want in zip(sources, _source_shapes(name, param.shape, self.config, len(sources))):
+            spec = gpt_shard_spec(name, self.config, tuple(param.shape))
+            for (key, transposed), want in zip(sources, source_shapes(spec, len(sources))):
                 try:
                     found = self.key(key)
                 except KeyError:
@@ -135,23 +138,20 @@ class HFFolder:
         """`hf_sources` of this folder's family."""
         return hf_sources(name, self.family)
 
-    def read_piece(self, name: str, out: torch.Tensor, rank: int, tp: int) -> None:
-        """Fill `out` (TP rank `rank`'s piece of parameter `name`) from the folder."""
-        c, rule = self.config, rule_for(name, self.config)
+    def read_piece(self, name: str, out: torch.Tensor, spec: ShardSpec) -> None:
+        """Fill `out` (the piece `spec` describes of parameter `name`) from the folder."""
         sources = self.sources(name)
-        if rule[0] == "replicated":
+        if spec.kind == "replicated":
             (key, transposed), = sources
             full = self.tensors.read(self.key(key))
             out.copy_(full.t() if transposed else full)
             return
-        rows = pad_vocab_size(c.vocab_size, tp, c.make_vocab_size_divisible_by) // tp
-        shape = full_shape(rule, out.shape, tp, c.vocab_size)
-        dim, ranges = piece_ranges(rule, rank, tp, shape, rows)
-        if rule[0] == "vocab":
+        dim, ranges = spec.ranges()
+        if spec.kind == "vocab":
             covered = sum(n for _, _, n in ranges)
             out.narrow(0, covered, out.shape[0] - covered).zero_()  # padding rows
         offset = 0
-        for (key, transposed), source_shape in zip(sources, _source_shapes(name, shape, c, len(sources))):
+        for (key, transposed), source_shape in zip(sources, source_shapes(spec, len(sources))):
             length = source_shape[dim]
             # This rank's ranges inside [offset, offset + length), in source coordinates.
             wanted = [(local + max(start, offset) - start, max(start, offset) - offset, min(start + n, offset + length) - offset)
@@ -182,4 +182,4 @@ def load_hf_weights(model_or_chunks: nn.Module | Sequence[nn.Module], path: str)
     with torch.no_grad():
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                folder.read_piece(name, param, chunk.tp_rank, chunk.tp_size)
+                folder.read_piece(name, param, shard_spec(param))

@@ -2,7 +2,7 @@
 
 `initialize_gpt_parameters` draws a parameter from (model seed, full parameter name with
 the global layer index) tile by tile (`tensor_parallel.initialization`), over this rank's
-ranges of the sharding rule. `ReferenceGPT` draws the full ranges with the same keys, so
+ranges of its shard spec. `ReferenceGPT` draws the full ranges with the same keys, so
 `torch.manual_seed(s); ReferenceGPT(config)` is exactly the merge of every rank's
 `torch.manual_seed(s); GPTModel(config)`, for every TP size, and a pipeline stage holding
 layers `[first, last)` draws the same numbers for them as the whole model.
@@ -14,10 +14,9 @@ import math
 
 from torch import nn
 
-from ..tensor_parallel.embedding import pad_vocab_size
 from ..tensor_parallel.initialization import ShardedInit, init_shard_
+from ..tensor_parallel.shard_spec import shard_spec
 from .config import GPTConfig
-from .sharding import full_shape, piece_ranges, rule_for
 
 __all__ = ["gpt_parameter_init", "initialize_gpt_parameters", "global_parameter_name"]
 
@@ -55,18 +54,15 @@ def initialize_gpt_parameters(
     """Draw every parameter of `model` (a ReferenceGPT, a GPTModel, or part of one whose
     `layers.i` is global layer `i + layer_offset`) from `seed` and its global name.
 
-    `tensor_parallel=(rank, size)`: the parameters are this rank's shards (`rule_for`);
-    None: they are the full tensors. Temporaries are tile-sized.
+    `tensor_parallel=(rank, size)`: the parameters are this rank's shards, drawn over the
+    ranges their shard specs give; None: they are the full tensors. Temporaries are tile-sized.
     """
-    rank, tp = tensor_parallel or (0, 1)
-    rows = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp
     for name, param in model.named_parameters():
         init = gpt_parameter_init(name, config)
         key = global_parameter_name(name, layer_offset)
         if tensor_parallel is None:
             init_shard_(param, init, seed=seed, key=key, full_shape=param.shape)
             continue
-        rule = rule_for(name, config)
-        full = full_shape(rule, param.shape, tp, config.vocab_size)
-        dim, ranges = piece_ranges(rule, rank, tp, full, rows)
-        init_shard_(param, init, seed=seed, key=key, full_shape=full, dim=dim, ranges=ranges)
+        spec = shard_spec(param)
+        dim, ranges = spec.ranges()
+        init_shard_(param, init, seed=seed, key=key, full_shape=spec.global_shape, dim=dim, ranges=ranges)

@@ -21,6 +21,7 @@ from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
+from .shard_spec import ShardSpec, set_shard_spec
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
 
@@ -93,7 +94,8 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
         rows = self.padded_num_embeddings // self.tp_size
         self.vocab_start, self.vocab_end = self.tp_rank * rows, (self.tp_rank + 1) * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype, device=device))
-        self.weight.tensor_parallel_dim = 0
+        spec = ShardSpec((num_embeddings, embedding_dim), 0, vocab_multiple=make_vocab_size_divisible_by, tp_size=self.tp_size, tp_rank=self.tp_rank, group=self.group)
+        set_shard_spec(self.weight, spec)
         if self.weight.device.type != "meta":
             self._initialize(init_method)
 

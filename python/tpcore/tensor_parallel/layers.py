@@ -24,6 +24,7 @@ from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
+from .shard_spec import ShardSpec, set_shard_spec
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
 
@@ -103,12 +104,14 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
         full[self.shard_dim] = _divide(full[self.shard_dim], self.tp_size, f"{type(self).__name__} {what}")
         dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(full, dtype=dtype, device=device))
-        self.weight.tensor_parallel_dim = self.shard_dim
+        placement = dict(tp_size=self.tp_size, tp_rank=self.tp_rank, group=self.group)
+        set_shard_spec(self.weight, ShardSpec((out_features, in_features), self.shard_dim, **placement))
         bias_size = full[0]
         self.bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device)) if bias else None
         if self.bias is not None:
-            # A column bias is sharded with the weight; a row bias is replicated.
-            self.bias.tensor_parallel_dim = 0 if self.shard_dim == 0 else None
+            # A column bias is sharded with the weight; a row bias is replicated (its
+            # gradient is whole on every rank: the layer sums it under sequence parallelism).
+            set_shard_spec(self.bias, ShardSpec((out_features,), 0 if self.shard_dim == 0 else None, **placement))
         if self.weight.device.type != "meta":
             self._initialize(init_method)
 

@@ -18,9 +18,9 @@ once every file is there; `latest` is replaced atomically afterwards. A kill at 
 leaves the previous checkpoint and `latest` intact.
 
 Loading at any (TP, PP, virtual) layout: each rank opens only the files holding pieces
-it shares (`ParallelLayout.pipeline_rank_of`, `sharding.shares_indices`), memory-maps them
-one at a time and copies into its parameters and AdamW state only the shared index ranges
-(`sharding.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
+it shares (`ParallelLayout.pipeline_rank_of`, `shard_spec.shares_indices` on the parameters'
+shard specs), memory-maps them one at a time and copies into its parameters and AdamW state
+only the shared index ranges (`shard_spec.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
 Formats 1 (TP only, `model_tpRR.pt`), 2 (no checksums, no shard identity) and 3 (no
 distributed-optimizer files) are still read. Saving lives in `checkpoint_save`.
 
@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import GPTConfig, ReferenceGPT
-from ..models.sharding import copy_overlap, rule_for, shares_indices
+from ..models.gpt_specs import gpt_shard_spec
+from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from .agreement import all_or_none
 from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, model_file as _model_file, read_metadata, require_checkpoint, rng_file as _rng_file
@@ -77,6 +78,17 @@ def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
     diff = [f"{k}: checkpoint {saved.get(k)!r}, model {getattr(config, k)!r}" for k in _SHAPE_FIELDS if saved.get(k) != getattr(config, k)]
     if diff:
         raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")
+
+
+def _check_specs(specs: dict[str, ShardSpec], stored: dict[str, ShardSpec], directory: str) -> None:
+    """Each parameter splits as the checkpoint's copy of it did: the same global tensor, split
+    dim and parts (vocabulary padding and gradient handling may differ)."""
+    for name, spec in specs.items():
+        saved = stored.get(name)
+        if saved is None:
+            continue  # named by the name check, which knows the pipeline stages
+        if not spec.same_split(saved):
+            raise CheckpointError(f"tpcore: checkpoint {directory}: parameter {name} was saved as {saved.to_dict()}, the model splits it as {spec.to_dict()}")
 
 
 def _shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
@@ -134,17 +146,19 @@ def _optimizer_pieces(state: dict) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": v for n, entry in state["optimizer"]["params"].items() for k, v in entry.items() if k != "step"}
 
 
-def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, saved_rank: int, saved_tp: int, what: str) -> None:
+def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], specs: dict[str, ShardSpec], saved: dict[str, ShardSpec],
+               saved_rank: int, saved_tp: int, what: str) -> None:
     """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
-    state) what they share with the pieces `section(state)` of one saved file."""
+    state, which `specs` describe by parameter name) what they share with the pieces
+    `section(state)` of one saved file (TP rank `saved_rank` of `saved_tp`, their logical
+    specs `saved`)."""
     mapping, pieces = file.state, section(file.state)
-    common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
     for name, target in targets.items():
         if file.state is not mapping:  # re-mapped
             mapping, pieces = file.state, section(file.state)
-        piece = pieces[name]
+        piece, param = pieces[name], name.split("/")[0]
         try:
-            if copy_overlap(target, rule_for(name.split("/")[0], config), rank, tp, piece, saved_rank, saved_tp, **common):
+            if copy_overlap(target, specs[param], piece, saved[param].at(saved_tp, saved_rank)):
                 file.count(piece.numel() * piece.element_size())
         except ValueError as e:
             raise CheckpointError(f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
@@ -185,17 +199,17 @@ def _opener(meta: dict, files: dict[tuple[int, int], str], verify: bool) -> Call
     return open_shard
 
 
-def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int) -> dict[tuple[int, int], list[str]]:
-    """(saved TP rank, PP rank) -> the names of `params` (this rank's pieces, TP rank
-    `rank` of `tp`) to read from that file: the files sharing indices with them."""
-    common = dict(vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
+def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], stored: dict[str, ShardSpec],
+          config: GPTConfig) -> dict[tuple[int, int], list[str]]:
+    """(saved TP rank, PP rank) -> the names of `params` (this rank's pieces, described by
+    `specs`) to read from that file: the files sharing indices with them."""
     names = list(ReferenceGPT(config, device="meta").state_dict())
     unknown = sorted(set(params) - set(names))
     if unknown:
         raise CheckpointError(f"tpcore: the model has parameters {unknown[:5]} that no GPT checkpoint holds")
 
     def sources(name: str) -> list[int]:  # saved TP ranks to read `name` from (a piece of pure padding: rank 0)
-        shared = [r for r in range(saved.tensor_parallel_size) if shares_indices(params[name].shape, rule_for(name, config), rank, tp, r, saved.tensor_parallel_size, **common)]
+        shared = [r for r in range(saved.tensor_parallel_size) if shares_indices(specs[name], stored[name].at(saved.tensor_parallel_size, r))]
         return shared or [0]
 
     needed: dict[tuple[int, int], list[str]] = {}
@@ -206,9 +220,9 @@ def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], config: GPTCon
 
 
 def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed: dict[tuple[int, int], list[str]], saved: ParallelLayout,
-                 params: dict[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, with_optimizer: bool,
+                 params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], stored_specs: dict[str, ShardSpec], config: GPTConfig, with_optimizer: bool,
                  open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None) -> dict | None:
-    """Fill `params` (this rank's pieces by name, TP rank `rank` of `tp`) from the saved
+    """Fill `params` (this rank's pieces by name, described by `specs`) from the saved
     files `needed` names (`_plan`); returns the optimizer state to load (or None). A
     distributed optimizer's state comes from the DP slices `open_slices` opens."""
     names = list(ReferenceGPT(config, device="meta").state_dict())
@@ -218,7 +232,7 @@ def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed:
         stored = saved.names_on(pp_rank, names)
         file.check_names(stored)
         targets = {name: params[name] for name in wanted}
-        _copy_from(file, _model_pieces, targets, config, rank, tp, saved_rank, saved.tensor_parallel_size, "model parameter")
+        _copy_from(file, _model_pieces, targets, specs, stored_specs, saved_rank, saved.tensor_parallel_size, "model parameter")
         saved_opt = file.state["optimizer"]
         if with_optimizer and saved_opt is not None:
             section = _optimizer_pieces
@@ -232,7 +246,7 @@ def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed:
                 state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
             _add_optimizer_targets(state, flat, saved_opt, wanted, params)
             pieces = {f"{name}/{key}": flat[f"{name}/{key}"] for name in wanted for key in state["params"][name] if key != "step"}
-            _copy_from(file, section, pieces, config, rank, tp, saved_rank, saved.tensor_parallel_size, "optimizer state")
+            _copy_from(file, section, pieces, specs, stored_specs, saved_rank, saved.tensor_parallel_size, "optimizer state")
         del file
     if state is not None and len(state["params"]) != len(params):
         missing = sorted(set(params) - set(state["params"]))
@@ -262,11 +276,13 @@ def load_checkpoint(
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     params = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters()}
+    specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
+    stored_specs = saved_specs(meta)
     # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
     same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
     loaded: dict = {"state": None, "rng": None}
 
-    open_shard, rank, tp = _opener(meta, files, verify), dist.get_rank(tp_group), layout.tensor_parallel_size
+    open_shard = _opener(meta, files, verify)
     rng_path = _rng_file(directory, dist.get_rank()) if load_rng and same_layout else None
 
     slices: dict[tuple[int, int], SavedSlices] = {}
@@ -277,7 +293,8 @@ def load_checkpoint(
         return slices[key]
 
     def check() -> None:  # every file this rank reads, before any is copied from
-        loaded["plan"] = _plan(saved, params, config, rank, tp)
+        _check_specs(specs, stored_specs, directory)
+        loaded["plan"] = _plan(saved, params, specs, stored_specs, config)
         for key in sorted(loaded["plan"]):
             open_shard(key)
             if optimizer is not None and meta.get("distributed_optimizer"):
@@ -288,7 +305,7 @@ def load_checkpoint(
             loaded["rng"] = _load(rng_path)  # a missing file is named here
 
     def read() -> None:
-        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, config, rank, tp, optimizer is not None, open_slices)
+        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, specs, stored_specs, config, optimizer is not None, open_slices)
         slices.clear()  # unmapped
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
@@ -318,7 +335,8 @@ def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig,
     config = GPTConfig(**meta["model_config"])
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = _opener(meta, files, verify)
-    shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
+    specs = saved_specs(meta)
+    shapes = {name: spec.global_shape for name, spec in specs.items()}
     dense: dict[str, torch.Tensor] = {}
     for saved_rank, pp_rank in sorted(files, key=lambda key: (key[1], key[0])):
         file = open_shard((saved_rank, pp_rank))
@@ -328,6 +346,23 @@ def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig,
             dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
         targets = {name: dense[name] for name in stored}
-        _copy_from(file, _model_pieces, targets, config, 0, 1, saved_rank, saved.tensor_parallel_size, "model parameter")
+        _copy_from(file, _model_pieces, targets, specs, specs, saved_rank, saved.tensor_parallel_size, "model parameter")
         del file
     return config, dense
+
+
+def saved_specs(meta: dict) -> dict[str, ShardSpec]:
+    """The logical shard spec (TP size 1) of every parameter of a checkpoint, by name:
+    as its metadata records them, or, for checkpoints written before they were recorded
+    (every one of them a GPTModel's), GPTModel's own (`gpt_shard_spec`)."""
+    config = GPTConfig(**meta["model_config"])
+    dense = ReferenceGPT(config, device="meta").state_dict()
+    if "shard_specs" not in meta:
+        return {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in dense.items()}
+    recorded = meta["shard_specs"]
+    if not isinstance(recorded, dict) or set(recorded) != set(dense):
+        raise CheckpointError("tpcore: the checkpoint's metadata.json: 'shard_specs' does not name the model's parameters (the file is damaged)")
+    try:
+        return {name: ShardSpec.from_dict(recorded[name]) for name in dense}  # in the dense model's order
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"tpcore: the checkpoint's metadata.json: 'shard_specs' is damaged ({e})") from e

@@ -17,6 +17,7 @@ from torch import nn
 from .._atomic import atomic_output
 from ..pipeline_parallel import duplicate_parameter_names
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker
+from ..tensor_parallel.shard_spec import shard_spec
 from .agreement import all_or_none
 from .checkpoint_index import FORMAT, VERSION, model_file, rng_file
 from .checkpoint_integrity import describe_os_error, random_id, save_checked, shard_identity, write_text_checked
@@ -102,7 +103,11 @@ def save_checkpoint(
 
     def publish() -> None:
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, records)  # every rank joins: the write phase succeeded everywhere
+        # Every rank joins (the write phase succeeded everywhere) with its files and the
+        # logical shard specs of its parameters: loaders without a model read them.
+        skip = duplicate_parameter_names(chunks)
+        specs = {name: shard_spec(p).to_dict() for chunk in chunks for name, p in chunk.named_parameters() if name not in skip}
+        dist.all_gather_object(gathered, (records, specs))
         if rank == 0:
             metadata = {
                 "format": FORMAT,
@@ -113,7 +118,8 @@ def save_checkpoint(
                 "world_size": dist.get_world_size(),
                 "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
                 "model_config": dataclasses.asdict(chunks[0].config),
-                "files": {k: v for part in gathered for k, v in sorted(part.items())},
+                "files": {k: v for part, _ in gathered for k, v in sorted(part.items())},
+                "shard_specs": {k: v for _, part in gathered for k, v in part.items()},
                 **(extra or {}),
             }
             write_text_checked(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1))

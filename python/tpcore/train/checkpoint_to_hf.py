@@ -19,8 +19,7 @@ import torch
 from ..data.tokenizer import load_tokenizer
 from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, check_export_folder, write_hf_folder
-from ..models.sharding import piece_shape, rule_for
-from .checkpoint import _opener, _shard_files
+from .checkpoint import _opener, _shard_files, saved_specs
 from .checkpoint_index import read_metadata, require_checkpoint
 from .errors import CheckpointError
 from .hf_bridge import _same_folder
@@ -78,7 +77,7 @@ def checkpoint_to_hf(
     names = list(ReferenceGPT(config, device="meta").state_dict())
     for key in sorted(files, key=lambda k: (k[1], k[0])):  # every file checked before any is used
         open_shard(key).check_names(saved.names_on(key[1], names))
-    shapes = {name: p.shape for name, p in ReferenceGPT(config, device="meta").state_dict().items()}
+    specs = saved_specs(meta)
     stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
     tp = saved.tensor_parallel_size
     opened: dict[tuple[int, int], object] = {}
@@ -87,8 +86,8 @@ def checkpoint_to_hf(
         pp_rank = saved.pipeline_rank_of(name)
         for key in [k for k in opened if k[1] != pp_rank]:  # a stage's files are unmapped once past it
             del opened[key]
-        want = piece_shape(name, config, shapes[name], tp)
-        replicated = rule_for(name, config)[0] == "replicated"
+        want = specs[name].at(tp, 0).local_shape
+        replicated = specs[name].kind == "replicated"
         pieces = []
         for tp_rank in range(1 if replicated else tp):
             key = (tp_rank, pp_rank)
@@ -96,7 +95,7 @@ def checkpoint_to_hf(
                 opened[key] = open_shard(key)
                 opened[key].REMAP_BYTES = _REMAP_BYTES
             piece = opened[key].state["model"][name]  # a view of the mapped file: read as it is written
-            if piece.shape != want:
+            if tuple(piece.shape) != want:
                 raise CheckpointError(f"tpcore: {opened[key].path}: model parameter {name} is {list(piece.shape)}, the config makes it {list(want)}")
             pieces.append(piece)
             opened[key].count(piece.numel() * piece.element_size())  # re-mapped past REMAP_BYTES: touched pages go
@@ -104,7 +103,7 @@ def checkpoint_to_hf(
 
     error = write_hf_folder(
         out_dir, config, fetch, dtype=dtype or stored_dtype, hf_config=meta.get("hf_config"), tokenizer=tokenizer,
-        eos_token_id=eod, max_shard_size=max_shard_size,
+        eos_token_id=eod, max_shard_size=max_shard_size, specs=specs,
     )
     if error is not None:
         raise error

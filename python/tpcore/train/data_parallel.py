@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink
+from ..tensor_parallel.shard_spec import shard_spec
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
 from .sparse_rows import GatheredRows, RowUnion, add_token_rows, sum_touched_rows
@@ -86,7 +87,7 @@ class DataParallelGrads:
         self.lookup_only = [p for p in lookup_only if p.requires_grad]
         self._lookup_only_ids = {id(p) for p in self.lookup_only}
         first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
-        if any(getattr(p, "sequence_parallel", False) for c in chunks for p in c.parameters()) and tp_group is None:
+        if any(shard_spec(p).partial_grad for c in chunks for p in c.parameters()) and tp_group is None:
             raise ValueError("tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their gradients are summed over TP)")
         self.buffers: list[GradBuffer] = []
         self.chunk_buffers: list[list[GradBuffer]] = []
@@ -340,7 +341,7 @@ class DataParallelGrads:
 
     def _sum_sequence_parallel(self) -> None:
         # Each TP rank saw only its sequence shard: sum over TP (after the DP mean; both are sums).
-        grads = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        grads = [p.main_grad for p in self.params if shard_spec(p).partial_grad]
         if not grads or dist.get_world_size(self.tp_group) == 1:
             return
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.tp_group)

@@ -40,7 +40,7 @@ def grad_norm(
     over the pipeline stages too, where `duplicate` marks gradients that are copies of one
     counted on another stage (the tied embedding's last-stage copy). `copies[i]`: the flat
     elements `[lo, hi)` of gradient i that copy ones a lower TP rank counts (KV heads
-    replicated over TP, `sharding.tp_copy_range`), or None. Infinite when any gradient on
+    replicated over TP, `ShardSpec.copied_elements`), or None. Infinite when any gradient on
     any rank holds inf or NaN, replicated and duplicate ones included."""
     first = dist.get_rank(tp_group) == 0
     device = grads[0].device if grads else torch.device("cpu")
@@ -94,7 +94,7 @@ class ParallelAdamW:
     pipeline parallelism pass `pp_group` and the names of `duplicates` (parameters whose
     gradient is a copy of one on another stage) so the norm counts each parameter once;
     `tp_copies(name)` gives the flat range of a parameter copying what a lower TP rank
-    holds (replicated KV heads: `sharding.tp_copy_range`), or None.
+    holds (replicated KV heads: `ShardSpec.copied_elements`), or None.
 
     With `grads` (a `DataParallelGrads` over the same model, all-reducing) the gradients are
     read from its contiguous buffers (`main_grad`, already averaged over DP by its

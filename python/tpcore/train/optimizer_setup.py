@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.sharding import rule_for, tp_copy_range
+from ..tensor_parallel.shard_spec import shard_spec
 from ..parallel_state import get_parallel_state
 from ..pipeline_parallel import (
     duplicate_parameter_names, head_only_tied_weights, lookup_and_head_weights, lookup_only_weights, tied_embedding_copies,
@@ -64,11 +64,10 @@ def make_optimizer(
     step is `grads.start_step(m)`, the backward passes, `grads.finish_grad_sync()` (in place
     of `finalize_model_grads`), then `optimizer.step(...)`."""
     chunks = list(chunks)
-    config = chunks[0].config
-    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     common = dict(
-        is_replicated=lambda name: rule_for(name, config)[0] == "replicated", tp_group=tp_group, pp_group=pp_group,
-        tp_copies=lambda name: tp_copy_range(name, config, tp_rank, tp_size),
+        is_replicated=lambda name: specs[name].kind == "replicated", tp_group=tp_group, pp_group=pp_group,
+        tp_copies=lambda name: specs[name].copied_elements(),
         duplicates=duplicate_parameter_names(chunks), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, loss_scaler=loss_scaler,
     )
     if not options.contiguous_buffers:

@@ -1,0 +1,37 @@
+"""How GPTModel's parameters split over tensor-parallel ranks: its shard specs.
+
+GPTModel attaches `gpt_shard_spec(name, config)` (placed on its rank) to every parameter
+it creates; code that has a model reads the specs from its parameters. This table is for
+what holds no model: a checkpoint from before specs were recorded in its metadata, the
+Hugging Face export of a pipeline stage that does not hold the tensor, a folder's check.
+
+The fused QKV weight is `[Q; K; V]` (parts by head), SwiGLU's fc1 `[gate; up]`; the word
+embedding and an untied LM head are vocabulary splits; norms and positions are replicated
+(GPTModel marks those whose gradients are a share per rank under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from ..tensor_parallel.shard_spec import Part, ShardSpec
+from .config import GPTConfig
+
+__all__ = ["gpt_shard_spec"]
+
+
+def gpt_shard_spec(name: str, config: GPTConfig, shape: tuple[int, ...]) -> ShardSpec:
+    """The logical spec (TP size 1, no group) of GPTModel parameter `name` whose global
+    shape is `shape` (names and shapes as in ReferenceGPT's state dict)."""
+    c = config
+    if name in ("embedding.word.weight", "lm_head.weight"):
+        return ShardSpec(shape, 0, vocab_multiple=c.make_vocab_size_divisible_by)
+    if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
+        heads = (c.num_attention_heads, c.num_kv_heads, c.num_kv_heads)
+        return ShardSpec(shape, 0, tuple(Part(n, h * c.head_dim, h) for n, h in zip("qkv", heads)))
+    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+        f = c.ffn_hidden_size
+        return ShardSpec(shape, 0, (Part("gate", f, f), Part("up", f, f)) if c.gated_mlp else ())
+    if name.endswith("attention.proj.weight"):
+        return ShardSpec(shape, 1, (Part("", c.num_attention_heads * c.head_dim, c.num_attention_heads),))
+    if name.endswith("mlp.fc2.weight"):
+        return ShardSpec(shape, 1)
+    return ShardSpec(shape)
