@@ -168,7 +168,10 @@ def _block_job(rank, world, paths):
     # experts, and a shared expert adds none: its linears stay nn.Linear, cut.
     assert counts["mixtral"] == counts["qwen2_moe"] == counts["llama"], counts
     shared = tpcore.hf.from_pretrained(paths["qwen2_moe"], model_class="Qwen2MoeForCausalLM").model.layers[0].mlp.shared_expert
-    assert type(shared.down_proj) is torch.nn.Linear and shared.down_proj.weight.shape == (64, 96 // 4)
+    # (kept: an nn.Linear, no tpcore layer; its class a same-named subclass that keeps the shard specs on deepcopy)
+    down = shared.down_proj
+    assert type(down).__mro__[1:3] == (tpcore._module_utils.SharesProcessGroups, torch.nn.Linear) and type(down).__name__ == "Linear"
+    assert down.weight.shape == (64, 96 // 4) and down.weight.shard_spec.dim == 1
     # Cast after the split: 96 / 4 = 24 features make 48-byte rows in bfloat16, 12 make 24.
     model = tpcore.hf.parallelize(load_dense(paths["mixtral"], "MixtralForCausalLM", torch.float32))
     model.to(torch.bfloat16)(ids)

@@ -20,10 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from .._module_utils import SharesProcessGroups
 from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.shard_spec import ShardSpec, set_shard_spec
 from .lm_head import VocabParallelLMHead
 from .plan import Load, Plan, Replacement, make_plan
+from .slices import spec_ranges
 from .grads import install_gradient_sums
 from .moe import install_moe_blocks
 from .policy import get_policy
@@ -82,6 +85,33 @@ def _set_parameter(module: nn.Module, attr: str, value: torch.Tensor, like: nn.P
     return param
 
 
+_COPYABLE: dict[type, type] = {}
+
+
+def _keep_attributes_on_copy(module: nn.Module) -> None:
+    """Make `copy.deepcopy` of a kept module (its parameters cut, not replaced) keep the
+    shard specs on its parameters, as tpcore's own layers do (`SharesProcessGroups`):
+    torch's Parameter copy drops them. Its class becomes a subclass of the same name."""
+    cls = type(module)
+    if not isinstance(module, SharesProcessGroups):
+        if cls not in _COPYABLE:
+            _COPYABLE[cls] = type(cls.__name__, (SharesProcessGroups, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        module.__class__ = _COPYABLE[cls]
+
+
+def _checked_spec(name: str, attr: str, load: Load) -> ShardSpec:
+    """`load`'s shard spec, checked to hold exactly the ranges the load reads (the plan
+    writes both; a disagreement is a bug in it, caught before any training)."""
+    spec = load.spec
+    if spec is None:
+        raise RuntimeError(f"tpcore.hf: the plan gives {name}.{attr} no shard spec")
+    read = tuple(r for r in load.ranges if r[1] > r[0]) if load.dim is not None else ()
+    held = spec_ranges(spec) if spec.kind != "replicated" else ()
+    if read != held:
+        raise RuntimeError(f"tpcore.hf: {name}.{attr}: the plan reads {list(read)} but its shard spec holds {list(held)}")
+    return spec
+
+
 def _swap_parameters(model: nn.Module, new_of: dict[int, nn.Parameter]) -> None:
     """Point every module attribute that held an old parameter at its replacement (keeps ties)."""
     for module in model.modules():
@@ -130,8 +160,12 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
             if target_device.type == "meta":
                 raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is on the meta device and no device was given")
             load = _in_source(load, aliases[id(old_param)], source)
-            new_of[id(old_param)] = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta, old_param.requires_grad)
+            param = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta, old_param.requires_grad)
+            set_shard_spec(param, _checked_spec(rep.name, attr, load).at(load.spec.tp_size, load.spec.tp_rank, group))
+            new_of[id(old_param)] = param
             keep_alive.append(old_param)
+        if rep.role in _KEPT:
+            _keep_attributes_on_copy(layer)
         setattr(parent, child, layer)
     _swap_parameters(model, new_of)
     for name, attribute, value in plan.attributes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .slices import HeadLayout, Load, Replacement, chunk, linear_shape
+from .slices import HeadLayout, Load, Replacement, chunk, linear_shape, split_spec
 
 __all__ = ["experts_slices", "shared_linear", "check_moe_blocks", "grouped_gemm_refusal"]
 
@@ -45,8 +45,9 @@ def experts_slices(name: str, module: nn.Module, layout: HeadLayout) -> Replacem
     if refusal:
         raise ValueError(refusal)
     loads = {
-        "gate_up_proj": Load(f"{name}.gate_up_proj", 1, ((lo, hi), (inter + lo, inter + hi))),
-        "down_proj": Load(f"{name}.down_proj", 2, ((lo, hi),)),
+        "gate_up_proj": Load(f"{name}.gate_up_proj", 1, ((lo, hi), (inter + lo, inter + hi)),
+                             spec=split_spec(tuple(gate_up.shape), 1, layout, (("gate", inter, inter), ("up", inter, inter)))),
+        "down_proj": Load(f"{name}.down_proj", 2, ((lo, hi),), spec=split_spec(tuple(down.shape), 2, layout)),
     }
     return Replacement(name, "experts", hidden, hi - lo, False, loads)
 
@@ -61,9 +62,9 @@ def shared_linear(name: str, module: nn.Module, kind: str, layout: HeadLayout) -
         raise ValueError(f"tpcore.hf: {name!r} cuts its input features but has a bias, which the block's sum would add tp times")
     dim, size = (0, fan_out) if kind == "column" else (1, fan_in)
     ranges = (chunk(size, layout.tp_size, layout.tp_rank, f"{name} {'output' if kind == 'column' else 'input'} features"),)
-    loads = {"weight": Load(f"{name}.weight", dim, ranges)}
+    loads = {"weight": Load(f"{name}.weight", dim, ranges, spec=split_spec((fan_out, fan_in), dim, layout))}
     if module.bias is not None:
-        loads["bias"] = Load(f"{name}.bias", 0, ranges)
+        loads["bias"] = Load(f"{name}.bias", 0, ranges, spec=split_spec((fan_out,), 0, layout))
     local = ranges[0][1] - ranges[0][0]
     return Replacement(name, "shared", local if kind == "row" else fan_in, local if kind == "column" else fan_out,
                        module.bias is not None, loads)

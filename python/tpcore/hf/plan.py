@@ -14,7 +14,7 @@ from torch import nn
 
 from .moe_plan import check_moe_blocks, experts_slices, shared_linear
 from .policy import Policy, get_policy, match
-from .slices import HeadLayout, Load, Replacement, chunk, linear_shape
+from .slices import HeadLayout, Load, Replacement, chunk, linear_shape, split_spec
 
 __all__ = ["Load", "Replacement", "Plan", "HeadLayout", "make_plan"]
 
@@ -60,10 +60,12 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
     fan_in, fan_out, transposed = linear_shape(name, module)
     tp, rank = layout.tp_size, layout.tp_rank
     what = f"{name} output features"
+    parts: tuple[tuple[str, int, int], ...] = ()
     if kind == "kv_heads":
         if fan_out != layout.kv_heads * layout.head_dim:
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, expected {layout.kv_heads} KV heads x {layout.head_dim}")
         ranges = layout.kv_head_ranges()
+        parts = (("", fan_out, layout.kv_heads),)
     elif kind == "qkv_blocks":
         q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
         if fan_out != q + 2 * kv:
@@ -71,18 +73,20 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
                              f"{layout.kv_heads} heads x {layout.head_dim}")
         lo, hi = layout.head_range("kv_heads")
         ranges = (layout.head_range("heads"), (q + lo, q + hi), (q + kv + lo, q + kv + hi))
+        parts = (("q", q, layout.heads), ("k", kv, layout.kv_heads), ("v", kv, layout.kv_heads))
     elif kind == "halves":
         if fan_out % 2:
             raise ValueError(f"tpcore.hf: {name} has {fan_out} outputs, not 2 equal halves")
         half = fan_out // 2
         ranges = tuple((b * half + lo, b * half + hi) for b in range(2) for lo, hi in [chunk(half, tp, rank, what)])
+        parts = (("gate", half, half), ("up", half, half))
     else:  # plain, heads, qkv_per_head: whole heads are contiguous rows
         ranges = (chunk(fan_out, tp, rank, what),)
     local = sum(hi - lo for lo, hi in ranges)
     dim = 1 if transposed else 0
-    loads = {"weight": Load(f"{name}.weight", dim, ranges, transpose=transposed)}
+    loads = {"weight": Load(f"{name}.weight", dim, ranges, transpose=transposed, spec=split_spec((fan_out, fan_in), 0, layout, parts))}
     if module.bias is not None:
-        loads["bias"] = Load(f"{name}.bias", 0, ranges)
+        loads["bias"] = Load(f"{name}.bias", 0, ranges, spec=split_spec((fan_out,), 0, layout, parts))
     replicated = kind in ("kv_heads", "qkv_blocks") and layout.kv_replicated
     kv_rows = (ranges[0][1] - ranges[0][0], local) if kind == "qkv_blocks" else None
     return Replacement(name, "column", fan_in, local * tp, module.bias is not None, loads, kv_replicated=replicated,
@@ -92,9 +96,9 @@ def _column(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Repl
 def _row(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     fan_in, fan_out, transposed = linear_shape(name, module)
     ranges = (chunk(fan_in, layout.tp_size, layout.tp_rank, f"{name} input features"),)
-    loads = {"weight": Load(f"{name}.weight", 0 if transposed else 1, ranges, transpose=transposed)}
+    loads = {"weight": Load(f"{name}.weight", 0 if transposed else 1, ranges, transpose=transposed, spec=split_spec((fan_out, fan_in), 1, layout))}
     if module.bias is not None:
-        loads["bias"] = Load(f"{name}.bias")
+        loads["bias"] = Load(f"{name}.bias", spec=split_spec((fan_out,), None, layout))
     return Replacement(name, "row", fan_in, fan_out, module.bias is not None, loads)
 
 
@@ -112,7 +116,8 @@ def _split_norm(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> 
         raise ValueError(f"tpcore.hf: norm {name!r} has weight {list(module.weight.shape)}, expected [{heads} heads x {layout.head_dim}]")
     lo, hi = layout.head_range(kind)
     replicated = kind == "kv_heads" and layout.kv_replicated
-    return Replacement(name, "norm", width, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))}, kv_replicated=replicated,
+    spec = split_spec((width,), 0, layout, (("", width, heads),))
+    return Replacement(name, "norm", width, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),), spec=spec)}, kv_replicated=replicated,
                        eps=float(module.variance_epsilon), weight_after_cast=_SPLIT_RMS_NORMS[type(module).__name__])
 
 
@@ -125,7 +130,8 @@ def _per_head(name: str, module: nn.Module, kind: str, layout: HeadLayout) -> Re
         shapes = {n: list(p.shape) for n, p in module.named_parameters(recurse=False)}
         raise ValueError(f"tpcore.hf: {name!r} holds {shapes}, expected one weight [{heads} heads, {layout.head_dim}]")
     lo, hi = (f // layout.head_dim for f in layout.head_range(kind))  # in heads: the weight's rows
-    return Replacement(name, "per_head", layout.head_dim, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),))},
+    spec = split_spec((heads, layout.head_dim), 0, layout, (("", heads, heads),))
+    return Replacement(name, "per_head", layout.head_dim, hi - lo, False, {"weight": Load(f"{name}.weight", 0, ((lo, hi),), spec=spec)},
                        kv_replicated=kind == "kv_heads" and layout.kv_replicated)
 
 
@@ -154,7 +160,7 @@ def _embedding(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Embedding")
     rows, ranges = _vocab_rows(module.num_embeddings, layout)
-    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows)}
+    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows, spec=split_spec((module.num_embeddings, module.embedding_dim), 0, layout, vocab=True))}
     return Replacement(name, "embedding", module.num_embeddings, module.embedding_dim, False, loads,
                        padding_idx=module.padding_idx, vocab_size=module.num_embeddings,
                        embed_scale=_embed_scale(name, module))
@@ -165,9 +171,9 @@ def _head(name: str, module: nn.Module, layout: HeadLayout) -> Replacement:
     if transposed:
         raise ValueError(f"tpcore.hf: LM head {name!r} is a Conv1D; only nn.Linear heads are supported")
     rows, ranges = _vocab_rows(vocab, layout)
-    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows)}
+    loads = {"weight": Load(f"{name}.weight", 0, ranges, rows=rows, spec=split_spec((vocab, fan_in), 0, layout, vocab=True))}
     if module.bias is not None:
-        loads["bias"] = Load(f"{name}.bias", 0, ranges, rows=rows)
+        loads["bias"] = Load(f"{name}.bias", 0, ranges, rows=rows, spec=split_spec((vocab,), 0, layout, vocab=True))
     return Replacement(name, "head", fan_in, rows * layout.tp_size, module.bias is not None, loads, vocab_size=vocab)
 
 

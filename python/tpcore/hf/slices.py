@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Load", "Replacement", "HeadLayout", "chunk", "linear_shape"]
+from ..tensor_parallel.shard_spec import Part, ShardSpec
+
+__all__ = ["Load", "Replacement", "HeadLayout", "chunk", "linear_shape", "split_spec", "spec_ranges"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Load:
     """Zero-pad dim 0 of the result to this many rows (vocab padding)."""
     transpose: bool = False
     """Transpose the 2-D result (GPT-2's Conv1D stores weights `[in, out]`)."""
+    spec: ShardSpec | None = None
+    """The shard spec of the parameter made (its orientation, this rank's placement, no group)."""
 
 
 @dataclass
@@ -117,3 +121,19 @@ def linear_shape(name: str, module: nn.Module) -> tuple[int, int, bool]:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nx"):
         return module.nx, module.nf, True
     raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Linear or Conv1D")
+
+
+def split_spec(shape: tuple[int, ...], dim: int | None, layout: HeadLayout, parts: tuple[tuple[str, int, int], ...] = (), *, vocab: bool = False) -> ShardSpec:
+    """The shard spec, on this rank of `layout`, of a parameter of global `shape` split along
+    `dim` (None: replicated) into `parts` (name, size, units) or cut by vocabulary rows."""
+    placement = dict(tp_size=layout.tp_size, tp_rank=layout.tp_rank)
+    if dim is None:
+        return ShardSpec(tuple(shape), **placement)
+    if vocab:
+        return ShardSpec(tuple(shape), 0, vocab_multiple=1, **placement)
+    return ShardSpec(tuple(shape), dim, tuple(Part(*p) for p in parts), **placement)
+
+
+def spec_ranges(spec: ShardSpec) -> tuple[tuple[int, int], ...]:
+    """The `[start, stop)` ranges of the global tensor this rank's piece holds, in order."""
+    return tuple((start, start + n) for _, start, n in spec.ranges()[1])
