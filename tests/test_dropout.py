@@ -189,7 +189,7 @@ def _streams(rank, world):
     want = (w.grad.clone(), inp.grad.clone())
     w.grad = inp.grad = None
     tracker.set_counter_positions(positions)
-    recomputed = tpcore.checkpoint(fn, inp)
+    recomputed = tpcore.recompute(fn, inp)
     assert torch.equal(recomputed, plain)
     tracker.counter(MODEL_PARALLEL_RNG, x.device)[1] += 400  # draws between forward and backward
     recomputed.sum().backward()

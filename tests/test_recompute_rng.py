@@ -1,4 +1,4 @@
-"""`tpcore.checkpoint` under autocast and without input gradients, and the model-parallel
+"""`tpcore.recompute` under autocast and without input gradients, and the model-parallel
 RNG tracker seeded before CUDA is initialised, each against plain PyTorch."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_checkpoint_recomputes_under_the_forward_autocast_state():
         x.grad = None
         torch.manual_seed(1)  # same dropout mask in both runs
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = tpcore.checkpoint(model, x) if use_checkpoint else model(x)
+            y = tpcore.recompute(model, x) if use_checkpoint else model(x)
         assert y.dtype == torch.bfloat16
         y.float().square().sum().backward()  # backward outside autocast, as recommended
         results.append((y.detach(), x.grad.clone(), _grads(model)))
@@ -49,7 +49,7 @@ def test_checkpoint_gives_parameters_gradients_when_the_input_needs_none():
     expected = _grads(model)
     model.zero_grad()
     torch.manual_seed(1)
-    tpcore.checkpoint(model, x).sum().backward()
+    tpcore.recompute(model, x).sum().backward()
     for name, grad in _grads(model).items():
         assert torch.equal(grad, expected[name]), name
 

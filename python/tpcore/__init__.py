@@ -21,13 +21,18 @@ from .parallel_state import destroy_model_parallel, initialize_model_parallel, i
 
 # The `tpcore` c10d backend (shared memory among ranks of one host) for any torch.distributed user.
 shm.register()
+from .checkpoint import (
+    load_sharded_optimizer_state_dict,
+    load_sharded_state_dict,
+    sharded_optimizer_state_dict,
+    sharded_state_dict,
+)
 from .tensor_parallel import (
     ColumnParallelLinear,
     InitMethod,
     RowParallelLinear,
     ShardedInit,
     VocabParallelEmbedding,
-    checkpoint,
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
@@ -44,6 +49,7 @@ from .tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
+from .tensor_parallel import checkpoint as recompute
 
 __version__ = "0.1.0"
 
@@ -69,7 +75,12 @@ __all__ = [
     "MODEL_PARALLEL_RNG",
     "REPLICATED_RNG",
     "tracked_dropout",
+    "recompute",
     "checkpoint",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optimizer_state_dict",
+    "load_sharded_optimizer_state_dict",
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",

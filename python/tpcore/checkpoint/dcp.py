@@ -1,0 +1,233 @@
+"""tpcore models in torch's distributed checkpoint (DCP), from the shard specs.
+
+    state = tpcore.sharded_state_dict(model)              # same names and shapes as the dense model's
+    torch.distributed.checkpoint.save(state, checkpoint_id=path)
+    ...                                                    # later, at any TP size
+    state = tpcore.sharded_state_dict(model)
+    torch.distributed.checkpoint.load(state, checkpoint_id=path)
+    tpcore.load_sharded_state_dict(model, state)
+
+Each split parameter becomes a `ShardedTensor` of its global shape whose local shards are
+the ranges of the global tensor this rank holds (`ShardSpec.ranges`): vocabulary padding
+is in none of them, a fused QKV piece is three shards (whole heads of Q, K and V). A copy
+of a replicated chunk (a KV head on several ranks) is a shard of its owner only, since DCP
+refuses overlapping shards; `load_sharded_state_dict` gives the copies the owner's values
+(one all-reduce over the TP group per such tensor). Replicated parameters and buffers stay
+plain tensors, which DCP writes once and reads on every rank. So a checkpoint saved at one
+TP x DP layout loads at any other, and `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`
+turns it into the dense model's state dict.
+
+Shards are views of the parameters where they are contiguous (DCP loads into them in
+place) and copies otherwise (a split along dim 1 or later with more than one range);
+`load_sharded_state_dict` writes everything back, so always call it after `load`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
+
+__all__ = ["sharded_state_dict", "load_sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict"]
+
+
+def _global_rank(spec: ShardSpec, rank: int) -> int:
+    return dist.get_global_rank(spec.group, rank) if spec.group is not None else dist.get_rank()
+
+
+def _to_sharded(local: torch.Tensor, spec: ShardSpec):
+    """`local` (this rank's piece, as `spec` describes it) as a ShardedTensor of the global shape."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = local.device
+    place = f"/{device.type}:{device.index}" if device.index is not None else f"/{device.type}"
+    shards_metadata, local_shards = [], []
+    for rank in range(spec.tp_size):
+        dim, ranges = spec.at(spec.tp_size, rank).ranges(owned=True)
+        for local_start, start, length in ranges:
+            offsets, sizes = [0] * len(spec.global_shape), list(spec.global_shape)
+            offsets[dim], sizes[dim] = start, length
+            meta = ShardMetadata(offsets, sizes, f"rank:{_global_rank(spec, rank)}{place}")
+            shards_metadata.append(meta)
+            if rank == spec.tp_rank:
+                view = local.detach().narrow(dim, local_start, length)
+                local_shards.append(Shard(view if view.is_contiguous() else view.contiguous(), meta))
+    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_metadata, torch.Size(spec.global_shape), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
+def _from_sharded(value, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Write the loaded shards of `value` back into `local`, and give copies of replicated
+    chunks their owner's values (a collective over the spec's group when it has copies)."""
+    dim, ranges = spec.ranges(owned=True)
+    shards = value.local_shards()
+    if len(shards) != len(ranges):
+        raise ValueError(f"tpcore: load_sharded_state_dict: {len(shards)} local shards for a piece of {len(ranges)} owned ranges")
+    with torch.no_grad():
+        for shard, (local_start, _, length) in zip(shards, ranges):
+            target = local.narrow(dim, local_start, length)
+            if target.data_ptr() != shard.tensor.data_ptr() or not target.is_contiguous():
+                target.copy_(shard.tensor)
+    if any(_has_copies(spec, r) for r in range(spec.tp_size)):  # every rank of the group joins
+        _fill_copies(local, spec)
+
+
+def _has_copies(spec: ShardSpec, rank: int) -> bool:
+    """Whether rank's piece holds copies of chunks another rank owns."""
+    placed = spec.at(spec.tp_size, rank)
+    return placed.ranges() != placed.ranges(owned=True)
+
+
+def _fill_copies(local: torch.Tensor, spec: ShardSpec) -> None:
+    """Every rank's copies of replicated chunks from their owners: each rank puts the chunks
+    it owns of the replicated parts (K and V, the last ones) into a zeroed buffer spanning
+    them, and one all-reduce over the group sums them."""
+    from .. import comm
+    from ..tensor_parallel.shard_spec import part_chunks
+
+    dim, every = spec.ranges()
+    _, owned = spec.ranges(owned=True)
+    offset, lo, hi = 0, None, 0
+    for p in spec.parts:
+        if part_chunks(p.units, spec.tp_size) < spec.tp_size:
+            lo = offset if lo is None else lo
+            hi = offset + p.size
+        offset += p.size
+    shape = list(local.shape)
+    shape[dim] = hi - lo
+    buffer = local.new_zeros(shape)
+    for local_start, start, length in owned:
+        if lo <= start < hi:
+            buffer.narrow(dim, start - lo, length).copy_(local.narrow(dim, local_start, length))
+    buffer = comm.all_reduce(buffer, spec.group)
+    with torch.no_grad():
+        for local_start, start, length in every:
+            if (local_start, start, length) not in owned:
+                local.narrow(dim, local_start, length).copy_(buffer.narrow(dim, start - lo, length))
+
+
+def _sharded(tensor: torch.Tensor, spec: ShardSpec):
+    return tensor.detach() if spec.kind == "replicated" else _to_sharded(tensor, spec)
+
+
+def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
+    """`module.state_dict()` with every split parameter as a ShardedTensor of its global
+    tensor (names and shapes as the dense module's; vocabulary padding left out), for
+    `torch.distributed.checkpoint.save` / `load`. Builds no global tensor."""
+    specs = {name: shard_spec(p) for name, p in module.named_parameters()}
+    return {name: _sharded(t, specs[name]) if name in specs else t for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Write `state_dict` (a `sharded_state_dict(module)` that `torch.distributed.checkpoint.load`
+    filled) into `module`'s parameters and buffers. A collective over the TP group where
+    chunks are replicated (grouped-query attention with fewer KV heads than TP): call on
+    every rank."""
+    own = module.state_dict(keep_vars=True)
+    missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if missing or extra:
+        raise KeyError(f"tpcore: load_sharded_state_dict: the state dict does not fit the module (missing {missing[:5]}, unexpected {extra[:5]})")
+    specs = {name: shard_spec(p) for name, p in module.named_parameters()}
+    with torch.no_grad():
+        for name, target in own.items():
+            value, spec = state_dict[name], specs.get(name)
+            if spec is not None and spec.kind != "replicated":
+                _from_sharded(value, target, spec)
+            elif value is not target:
+                target.copy_(value)
+
+
+def _optimizer_entries(module: nn.Module, optimizer) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """({parameter name: {state key: tensor}}, {parameter name: parameter}) of a torch
+    optimizer over `module`'s parameters, or of tpcore's ParallelAdamW."""
+    params = dict(module.named_parameters())
+    if hasattr(optimizer, "names") and hasattr(optimizer, "masters"):  # tpcore.train.ParallelAdamW
+        _init_state(optimizer.adam)
+        state = optimizer.state_dict()["params"]
+        return {name: state[name] for name in optimizer.names}, params
+    names = {id(p): name for name, p in params.items()}
+    unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
+    if unknown:
+        raise ValueError(f"tpcore: the optimizer holds {len(unknown)} parameter(s) that are not the module's")
+    _init_state(optimizer)
+    return {names[id(p)]: optimizer.state[p] for group in optimizer.param_groups for p in group["params"] if p in optimizer.state}, params
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state (one step on zero gradients at lr 0), so a loaded
+    checkpoint has tensors to go into; what the step wrote is overwritten by the load."""
+    if optimizer.state or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        if "lr" in g:
+            g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sharded_optimizer_state_dict(module: nn.Module, optimizer) -> dict[str, Any]:
+    """The optimizer's state by parameter name, `{"state": {name: {key: value}}}`, each
+    tensor shaped like its parameter sharded by the parameter's spec (moments, fp32
+    masters), scalars (the step) as they are; plus a torch optimizer's `param_groups`
+    (hyperparameters, parameters by name) or ParallelAdamW's loss scaler. A fresh torch
+    optimizer gets its state created first, so the same call prepares a load."""
+    entries, params = _optimizer_entries(module, optimizer)
+    state = {}
+    for name, entry in entries.items():
+        spec, shape = shard_spec(params[name]), tuple(params[name].shape)
+        state[name] = {k: _sharded(v, spec) if torch.is_tensor(v) and tuple(v.shape) == shape else v for k, v in entry.items()}
+    out: dict[str, Any] = {"state": state}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        names = {id(p): name for name, p in params.items()}
+        out["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    elif getattr(optimizer, "scaler", None) is not None:
+        out["loss_scaler"] = optimizer.scaler.state_dict()
+    return out
+
+
+def load_sharded_optimizer_state_dict(module: nn.Module, optimizer, state_dict: dict[str, Any]) -> None:
+    """Write a loaded `sharded_optimizer_state_dict(module, optimizer)` back into the
+    optimizer (a collective over the TP group where chunks are replicated)."""
+    entries, params = _optimizer_entries(module, optimizer)
+    state = state_dict["state"]
+    missing = sorted(set(entries) - set(state))
+    if missing:
+        raise KeyError(f"tpcore: the optimizer state dict lacks parameters {missing[:5]}")
+    loaded = {}
+    for name, entry in entries.items():
+        spec, shape = shard_spec(params[name]), tuple(params[name].shape)
+        loaded[name] = {}
+        for key, value in state[name].items():
+            target = entry.get(key)
+            if torch.is_tensor(target) and tuple(target.shape) == shape and spec.kind != "replicated":
+                _from_sharded(value, target, spec)
+                value = target
+            elif torch.is_tensor(target) and torch.is_tensor(value) and value is not target:
+                with torch.no_grad():
+                    target.copy_(value)
+                value = target
+            loaded[name][key] = value
+    if isinstance(optimizer, torch.optim.Optimizer):
+        names = {id(p): name for name, p in params.items()}
+        for p_name, entry in loaded.items():
+            optimizer.state[params[p_name]].update(entry)
+        for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", [])):
+            if [names[id(p)] for p in group["params"]] != list(saved["params"]):
+                raise ValueError("tpcore: the optimizer's parameter groups do not hold the parameters the checkpoint's do")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    else:  # ParallelAdamW takes its own state dict
+        optimizer.load_state_dict({"params": loaded, "loss_scaler": state_dict.get("loss_scaler")})
