@@ -43,7 +43,10 @@ class UserModel(nn.Module):
 
 def _user_loss(model: UserModel, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    ids, target = torch.randint(0, VOCAB, (4, 6), generator=g), torch.randint(0, 12, (4, 6), generator=g)
+    ids, target = (
+        torch.randint(0, VOCAB, (4, 6), generator=g),
+        torch.randint(0, 12, (4, 6), generator=g),
+    )
     return F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
 
 
@@ -58,8 +61,13 @@ def _gather(t: torch.Tensor, dim: int | None, rows: int | None = None) -> torch.
     return full[:rows] if rows is not None else full
 
 
-_USER_SPLIT = {"embed.weight": (0, VOCAB), "up.weight": (0, None), "up.bias": (0, None), "down.weight": (1, None),
-               "head.weight": (0, None)}
+_USER_SPLIT = {
+    "embed.weight": (0, VOCAB),
+    "up.weight": (0, None),
+    "up.bias": (0, None),
+    "down.weight": (1, None),
+    "head.weight": (0, None),
+}
 
 
 def _user_dense(model: UserModel, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -106,7 +114,17 @@ def _gpt_step(model, opt, seed: int) -> torch.Tensor:
     return loss.detach()
 
 
-def _save(rank, world, root):
+def _use(checkpointable: bool) -> None:
+    """Present shards as CheckpointableTensors (torch 2.15+), or as ShardedTensors (older torch)."""
+    import tpcore.checkpoint.dcp
+
+    if checkpointable and not tpcore.checkpoint.dcp._checkpointable_protocol():
+        pytest.skip("this torch's DCP has no CheckpointableTensor")
+    tpcore.checkpoint.dcp.USE_CHECKPOINTABLE = checkpointable
+
+
+def _save(rank, world, root, checkpointable=True):
+    _use(checkpointable)
     setup_tp(2)
     torch.manual_seed(0)
     user = UserModel()
@@ -117,10 +135,18 @@ def _save(rank, world, root):
         user_opt.step()
         user_opt.zero_grad()
         _gpt_step(gpt, gpt_opt, step)
-    state = {"user": tpcore.sharded_state_dict(user), "user_optim": tpcore.sharded_optimizer_state_dict(user, user_opt),
-             "gpt": tpcore.sharded_state_dict(gpt), "gpt_optim": tpcore.sharded_optimizer_state_dict(gpt, gpt_opt)}
+    state = {
+        "user": tpcore.sharded_state_dict(user),
+        "user_optim": tpcore.sharded_optimizer_state_dict(user, user_opt),
+        "gpt": tpcore.sharded_state_dict(gpt),
+        "gpt_optim": tpcore.sharded_optimizer_state_dict(gpt, gpt_opt),
+    }
     dcp.save(state, checkpoint_id=os.path.join(root, "dcp"))
-    saved = {"user": _user_dense(user, user_opt), "gpt": _gpt_dense(gpt, gpt_opt), "dense_gpt": gpt.to_dense().state_dict()}
+    saved = {
+        "user": _user_dense(user, user_opt),
+        "gpt": _gpt_dense(gpt, gpt_opt),
+        "dense_gpt": gpt.to_dense().state_dict(),
+    }
     # One more step each, for the loading runs to repeat.
     saved["user_loss"] = _user_loss(user, 9).detach()
     _user_loss(user, 9).backward()
@@ -139,40 +165,72 @@ def tp2_dcp(cpu_ranks, tmp_path_factory):
     return root
 
 
-def _load(rank, world, root, tp):
+def _load(rank, world, root, tp, checkpointable=True):
+    _use(checkpointable)
     setup_tp(tp)
     saved = torch.load(os.path.join(root, "saved.pt"), weights_only=True)
     torch.manual_seed(1)  # other weights than the saved ones
     user = UserModel()
-    user_opt = torch.optim.AdamW(user.parameters(), lr=1e-3, weight_decay=0.5)  # the checkpoint's hyperparameters win
+    user_opt = torch.optim.AdamW(
+        user.parameters(), lr=1e-3, weight_decay=0.5
+    )  # the checkpoint's hyperparameters win
     gpt, gpt_opt = _make_gpt(1)
-    state = {"user": tpcore.sharded_state_dict(user), "user_optim": tpcore.sharded_optimizer_state_dict(user, user_opt),
-             "gpt": tpcore.sharded_state_dict(gpt), "gpt_optim": tpcore.sharded_optimizer_state_dict(gpt, gpt_opt)}
+    state = {
+        "user": tpcore.sharded_state_dict(user),
+        "user_optim": tpcore.sharded_optimizer_state_dict(user, user_opt),
+        "gpt": tpcore.sharded_state_dict(gpt),
+        "gpt_optim": tpcore.sharded_optimizer_state_dict(gpt, gpt_opt),
+    }
     dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
     tpcore.load_sharded_state_dict(user, state["user"])
     tpcore.load_sharded_optimizer_state_dict(user, user_opt, state["user_optim"])
     tpcore.load_sharded_state_dict(gpt, state["gpt"])
     tpcore.load_sharded_optimizer_state_dict(gpt, gpt_opt, state["gpt_optim"])
-    assert user_opt.param_groups[0]["lr"] == 1e-2 and user_opt.param_groups[0]["weight_decay"] == 0.01
-    for what, got, want in (("user", _user_dense(user, user_opt), saved["user"]), ("gpt", _gpt_dense(gpt, gpt_opt), saved["gpt"])):
+    assert (
+        user_opt.param_groups[0]["lr"] == 1e-2 and user_opt.param_groups[0]["weight_decay"] == 0.01
+    )
+    for what, got, want in (
+        ("user", _user_dense(user, user_opt), saved["user"]),
+        ("gpt", _gpt_dense(gpt, gpt_opt), saved["gpt"]),
+    ):
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), f"TP {tp} {what}: {name}"
     tp_rank = dist.get_rank(parallel_state.get_tensor_model_parallel_group())
     for name, p in gpt.named_parameters():  # every rank's piece, copies of the KV head included
-        assert torch.equal(p.detach(), slice_piece(saved["dense_gpt"][name], gpt_rule(name, GPT_CONFIG), tp_rank, tp, GPT_CONFIG)), name
-    assert_close(_user_loss(user, 9).detach(), saved["user_loss"], f"TP {tp}: user loss after loading")
+        assert torch.equal(
+            p.detach(),
+            slice_piece(
+                saved["dense_gpt"][name], gpt_rule(name, GPT_CONFIG), tp_rank, tp, GPT_CONFIG
+            ),
+        ), name
+    assert_close(
+        _user_loss(user, 9).detach(), saved["user_loss"], f"TP {tp}: user loss after loading"
+    )
     _user_loss(user, 9).backward()
     user_opt.step()
     assert_close(_gpt_step(gpt, gpt_opt, 9), saved["gpt_loss"], f"TP {tp}: GPT loss after loading")
-    for what, got, want in (("user", _user_dense(user, user_opt), saved["user_after"]), ("gpt", _gpt_dense(gpt, gpt_opt), saved["gpt_after"])):
+    for what, got, want in (
+        ("user", _user_dense(user, user_opt), saved["user_after"]),
+        ("gpt", _gpt_dense(gpt, gpt_opt), saved["gpt_after"]),
+    ):
         for name in want:
             assert_close(got[name], want[name], f"TP {tp} {what}: {name} after a step")
 
 
-@pytest.mark.parametrize("tp", [1, 4])
-def test_dcp_saved_at_tp2_loads_at_other_sizes(cpu_ranks, tp2_dcp, tp):
-    cpu_ranks.run(_load, tp2_dcp, tp)
+@pytest.mark.parametrize(
+    "tp, checkpointable",
+    [(1, True), (4, True), (4, False)],
+    ids=["tp1", "tp4", "tp4-sharded-tensor"],
+)
+def test_dcp_saved_at_tp2_loads_at_other_sizes(cpu_ranks, tp2_dcp, tp, checkpointable):
+    cpu_ranks.run(_load, tp2_dcp, tp, checkpointable)
+
+
+def test_dcp_saved_as_sharded_tensors_loads_at_tp4(cpu_ranks, tmp_path):
+    """The ShardedTensor form (torch before 2.15) writes the same checkpoint."""
+    cpu_ranks.run(_save, str(tmp_path), False)
+    cpu_ranks.run(_load, str(tmp_path), 4, True)
 
 
 def test_dcp_to_torch_save_gives_the_dense_state_dict(tp2_dcp):
@@ -186,5 +244,9 @@ def test_dcp_to_torch_save_gives_the_dense_state_dict(tp2_dcp):
     for name, want in saved["dense_gpt"].items():
         assert torch.equal(dense["gpt"][name], want), name
     for name, want in saved["user"].items():
-        got = dense["user"][name] if "/" not in name else dense["user_optim"]["state"][name.split("/")[0]][name.split("/")[1]]
+        got = (
+            dense["user"][name]
+            if "/" not in name
+            else dense["user_optim"]["state"][name.split("/")[0]][name.split("/")[1]]
+        )
         assert torch.equal(got, want), name

@@ -7,19 +7,21 @@
     torch.distributed.checkpoint.load(state, checkpoint_id=path)
     tpcore.load_sharded_state_dict(model, state)
 
-Each split parameter becomes a `ShardedTensor` of its global shape whose local shards are
-the ranges of the global tensor this rank holds (`ShardSpec.ranges`): vocabulary padding
-is in none of them, a fused QKV piece is three shards (whole heads of Q, K and V). A copy
-of a replicated chunk (a KV head on several ranks) is a shard of its owner only, since DCP
-refuses overlapping shards; `load_sharded_state_dict` gives the copies the owner's values
+Each split parameter is presented to DCP as the global tensor it is part of, its local
+shards the ranges this rank holds (`ShardSpec.ranges`): vocabulary padding is in none of
+them, a fused QKV piece is three shards (whole heads of Q, K and V). On torch 2.15+ it is
+the parameter's own storage carrying DCP's `CheckpointableTensor` fields (global shape,
+each shard's global and local offsets and sizes): DCP writes from it and loads into it in
+place. On older torch it is a `ShardedTensor` (views where contiguous, else copies). A copy
+of a replicated chunk (a KV head on several ranks) is a shard of its owner only (DCP
+refuses overlapping shards); `load_sharded_state_dict` gives the copies the owner's values
 (one all-reduce over the TP group per such tensor). Replicated parameters and buffers stay
 plain tensors, which DCP writes once and reads on every rank. So a checkpoint saved at one
 TP x DP layout loads at any other, and `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`
 turns it into the dense model's state dict.
 
-Shards are views of the parameters where they are contiguous (DCP loads into them in
-place) and copies otherwise (a split along dim 1 or later with more than one range);
-`load_sharded_state_dict` writes everything back, so always call it after `load`.
+`load_sharded_state_dict` writes back what DCP did not load in place and fills the copies:
+always call it after `load`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,42 @@ from torch import nn
 
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
 
-__all__ = ["sharded_state_dict", "load_sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict"]
+__all__ = [
+    "sharded_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optimizer_state_dict",
+    "load_sharded_optimizer_state_dict",
+]
+
+
+def _checkpointable_protocol() -> bool:
+    """Whether this torch's DCP takes a plain tensor carrying its global layout (the
+    `CheckpointableTensor` protocol); older ones take ShardedTensors."""
+    try:
+        from torch.distributed.checkpoint.protocol import CheckpointableTensor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+USE_CHECKPOINTABLE = _checkpointable_protocol()
+"""Build the sharded values as `CheckpointableTensor`s (torch 2.15+) rather than `ShardedTensor`s."""
+
+
+def _checkpointable(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """`local` (this rank's piece) as a tensor sharing its storage and naming, for each range
+    this rank owns, where it lies in the global tensor (the `CheckpointableTensor` fields)."""
+    dim, ranges = spec.ranges(owned=True)
+    out = local.detach()
+
+    def along(value: int, default) -> tuple[int, ...]:
+        return tuple(value if d == dim else default(d) for d in range(local.dim()))
+
+    out.global_shape = spec.global_shape
+    out.global_offsets = tuple(along(start, lambda d: 0) for _, start, _ in ranges)
+    out.local_offsets = tuple(along(local_start, lambda d: 0) for local_start, _, _ in ranges)
+    out.local_sizes = tuple(along(length, lambda d: local.shape[d]) for _, _, length in ranges)
+    return out
 
 
 def _global_rank(spec: ShardSpec, rank: int) -> int:
@@ -40,10 +77,14 @@ def _global_rank(spec: ShardSpec, rank: int) -> int:
 
 
 def _to_sharded(local: torch.Tensor, spec: ShardSpec):
-    """`local` (this rank's piece, as `spec` describes it) as a ShardedTensor of the global shape."""
+    """`local` (this rank's piece, as `spec` describes it) as a ShardedTensor of the global
+    shape: for a torch whose DCP has no `CheckpointableTensor`."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
 
     device = local.device
     place = f"/{device.type}:{device.index}" if device.index is not None else f"/{device.type}"
@@ -57,24 +98,47 @@ def _to_sharded(local: torch.Tensor, spec: ShardSpec):
             shards_metadata.append(meta)
             if rank == spec.tp_rank:
                 view = local.detach().narrow(dim, local_start, length)
-                local_shards.append(Shard(view if view.is_contiguous() else view.contiguous(), meta))
-    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False)
+                local_shards.append(
+                    Shard(view if view.is_contiguous() else view.contiguous(), meta)
+                )
+    properties = TensorProperties(
+        dtype=local.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     metadata = ShardedTensorMetadata(shards_metadata, torch.Size(spec.global_shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
-def _from_sharded(value, local: torch.Tensor, spec: ShardSpec) -> None:
-    """Write the loaded shards of `value` back into `local`, and give copies of replicated
-    chunks their owner's values (a collective over the spec's group when it has copies)."""
+def _loaded_shards(value, spec: ShardSpec) -> list[torch.Tensor]:
+    """The loaded tensors of the ranges this rank owns, in `spec.ranges(owned=True)` order."""
     dim, ranges = spec.ranges(owned=True)
-    shards = value.local_shards()
+    if not hasattr(value, "local_shards"):  # (a ShardedTensor is a torch.Tensor too)
+        if tuple(value.shape) != spec.local_shape:
+            raise ValueError(
+                f"tpcore: load_sharded_state_dict: a piece of shape {list(value.shape)}, expected {list(spec.local_shape)}"
+            )
+        return [value.narrow(dim, local_start, length) for local_start, _, length in ranges]
+    shards = [shard.tensor for shard in value.local_shards()]
     if len(shards) != len(ranges):
-        raise ValueError(f"tpcore: load_sharded_state_dict: {len(shards)} local shards for a piece of {len(ranges)} owned ranges")
+        raise ValueError(
+            f"tpcore: load_sharded_state_dict: {len(shards)} local shards for a piece of {len(ranges)} owned ranges"
+        )
+    return shards
+
+
+def _from_sharded(value, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Write the loaded shards of `value` back into `local` (nothing to do where they are
+    views of it), and give copies of replicated chunks their owner's values (a collective
+    over the spec's group when any rank holds copies)."""
+    dim, ranges = spec.ranges(owned=True)
     with torch.no_grad():
-        for shard, (local_start, _, length) in zip(shards, ranges):
+        for loaded, (local_start, _, length) in zip(_loaded_shards(value, spec), ranges):
             target = local.narrow(dim, local_start, length)
-            if target.data_ptr() != shard.tensor.data_ptr() or not target.is_contiguous():
-                target.copy_(shard.tensor)
+            if target.data_ptr() != loaded.data_ptr() or target.stride() != loaded.stride():
+                target.copy_(loaded)
     if any(_has_copies(spec, r) for r in range(spec.tp_size)):  # every rank of the group joins
         _fill_copies(local, spec)
 
@@ -114,7 +178,9 @@ def _fill_copies(local: torch.Tensor, spec: ShardSpec) -> None:
 
 
 def _sharded(tensor: torch.Tensor, spec: ShardSpec):
-    return tensor.detach() if spec.kind == "replicated" else _to_sharded(tensor, spec)
+    if spec.kind == "replicated":
+        return tensor.detach()
+    return _checkpointable(tensor, spec) if USE_CHECKPOINTABLE else _to_sharded(tensor, spec)
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -122,7 +188,10 @@ def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
     tensor (names and shapes as the dense module's; vocabulary padding left out), for
     `torch.distributed.checkpoint.save` / `load`. Builds no global tensor."""
     specs = {name: shard_spec(p) for name, p in module.named_parameters()}
-    return {name: _sharded(t, specs[name]) if name in specs else t for name, t in module.state_dict(keep_vars=True).items()}
+    return {
+        name: _sharded(t, specs[name]) if name in specs else t
+        for name, t in module.state_dict(keep_vars=True).items()
+    }
 
 
 def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> None:
@@ -133,7 +202,9 @@ def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> No
     own = module.state_dict(keep_vars=True)
     missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or extra:
-        raise KeyError(f"tpcore: load_sharded_state_dict: the state dict does not fit the module (missing {missing[:5]}, unexpected {extra[:5]})")
+        raise KeyError(
+            f"tpcore: load_sharded_state_dict: the state dict does not fit the module (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
     specs = {name: shard_spec(p) for name, p in module.named_parameters()}
     with torch.no_grad():
         for name, target in own.items():
@@ -144,7 +215,9 @@ def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> No
                 target.copy_(value)
 
 
-def _optimizer_entries(module: nn.Module, optimizer) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def _optimizer_entries(
+    module: nn.Module, optimizer
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """({parameter name: {state key: tensor}}, {parameter name: parameter}) of a torch
     optimizer over `module`'s parameters, or of tpcore's ParallelAdamW."""
     params = dict(module.named_parameters())
@@ -155,15 +228,24 @@ def _optimizer_entries(module: nn.Module, optimizer) -> tuple[dict[str, dict[str
     names = {id(p): name for name, p in params.items()}
     unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
     if unknown:
-        raise ValueError(f"tpcore: the optimizer holds {len(unknown)} parameter(s) that are not the module's")
+        raise ValueError(
+            f"tpcore: the optimizer holds {len(unknown)} parameter(s) that are not the module's"
+        )
     _init_state(optimizer)
-    return {names[id(p)]: optimizer.state[p] for group in optimizer.param_groups for p in group["params"] if p in optimizer.state}, params
+    return {
+        names[id(p)]: optimizer.state[p]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p in optimizer.state
+    }, params
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
     """Create a fresh optimizer's state (one step on zero gradients at lr 0), so a loaded
     checkpoint has tensors to go into; what the step wrote is overwritten by the load."""
-    if optimizer.state or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+    if optimizer.state or any(
+        p.grad is not None for g in optimizer.param_groups for p in g["params"]
+    ):
         return
     lrs = [g.get("lr") for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -189,17 +271,28 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer) -> dict[str, Any]
     state = {}
     for name, entry in entries.items():
         spec, shape = shard_spec(params[name]), tuple(params[name].shape)
-        state[name] = {k: _sharded(v, spec) if torch.is_tensor(v) and tuple(v.shape) == shape else v for k, v in entry.items()}
+        state[name] = {
+            k: _sharded(v, spec) if torch.is_tensor(v) and tuple(v.shape) == shape else v
+            for k, v in entry.items()
+        }
     out: dict[str, Any] = {"state": state}
     if isinstance(optimizer, torch.optim.Optimizer):
         names = {id(p): name for name, p in params.items()}
-        out["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        out["param_groups"] = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"]],
+            }
+            for g in optimizer.param_groups
+        ]
     elif getattr(optimizer, "scaler", None) is not None:
         out["loss_scaler"] = optimizer.scaler.state_dict()
     return out
 
 
-def load_sharded_optimizer_state_dict(module: nn.Module, optimizer, state_dict: dict[str, Any]) -> None:
+def load_sharded_optimizer_state_dict(
+    module: nn.Module, optimizer, state_dict: dict[str, Any]
+) -> None:
     """Write a loaded `sharded_optimizer_state_dict(module, optimizer)` back into the
     optimizer (a collective over the TP group where chunks are replicated)."""
     entries, params = _optimizer_entries(module, optimizer)
@@ -213,7 +306,11 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer, state_dict: 
         loaded[name] = {}
         for key, value in state[name].items():
             target = entry.get(key)
-            if torch.is_tensor(target) and tuple(target.shape) == shape and spec.kind != "replicated":
+            if (
+                torch.is_tensor(target)
+                and tuple(target.shape) == shape
+                and spec.kind != "replicated"
+            ):
                 _from_sharded(value, target, spec)
                 value = target
             elif torch.is_tensor(target) and torch.is_tensor(value) and value is not target:
@@ -227,7 +324,9 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer, state_dict: 
             optimizer.state[params[p_name]].update(entry)
         for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", [])):
             if [names[id(p)] for p in group["params"]] != list(saved["params"]):
-                raise ValueError("tpcore: the optimizer's parameter groups do not hold the parameters the checkpoint's do")
+                raise ValueError(
+                    "tpcore: the optimizer's parameter groups do not hold the parameters the checkpoint's do"
+                )
             group.update({k: v for k, v in saved.items() if k != "params"})
     else:  # ParallelAdamW takes its own state dict
         optimizer.load_state_dict({"params": loaded, "loss_scaler": state_dict.get("loss_scaler")})
