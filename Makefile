@@ -9,14 +9,14 @@ CORPUS := data/fortunes.jsonl
 DATASET := data/fortunes_text_document
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup build test train bench clean corpus
+.PHONY: setup build test lint format train bench clean corpus
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
 # the extras (training; transformers for tpcore.hf), then tpcore itself, editable,
 # built against that torch (--no-build-isolation).
 setup:
 	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
-		pyyaml matplotlib safetensors tokenizers "transformers>=4.46"
+		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" $(LINTERS)
 	$(MAKE) build
 
 build:
@@ -24,6 +24,24 @@ build:
 
 test: setup
 	$(PYTHON) -m pytest -q
+
+# Linters, pinned so that every machine formats alike (settings in pyproject.toml and
+# .clang-format). CI runs `make lint` before `make test`; `make format` fixes what it can.
+LINTERS := ruff==0.17.6 clang-format==14.0.6
+CXX_SOURCES = $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+CLANG_FORMAT = $(PYTHON) -c "import clang_format, sys; sys.argv[0] = 'clang-format'; sys.exit(clang_format.clang_format())"
+
+lint:
+	$(PIP) install --quiet $(LINTERS)
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES)
+
+format:
+	$(PIP) install --quiet $(LINTERS)
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
 # The main job: GPT pretraining, TP=2 on two CPU ranks (examples/gpt_small.yaml), from
 # scratch each time; ends with a checkpoint, a loss-curve PNG and a generated sample.

@@ -37,11 +37,19 @@ IGNORE_INDEX = -100
 _LOGITS_COPIES = 6
 _ITERS = 10
 # Contenders in table order; a case runs those it names.
-_ALL = ("tpcore", "tpcore inplace_backward", "F.cross_entropy", "torch.compile(F.cross_entropy)", "megatron-style rewrite", "megatron-core")
+_ALL = (
+    "tpcore",
+    "tpcore inplace_backward",
+    "F.cross_entropy",
+    "torch.compile(F.cross_entropy)",
+    "megatron-style rewrite",
+    "megatron-core",
+)
 
 
 def floor_bytes(logits) -> int:
-    """Bytes a forward+backward must move at least: read the logits twice, write the gradient once."""
+    """Bytes a forward+backward must move at least: read the logits twice, write the gradient
+    once."""
     return 3 * logits.numel() * logits.element_size()
 
 
@@ -75,9 +83,9 @@ def _contenders(names, w, base, target, options: dict, mcore) -> dict:
     (untimed), step(x) runs forward + backward to x's gradient and frees it."""
     import torch
     import torch.nn.functional as F
+    from megatron_ce import megatron_cross_entropy
 
     import tpcore
-    from megatron_ce import megatron_cross_entropy
 
     def fwd_bwd(loss_fn):
         def step(x):
@@ -99,10 +107,16 @@ def _contenders(names, w, base, target, options: dict, mcore) -> dict:
     every = {
         "tpcore": (lambda: w, fwd_bwd(lambda x: ce(x, target, **options))),
         # inplace_backward refuses a leaf: give it a non-leaf copy, as an LM head's output would be.
-        "tpcore inplace_backward": (lambda: w.clone(), fwd_bwd(lambda x: ce(x, target, inplace_backward=True, **options))),
+        "tpcore inplace_backward": (
+            lambda: w.clone(),
+            fwd_bwd(lambda x: ce(x, target, inplace_backward=True, **options)),
+        ),
         "F.cross_entropy": (lambda: w, fwd_bwd(lambda x: F.cross_entropy(x, target, **options))),
         "torch.compile(F.cross_entropy)": (lambda: w, fwd_bwd(lambda x: compiled(x, target))),
-        "megatron-style rewrite": (lambda: w, fwd_bwd(lambda x: megatron_cross_entropy(x, target).mean())),
+        "megatron-style rewrite": (
+            lambda: w,
+            fwd_bwd(lambda x: megatron_cross_entropy(x, target).mean()),
+        ),
     }
     if callable(mcore):
         every["megatron-core"] = (restored, fwd_bwd(lambda x: mcore(x, target).mean()))
@@ -112,7 +126,8 @@ def _contenders(names, w, base, target, options: dict, mcore) -> dict:
 def _cases() -> list[dict]:
     cases = [
         dict(dtype=d, tokens=t, vocab=v, label_smoothing=0.0, ignored=0.0, names=_ALL)
-        for d in CUDA_DTYPES for t, v in CUDA_SHAPES
+        for d in CUDA_DTYPES
+        for t, v in CUDA_SHAPES
     ]
     return cases + [dict(SMOOTHING_CASE, names=("tpcore", "F.cross_entropy"))]
 
@@ -126,7 +141,9 @@ def _run_case(case: dict, mcore, failures: dict[str, list[str]]) -> dict[str, fl
     w = base.clone().requires_grad_(True)
     target = torch.randint(0, case["vocab"], (case["tokens"],), device="cuda", dtype=torch.int64)
     if case["ignored"]:
-        target.masked_fill_(torch.rand(case["tokens"], device="cuda") < case["ignored"], IGNORE_INDEX)
+        target.masked_fill_(
+            torch.rand(case["tokens"], device="cuda") < case["ignored"], IGNORE_INDEX
+        )
     options = dict(label_smoothing=case["label_smoothing"], ignore_index=IGNORE_INDEX)
     contenders = _contenders(case["names"], w, base, target, options, mcore)
     times = {}
@@ -136,9 +153,13 @@ def _run_case(case: dict, mcore, failures: dict[str, list[str]]) -> dict[str, fl
             times[name] = _cuda_seconds(setup, step)
         except Exception as e:  # noqa: BLE001 - one contender's failure must not end the report
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-            failures.setdefault(f"{name}: {reason}", []).append(f"{case['dtype']} {case['tokens']}x{case['vocab']}")
+            failures.setdefault(f"{name}: {reason}", []).append(
+                f"{case['dtype']} {case['tokens']}x{case['vocab']}"
+            )
             times[name] = float("nan")
-        if math.isnan(times[name]):  # out of the except block its frames are gone, and so is what they held
+        if math.isnan(
+            times[name]
+        ):  # out of the except block its frames are gone, and so is what they held
             torch.cuda.empty_cache()
     del contenders, w, base, target
     return times
@@ -157,7 +178,6 @@ def _bandwidth_case(rank, world, store, args, results):
     import gc
 
     import torch
-
     from megatron_ce import load_megatron_core
 
     init_ranks(rank, world, store, "cuda")
@@ -171,14 +191,19 @@ def _bandwidth_case(rank, world, store, args, results):
         free, _ = torch.cuda.mem_get_info()
         if _LOGITS_COPIES * logits_bytes > free:
             skipped.append(
-                f"{case['dtype']} {case['tokens']}x{case['vocab']}: needs ~{_LOGITS_COPIES * logits_bytes / 2**30:.1f} GiB "
+                f"{case['dtype']} {case['tokens']}x{case['vocab']}: needs "
+                f"~{_LOGITS_COPIES * logits_bytes / 2**30:.1f} GiB "
                 f"({_LOGITS_COPIES} x logits), {free / 2**30:.1f} GiB free"
             )
             continue
         times = _run_case(case, mcore, failures)
         rows.append((case, times, 3 * logits_bytes))
     torch._dynamo.reset()
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mcore=mcore if isinstance(mcore, str) else "")
+    info = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        mcore=mcore if isinstance(mcore, str) else "",
+    )
     results.put((rank, (copy_bw, rows, skipped, failures, info)))
 
 
@@ -189,8 +214,9 @@ def _ms(seconds: float | None) -> str:
 def report_bandwidth(args) -> None:
     copy_bw, rows, skipped, failures, info = run_on_ranks(_bandwidth_case, 1, args)[0]
     print(
-        f"\n## CUDA CE kernels, forward+backward at TP=1 on {info['device']}, torch {info['torch']} "
-        f"(device copy bandwidth {copy_bw / 1e9:.0f} GB/s; floor = 3 x logits bytes; median of {_ITERS} steps)"
+        f"\n## CUDA CE kernels, forward+backward at TP=1 on {info['device']}, "
+        f"torch {info['torch']} (device copy bandwidth {copy_bw / 1e9:.0f} GB/s; "
+        f"floor = 3 x logits bytes; median of {_ITERS} steps)"
     )
     if info["mcore"]:
         print(f"(megatron-core: {info['mcore']})")
@@ -199,12 +225,21 @@ def report_bandwidth(args) -> None:
     for reason, where in failures.items():
         print(f"failed (NaN below) {reason} [{', '.join(where)}]")
     head = "| dtype | tokens | vocab | options | " + " | ".join(f"{n} ms" for n in _ALL)
-    print(head + " | tpcore GB/s | tpcore fraction of copy bandwidth (out of place / inplace_backward) |")
+    print(
+        head
+        + " | tpcore GB/s | tpcore fraction of copy bandwidth (out of place / inplace_backward) |"
+    )
     print("|---" * (len(_ALL) + 6) + "|")
     for case, times, floor in rows:
-        options = f"label_smoothing {case['label_smoothing']}, {case['ignored']:.0%} ignored" if case["ignored"] else "-"
+        options = (
+            f"label_smoothing {case['label_smoothing']}, {case['ignored']:.0%} ignored"
+            if case["ignored"]
+            else "-"
+        )
         ours, inplace = times.get("tpcore"), times.get("tpcore inplace_backward")
-        fraction = " / ".join("-" if t is None else f"{floor / copy_bw / t:.2f}" for t in (ours, inplace))
+        fraction = " / ".join(
+            "-" if t is None else f"{floor / copy_bw / t:.2f}" for t in (ours, inplace)
+        )
         print(
             f"| {case['dtype']} | {case['tokens']} | {case['vocab']} | {options} | "
             + " | ".join(_ms(times.get(n)) for n in _ALL)

@@ -31,7 +31,10 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("gloo", rank=0, world_size=1)
     tpcore.initialize_model_parallel(1)
-    print("| tokens | vocab | contender | max abs error | / max abs gradient | max relative error (|g| > 1e-4 max) |")
+    print(
+        "| tokens | vocab | contender | max abs error | / max abs gradient | max relative "
+        "error (|g| > 1e-4 max) |"
+    )
     print("|---|---|---|---|---|---|")
     for tokens, vocab in SHAPES:
         g = torch.Generator().manual_seed(0)
@@ -39,10 +42,16 @@ def main() -> None:
         target = torch.randint(0, vocab, (tokens,), generator=g)
         ref = _grad(F.cross_entropy, logits.double(), target)
         big = ref.abs() > 1e-4 * ref.abs().max()
-        for name, fn in (("F.cross_entropy fp32", F.cross_entropy), ("tpcore fp32", tpcore.vocab_parallel_cross_entropy)):
+        for name, fn in (
+            ("F.cross_entropy fp32", F.cross_entropy),
+            ("tpcore fp32", tpcore.vocab_parallel_cross_entropy),
+        ):
             err = (_grad(fn, logits, target).double() - ref).abs()
             rel = (err / ref.abs())[big].max()
-            print(f"| {tokens} | {vocab} | {name} | {err.max():.3g} | {err.max() / ref.abs().max():.3g} | {rel:.3g} |")
+            print(
+                f"| {tokens} | {vocab} | {name} | {err.max():.3g} | "
+                f"{err.max() / ref.abs().max():.3g} | {rel:.3g} |"
+            )
     tpcore.shutdown()
 
 

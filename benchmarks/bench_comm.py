@@ -126,9 +126,18 @@ def _case(rank, world, store, sizes, ops, results):
     from tpcore import _C
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
     ranks = list(range(world))
-    groups = {"tpcore": dist.new_group(ranks, backend="tpcore"), "gloo": dist.new_group(ranks, backend="gloo")}
+    groups = {
+        "tpcore": dist.new_group(ranks, backend="tpcore"),
+        "gloo": dist.new_group(ranks, backend="gloo"),
+    }
     try:
         import deepspeed_shm
 
@@ -165,7 +174,9 @@ def _case(rank, world, store, sizes, ops, results):
                     dist.barrier(group=groups["gloo"])
                     if name == "tpcore C++ loop":
                         calls = agree(max(3, int(budget / max(rounds["tpcore.comm"][-1], 1e-7))))
-                        rounds[name].append(_C._shm_all_reduce_loop(groups["tpcore"], x, calls) / calls)
+                        rounds[name].append(
+                            _C._shm_all_reduce_loop(groups["tpcore"], x, calls) / calls
+                        )
                         continue
                     calls, seconds = _time_calls(fn, budget, agree=agree)
                     rounds[name].append(seconds / calls)
@@ -187,17 +198,27 @@ def _tune_case(rank, world, store, slots, two_steps, sizes, results):
     from tpcore import _C
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     rows = {}
     for slot in slots:
         for two_step in two_steps:
-            os.environ.update(TPCORE_SHM_SLOT_BYTES=str(slot), TPCORE_SHM_TWO_STEP_BYTES=str(two_step))
+            os.environ.update(
+                TPCORE_SHM_SLOT_BYTES=str(slot), TPCORE_SHM_TWO_STEP_BYTES=str(two_step)
+            )
             group = dist.new_group(list(range(world)), backend="tpcore")
             for nbytes in sizes:
                 x = torch.ones(nbytes // 4)
                 iters = max(5, int(0.3e9 / nbytes / 4))
                 _C._shm_all_reduce_loop(group, x, 3)
-                rows[(slot, two_step, nbytes)] = min(_C._shm_all_reduce_loop(group, x, iters) / iters for _ in range(3))
+                rows[(slot, two_step, nbytes)] = min(
+                    _C._shm_all_reduce_loop(group, x, iters) / iters for _ in range(3)
+                )
     dist.destroy_process_group()
     results.put((rank, rows))
 
@@ -215,7 +236,11 @@ def tune(worlds: list[int]) -> None:
         for slot in slots:
             for two_step in two_steps:
                 label = _fmt_bytes(two_step) if two_step < (1 << 40) else "never"
-                print(f"| {_fmt_bytes(slot)} | {label} | " + " | ".join(_fmt_us(rows[(slot, two_step, n)]) for n in sizes) + " |")
+                print(
+                    f"| {_fmt_bytes(slot)} | {label} | "
+                    + " | ".join(_fmt_us(rows[(slot, two_step, n)]) for n in sizes)
+                    + " |"
+                )
 
 
 def _bus_factor(op: str, world: int) -> float:
@@ -242,7 +267,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
     parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
-    parser.add_argument("--tune", action="store_true", help="sweep slot sizes and the two-step threshold instead")
+    parser.add_argument(
+        "--tune", action="store_true", help="sweep slot sizes and the two-step threshold instead"
+    )
     args = parser.parse_args()
     if args.tune:
         tune(args.worlds)
@@ -250,14 +277,23 @@ def main() -> None:
     sizes = [s for s in SIZES if s <= args.max_bytes]
     print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
     for world in args.worlds:
-        table, (copy, shared_copy), ds_note = run_on_ranks(_case, world, sizes, args.ops, timeout=3600)[0]
-        print(f"\n## {world} ranks (copy bandwidth of one rank, measured in this run: {copy:.1f} GB/s; "
-              f"of each rank while all {world} copy at once: {shared_copy:.1f} GB/s)")
+        table, (copy, shared_copy), ds_note = run_on_ranks(
+            _case, world, sizes, args.ops, timeout=3600
+        )[0]
+        print(
+            f"\n## {world} ranks (copy bandwidth of one rank, measured in this run: "
+            f"{copy:.1f} GB/s; "
+            f"of each rank while all {world} copy at once: {shared_copy:.1f} GB/s)"
+        )
         print(f"DeepSpeed: {ds_note}")
         for op in args.ops:
             names = list(next(v for (o, _), v in table.items() if o == op))
             print(f"\n### {op} (us per call; the input on each rank is the size given)\n")
-            print("| size | " + " | ".join(names) + " | tpcore vs gloo | tpcore bus bandwidth GB/s (% of copy) |")
+            print(
+                "| size | "
+                + " | ".join(names)
+                + " | tpcore vs gloo | tpcore bus bandwidth GB/s (% of copy) |"
+            )
             print("|---|" + "---|" * (len(names) + 2))
             for nbytes in sizes:
                 row = table[(op, nbytes)]
@@ -267,7 +303,10 @@ def main() -> None:
                 total = nbytes * (world if op in ("all_gather", "reduce_scatter") else 1)
                 bus = total * _bus_factor(op, world) / best / 1e9
                 cells = " | ".join(_fmt_us(row.get(name)) for name in names)
-                print(f"| {_fmt_bytes(nbytes)} | {cells} | {row['gloo'] / best:.1f}x | {bus:.2f} ({100 * bus / copy:.0f}%) |")
+                print(
+                    f"| {_fmt_bytes(nbytes)} | {cells} | {row['gloo'] / best:.1f}x | "
+                    f"{bus:.2f} ({100 * bus / copy:.0f}%) |"
+                )
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -78,9 +78,9 @@ def _contenders(world, w, base, target, mcore):
     """name -> (setup, step): setup() is untimed and returns the logits to use; step(x) is timed."""
     import torch
     import torch.nn.functional as F
+    from megatron_ce import megatron_cross_entropy
 
     import tpcore
-    from megatron_ce import megatron_cross_entropy
 
     def fwd_bwd(loss_fn, after=None):
         def step(x):
@@ -105,13 +105,22 @@ def _contenders(world, w, base, target, mcore):
     c = {}
     if world == 1:
         c["F.cross_entropy"] = (lambda: w, fwd_bwd(lambda x: F.cross_entropy(x, target)))
-    c["tpcore, cache off"] = (empty_cache_then_w, fwd_bwd(lambda x: ce(x, target), after=tpcore.empty_cpu_cache))
+    c["tpcore, cache off"] = (
+        empty_cache_then_w,
+        fwd_bwd(lambda x: ce(x, target), after=tpcore.empty_cpu_cache),
+    )
     c["tpcore, cache on"] = (lambda: w, fwd_bwd(lambda x: ce(x, target)))
     # inplace_backward refuses leaf logits: give it a non-leaf copy, as an LM head would.
-    c["tpcore, inplace_backward"] = (lambda: w * 1, fwd_bwd(lambda x: ce(x, target, inplace_backward=True)))
+    c["tpcore, inplace_backward"] = (
+        lambda: w * 1,
+        fwd_bwd(lambda x: ce(x, target, inplace_backward=True)),
+    )
     if callable(mcore):
         c["megatron-core"] = (restored, fwd_bwd(lambda x: mcore(x, target).mean()))
-    c["megatron-style rewrite"] = (lambda: w, fwd_bwd(lambda x: megatron_cross_entropy(x, target).mean()))
+    c["megatron-style rewrite"] = (
+        lambda: w,
+        fwd_bwd(lambda x: megatron_cross_entropy(x, target).mean()),
+    )
     dst = torch.empty_like(base)
     dst.copy_(base)  # touched: the copy times bandwidth, not page faults
     c["copy"] = (lambda: base, lambda x: dst.copy_(x))
@@ -124,9 +133,9 @@ def _ce_case(rank, world, store, spec, results):
 
     import torch
     import torch.distributed as dist
+    from megatron_ce import load_megatron_core
 
     import tpcore  # noqa: F401 - loads the extension before anything is timed
-    from megatron_ce import load_megatron_core
 
     threads = max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
@@ -135,7 +144,9 @@ def _ce_case(rank, world, store, spec, results):
     dtype = getattr(torch, spec["dtype"])
     g = torch.Generator().manual_seed(rank)
     base = torch.randn(spec["tokens"], spec["vocab"] // world, generator=g).to(dtype)
-    target = torch.randint(0, spec["vocab"], (spec["tokens"],), generator=torch.Generator().manual_seed(0))
+    target = torch.randint(
+        0, spec["vocab"], (spec["tokens"],), generator=torch.Generator().manual_seed(0)
+    )
     w = base.clone().requires_grad_(True)
     contenders = _contenders(world, w, base, target, mcore)
 
@@ -155,7 +166,7 @@ def _ce_case(rank, world, store, spec, results):
     times = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(spec["rounds"]):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             setup, step = contenders[name]
             for i in range(spec["iters"] + 1):  # the first one warms up
                 x = setup()
@@ -205,18 +216,26 @@ def _report(world, spec, out, info, cond):
     default_is = "cache on" if grad <= DEFAULT_CACHE_LIMIT else "cache off"
     print(
         f"\n### {cond}: TP={world}, logits [{spec['tokens']}, {spec['vocab']}] {spec['dtype']} "
-        f"({spec['vocab'] // world} columns and {grad / MiB:.0f} MiB per rank), {info['threads']} thread(s) per rank"
+        f"({spec['vocab'] // world} columns and {grad / MiB:.0f} MiB per rank), "
+        f"{info['threads']} thread(s) per rank"
     )
     print(
-        f"malloc in the ranks: {info['allocator']}; load average at the end: {info['load']:.1f}. Copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (all ranks, fastest copy step); floor = read logits twice + write gradient once = "
-        f"{info['floor_bytes'] * world / 2**30:.2f} GiB -> {floor_ms:.0f} ms. tpcore's default cache "
-        f"(256 MiB) here means \"{default_is}\"."
+        f"malloc in the ranks: {info['allocator']}; load average at the end: "
+        f"{info['load']:.1f}. Copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (all ranks, fastest copy step); floor = read logits "
+        "twice + write gradient once = "
+        f"{info['floor_bytes'] * world / 2**30:.2f} GiB -> {floor_ms:.0f} ms. tpcore's "
+        "default cache "
+        f'(256 MiB) here means "{default_is}".'
     )
     if info["mcore"]:
         print(f"megatron-core: not run ({info['mcore']})")
     refs = [r for r in ("F.cross_entropy", "megatron-core", "megatron-style rewrite") if r in out]
-    head = "| contender | ms | " + " | ".join(f"{r} ms / ms" for r in refs) + " | GB/s (3x logits) | % of floor |"
+    head = (
+        "| contender | ms | "
+        + " | ".join(f"{r} ms / ms" for r in refs)
+        + " | GB/s (3x logits) | % of floor |"
+    )
     mem = out["copy"][1] is not None
     if mem:
         head += " peak extra MiB | held after MiB |"
@@ -226,11 +245,18 @@ def _report(world, spec, out, info, cond):
         if name == "copy":
             continue
         ratios = " | ".join(f"{out[r][0] / ms:.2f}" for r in refs)
-        row = f"| {name} | {ms:.1f} | {ratios} | {info['floor_bytes'] * world / ms / 1e6:.1f} | {floor_ms / ms * 100:.0f}% |"
+        row = (
+            f"| {name} | {ms:.1f} | {ratios} | {info['floor_bytes'] * world / ms / 1e6:.1f} | "
+            f"{floor_ms / ms * 100:.0f}% |"
+        )
         if mem:
             row += f" {peak / MiB:.0f} | {held / MiB:.0f} |"
         print(row)
-    print(f"| copy (dst.copy_(logits)), median / fastest | {out['copy'][0]:.1f} / {copy_ms:.1f} |" + " |" * (len(refs) + 2) + (" | |" if mem else ""))
+    print(
+        f"| copy (dst.copy_(logits)), median / fastest | {out['copy'][0]:.1f} / {copy_ms:.1f} |"
+        + " |" * (len(refs) + 2)
+        + (" | |" if mem else "")
+    )
 
 
 def _summary(cond, results) -> None:
@@ -240,7 +266,10 @@ def _summary(cond, results) -> None:
     print("| TP | dtype | shape | tpcore variant | vs F.cross_entropy | vs Megatron | met |")
     print("|---|---|---|---|---|---|---|")
     for (world, dtype, tokens, vocab), out in results.items():
-        megatron = min(("megatron-core", "megatron-style rewrite"), key=lambda m: out.get(m, (float("inf"),))[0])
+        megatron = min(
+            ("megatron-core", "megatron-style rewrite"),
+            key=lambda m: out.get(m, (float("inf"),))[0],
+        )
         # F.cross_entropy cannot take a shard: at TP>1 compare with it at TP=1 on the same
         # cores (same run, another case: not interleaved).
         torch_ce = results.get((1, dtype, tokens, vocab), {}).get("F.cross_entropy")
@@ -250,7 +279,10 @@ def _summary(cond, results) -> None:
             vs_m = out[megatron][0] / ms
             met = "yes" if vs_ce >= 1.5 and vs_m >= 2 else "no"
             note = "" if world == 1 else " (F.ce at TP=1)"
-            print(f"| {world} | {dtype} | {tokens}x{vocab} | {name.split(', ')[1]} | {vs_ce:.2f}{note} | {vs_m:.2f} ({megatron}) | {met} |")
+            print(
+                f"| {world} | {dtype} | {tokens}x{vocab} | {name.split(', ')[1]} | "
+                f"{vs_ce:.2f}{note} | {vs_m:.2f} ({megatron}) | {met} |"
+            )
 
 
 def main() -> None:
@@ -258,14 +290,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--allocators", default="default,tcmalloc", help="comma list of default, tcmalloc, thp")
+    parser.add_argument(
+        "--allocators", default="default,tcmalloc", help="comma list of default, tcmalloc, thp"
+    )
     parser.add_argument("--tp", default="1,2", help="comma list of TP sizes")
     parser.add_argument("--dtypes", default="float32", help="comma list: float32, bfloat16")
     parser.add_argument("--shapes", default="8192x32768", help="comma list of TOKENSxVOCAB")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=2, help="timed steps per contender per round")
     parser.add_argument("--quick", action="store_true", help="shapes / 8, 2 rounds: a smoke run")
-    parser.add_argument("--fused", action="store_true", help="also the fused LM head + CE (bench_fused_ce.py)")
+    parser.add_argument(
+        "--fused", action="store_true", help="also the fused LM head + CE (bench_fused_ce.py)"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         from bench_ce_bandwidth import report_bandwidth
@@ -282,7 +318,8 @@ def main() -> None:
         mcore_version = "not installed"
     print(
         f"torch {torch.__version__}, CPU, {os.cpu_count()} cores, megatron-core {mcore_version}; "
-        f"{args.rounds} rounds x {args.iters} timed steps per contender; load average at start {os.getloadavg()[0]:.1f}"
+        f"{args.rounds} rounds x {args.iters} timed steps per contender; load average at "
+        f"start {os.getloadavg()[0]:.1f}"
     )
     conditions = allocator_conditions(args.allocators.split(","))
     for ci, (cond, description, env) in enumerate(conditions):
@@ -291,7 +328,14 @@ def main() -> None:
         for world in (int(t) for t in args.tp.split(",")):
             for dtype in args.dtypes.split(","):
                 for tokens, vocab in shapes:
-                    spec = dict(tokens=tokens, vocab=vocab, dtype=dtype, rounds=args.rounds, iters=args.iters, memory=ci == 0)
+                    spec = dict(
+                        tokens=tokens,
+                        vocab=vocab,
+                        dtype=dtype,
+                        rounds=args.rounds,
+                        iters=args.iters,
+                        memory=ci == 0,
+                    )
                     # The cache must be able to keep the gradient for "cache on"; "cache off"
                     # empties it each step, which is what a smaller limit does.
                     out, info = _run_case(world, spec, {**env, "TPCORE_CPU_CACHE_MB": "65536"})

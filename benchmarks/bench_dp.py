@@ -2,7 +2,8 @@
 with the backward pass, against today's optimizer (`ParallelAdamW` over `.grad`) measured in
 the same run.
 
-    python benchmarks/bench_dp.py [--hidden 256] [--layers 4] [--steps 10] [--backends gloo,tpcore] [--gloo-threads normal,realtime]
+    python benchmarks/bench_dp.py [--hidden 256] [--layers 4] [--steps 10] [--backends gloo,tpcore]
+                                  [--gloo-threads normal,realtime]
 
 Memory: optimizer + gradient + parameter bytes per parameter on one rank at DP 1, 2 and 4
 (bf16 parameters, fp32 gradients), counted as the unique storages alive when AdamW steps
@@ -47,7 +48,9 @@ CASES = {  # name -> DataParallelOptions fields
     "buffers": dict(),
     "overlap-grad-reduce": dict(overlap_grad_reduce=True),
     "distributed": dict(use_distributed_optimizer=True),
-    "distributed+overlaps": dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+    "distributed+overlaps": dict(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+    ),
 }
 
 
@@ -60,7 +63,12 @@ def _storages(opt, params) -> int:
     for m in masters:
         tensors += [m, m.grad]
     if opt.adam is not None:
-        tensors += [v for state in opt.adam.state.values() for v in state.values() if isinstance(v, __import__("torch").Tensor)]
+        tensors += [
+            v
+            for state in opt.adam.state.values()
+            for v in state.values()
+            if isinstance(v, __import__("torch").Tensor)
+        ]
     seen = {}
     for t in tensors:
         if t is not None:
@@ -78,33 +86,61 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, threads,
 
     import tpcore
     from tpcore.models import GPTConfig
-    from tpcore.pipeline_parallel import activation_shape, build_gpt_stages, forward_backward, gpt_forward_step
+    from tpcore.pipeline_parallel import (
+        activation_shape,
+        build_gpt_stages,
+        forward_backward,
+        gpt_forward_step,
+    )
     from tpcore.train import optimizer as optimizer_module
     from tpcore.train.optimizer_setup import DataParallelOptions, make_optimizer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     tpcore.initialize_model_parallel(1, backend="gloo" if backend == "gloo" else None)
     from tpcore import parallel_state as ps
 
     dtype = getattr(torch, dtype_name)
-    config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                       max_position_embeddings=args.seq)
+    config = GPTConfig(
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        max_position_embeddings=args.seq,
+    )
     torch.manual_seed(0)
     chunks = build_gpt_stages(config, dtype=dtype)
     options = dict(CASES[case])
     if args.bucket_size and case != "today":  # today's optimizer has no buckets
         options["bucket_size"] = args.bucket_size
-    opt, grads = make_optimizer(chunks, DataParallelOptions(**options), tp_group=ps.get_tensor_model_parallel_group(),
-                                dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(), lr=1e-4,
-                                weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, loss_scaler=None)
+    opt, grads = make_optimizer(
+        chunks,
+        DataParallelOptions(**options),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        lr=1e-4,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        loss_scaler=None,
+    )
     if threads == "realtime":  # every group exists now
         tpcore.prioritize_communication_threads()
     params = [p for c in chunks for p in c.parameters()]
     record = {"bytes": None, "exposed": 0.0, "span": (0.0, 0.0)}
     if measure == "memory":
         inner = opt.adam.step
-        opt.adam.step = lambda *a, **k: (record.__setitem__("bytes", _storages(opt, params)), inner(*a, **k))[1]
+        opt.adam.step = lambda *a, **k: (
+            record.__setitem__("bytes", _storages(opt, params)),
+            inner(*a, **k),
+        )[1]
     else:  # time today's concatenated all-reduce, which runs inside its step
         reduce = optimizer_module.average_data_parallel_grads
 
@@ -113,19 +149,30 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, threads,
             reduce(*a, **k)
             record["exposed"] += time.perf_counter() - t0
             record["span"] = (t0, time.perf_counter())
+
         optimizer_module.average_data_parallel_grads = timed
     shape = activation_shape(config, args.micro, args.seq, 1)
     g = torch.Generator().manual_seed(rank)
     rows = []
     steps = 2 if measure == "memory" else WARMUP + args.steps
     for _ in range(steps):
-        micro = [(torch.randint(0, args.vocab, (args.micro, args.seq), generator=g),) * 2 for _ in range(args.accumulation)]
+        micro = [
+            (torch.randint(0, args.vocab, (args.micro, args.seq), generator=g),) * 2
+            for _ in range(args.accumulation)
+        ]
         record["exposed"] = 0.0
-        dist.barrier(group=ps.get_data_parallel_group())  # on the backend under test (a gloo barrier's thread would compete)
+        dist.barrier(
+            group=ps.get_data_parallel_group()
+        )  # on the backend under test (a gloo barrier's thread would compete)
         t0 = time.perf_counter()
         if grads is not None:
             grads.start_step(args.accumulation)
-        forward_backward(gpt_forward_step(chunks, micro, tensor_shape=shape), num_micro_batches=args.accumulation, tensor_shape=shape, dtype=dtype)
+        forward_backward(
+            gpt_forward_step(chunks, micro, tensor_shape=shape),
+            num_micro_batches=args.accumulation,
+            tensor_shape=shape,
+            dtype=dtype,
+        )
         t1 = time.perf_counter()
         if grads is not None:
             grads.finish_grad_sync()
@@ -135,7 +182,16 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, threads,
         t2 = time.perf_counter()
         rows.append((t1 - t0, record["exposed"], t2 - t0, *record["span"]))
     n = sum(p.numel() for p in params)
-    results.put((rank, {"bytes": record["bytes"], "params": n, "rows": rows[WARMUP:] if measure == "time" else rows}))
+    results.put(
+        (
+            rank,
+            {
+                "bytes": record["bytes"],
+                "params": n,
+                "rows": rows[WARMUP:] if measure == "time" else rows,
+            },
+        )
+    )
 
 
 def main() -> None:
@@ -150,16 +206,34 @@ def main() -> None:
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backends", default="gloo,tpcore")
-    p.add_argument("--bucket-size", type=int, default=None, help="elements per gradient bucket (default: tpcore's CPU default)")
-    p.add_argument("--gloo-threads", default="normal,realtime",
-                   help="scheduling of gloo's threads in the gloo runs: normal, realtime (SCHED_RR 1) or both")
+    p.add_argument(
+        "--bucket-size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket (default: tpcore's CPU default)",
+    )
+    p.add_argument(
+        "--gloo-threads",
+        default="normal,realtime",
+        help="scheduling of gloo's threads in the gloo runs: normal, realtime (SCHED_RR 1) or both",
+    )
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-time", action="store_true")
     args = p.parse_args()
-    print(f"GPT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}; micro-batch {args.micro} x {args.accumulation} per rank; bucket size {args.bucket_size or 'default'}")
+    print(
+        f"GPT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq "
+        f"{args.seq}; micro-batch {args.micro} x {args.accumulation} per rank; bucket size "
+        f"{args.bucket_size or 'default'}"
+    )
     if not args.skip_memory:
-        print("\n## Memory per rank at the optimizer step (bf16 parameters, fp32 gradients), bytes per parameter\n")
-        print("| DP | today | distributed | Megatron 6 + 12/d | distributed / formula | distributed / today |")
+        print(
+            "\n## Memory per rank at the optimizer step (bf16 parameters, fp32 gradients), "
+            "bytes per parameter\n"
+        )
+        print(
+            "| DP | today | distributed | Megatron 6 + 12/d | distributed / formula | "
+            "distributed / today |"
+        )
         print("|---:|---:|---:|---:|---:|---:|")
         for dp in (1, 2, 4):
             got = {}
@@ -167,18 +241,33 @@ def main() -> None:
                 out = run_on_ranks(_case, dp, args, case, "bfloat16", "tpcore", "memory", "normal")
                 got[case] = max(o["bytes"] for o in out) / out[0]["params"]
             formula = 6 + 12 / dp
-            print(f"| {dp} | {got['today']:.2f} | {got['distributed']:.2f} | {formula:.2f} | {got['distributed'] / formula:.3f} | {got['distributed'] / got['today']:.3f} |")
+            print(
+                f"| {dp} | {got['today']:.2f} | {got['distributed']:.2f} | {formula:.2f} | "
+                f"{got['distributed'] / formula:.3f} | "
+                f"{got['distributed'] / got['today']:.3f} |"
+            )
     if not args.skip_time:
         print("\n## Time per step at DP 2 (fp32, medians, ms)\n")
-        print("| backend | gloo threads | case | forward+backward | exposed, per rank | exposed, critical path | step | "
-              "exposed / today's (per rank / critical path) | exposed / same backend's buffers (per rank / critical path) | step / today's |")
+        print(
+            "| backend | gloo threads | case | forward+backward | exposed, per rank | "
+            "exposed, critical path | step | "
+            "exposed / today's (per rank / critical path) | exposed / same backend's "
+            "buffers (per rank / critical path) | step / today's |"
+        )
         print("|---|---|---|---:|---:|---:|---:|---|---|---:|")
         gloo_threads = args.gloo_threads.split(",")
         if "realtime" in gloo_threads and not may_use_realtime():
-            print("(gloo's threads at real-time priority left out: this process may not use real-time scheduling; "
-                  "it needs CAP_SYS_NICE or `ulimit -r 1`)\n")
+            print(
+                "(gloo's threads at real-time priority left out: this process may not use "
+                "real-time scheduling; "
+                "it needs CAP_SYS_NICE or `ulimit -r 1`)\n"
+            )
             gloo_threads.remove("realtime")
-        runs = [(b, t) for b in args.backends.split(",") for t in (gloo_threads if b == "gloo" else ["-"])]
+        runs = [
+            (b, t)
+            for b in args.backends.split(",")
+            for t in (gloo_threads if b == "gloo" else ["-"])
+        ]
         for backend, threads in runs:
             base = {}
             for case in CASES:
@@ -187,13 +276,23 @@ def main() -> None:
                 fb, exposed, step = (1000 * statistics.median(r[i] for r in rows) for i in range(3))
                 # Per step: the later rank's reduction end minus the later rank's backward end.
                 critical = 1000 * statistics.median(
-                    max(a[4], b[4]) - max(a[3], b[3]) for a, b in zip(out[0]["rows"], out[1]["rows"]))
+                    max(a[4], b[4]) - max(a[3], b[3])
+                    for a, b in zip(out[0]["rows"], out[1]["rows"])
+                )
                 if case in ("today", "buffers", "distributed"):
                     base[case] = (exposed, step, critical)
-                plain = base["distributed" if case.startswith("distributed") else "buffers"] if case != "today" else (exposed, step, critical)
-                print(f"| {backend} | {threads} | {case} | {fb:.1f} | {exposed:.2f} | {critical:.2f} | {step:.1f} | "
-                      f"{exposed / base['today'][0]:.3f} / {critical / base['today'][2]:.3f} | "
-                      f"{exposed / plain[0]:.3f} / {critical / plain[2]:.3f} | {step / base['today'][1]:.3f} |")
+                plain = (
+                    base["distributed" if case.startswith("distributed") else "buffers"]
+                    if case != "today"
+                    else (exposed, step, critical)
+                )
+                print(
+                    f"| {backend} | {threads} | {case} | {fb:.1f} | {exposed:.2f} | "
+                    f"{critical:.2f} | {step:.1f} | "
+                    f"{exposed / base['today'][0]:.3f} / {critical / base['today'][2]:.3f} | "
+                    f"{exposed / plain[0]:.3f} / {critical / plain[2]:.3f} | "
+                    f"{step / base['today'][1]:.3f} |"
+                )
 
 
 if __name__ == "__main__":

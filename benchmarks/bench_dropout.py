@@ -22,7 +22,11 @@ import tpcore
 from tpcore.tensor_parallel.random import get_rng_tracker
 
 P = 0.1
-SHAPES = {"hidden [1024 x 256]": (1024, 256), "hidden [8192 x 1024]": (8192, 1024), "attention probs [4, 8, 256, 256]": (4, 8, 256, 256)}
+SHAPES = {
+    "hidden [1024 x 256]": (1024, 256),
+    "hidden [8192 x 1024]": (8192, 1024),
+    "attention probs [4, 8, 256, 256]": (4, 8, 256, 256),
+}
 
 
 def median_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
@@ -46,7 +50,10 @@ def main() -> None:
     tracker = get_rng_tracker()
     tracker.reset()
     tracker.add("bench", 1234)  # a stream without a process group
-    print(f"dropout p={P}, torch {torch.__version__}, {torch.get_num_threads()} threads, median of {a.rounds} rounds (ms)")
+    print(
+        f"dropout p={P}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {a.rounds} rounds (ms)"
+    )
     print("| case | dtype | F.dropout | tpcore | tpcore / torch |")
     print("|---|---|---:|---:|---:|")
     for label, shape in SHAPES.items():
@@ -58,8 +65,18 @@ def main() -> None:
             def run(drop: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
                 return lambda: torch.autograd.grad(drop(x), x, g)
 
-            ms = median_ms({"torch": run(lambda t: F.dropout(t, P)), "tpcore": run(lambda t: tpcore.tracked_dropout(t, P, "bench"))}, a.rounds, calls)
-            print(f"| {label}, forward + backward | {str(dtype)[6:]} | {ms['torch']:.3f} | {ms['tpcore']:.3f} | {ms['tpcore'] / ms['torch']:.2f} |")
+            ms = median_ms(
+                {
+                    "torch": run(lambda t: F.dropout(t, P)),
+                    "tpcore": run(lambda t: tpcore.tracked_dropout(t, P, "bench")),
+                },
+                a.rounds,
+                calls,
+            )
+            print(
+                f"| {label}, forward + backward | {str(dtype)[6:]} | {ms['torch']:.3f} | "
+                f"{ms['tpcore']:.3f} | {ms['tpcore'] / ms['torch']:.2f} |"
+            )
     if a.no_compile:
         return
     for label, shape in list(SHAPES.items())[:2]:
@@ -68,8 +85,13 @@ def main() -> None:
         ours = torch.compile(lambda x, r: r + tpcore.tracked_dropout(x, P, "bench"), fullgraph=True)
         theirs = torch.compile(lambda x, r: r + F.dropout(x, P), fullgraph=True)
         calls = max(1, 2**22 // x.numel())
-        ms = median_ms({"torch": lambda: theirs(x, r), "tpcore": lambda: ours(x, r)}, a.rounds, calls)
-        print(f"| {label}, compiled r + dropout(x), forward | float32 | {ms['torch']:.3f} | {ms['tpcore']:.3f} | {ms['tpcore'] / ms['torch']:.2f} |")
+        ms = median_ms(
+            {"torch": lambda: theirs(x, r), "tpcore": lambda: ours(x, r)}, a.rounds, calls
+        )
+        print(
+            f"| {label}, compiled r + dropout(x), forward | float32 | {ms['torch']:.3f} | "
+            f"{ms['tpcore']:.3f} | {ms['tpcore'] / ms['torch']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from ranks import init_ranks, run_on_ranks
 def _fused_case(rank, world, store, args, impl, tokens, vocab, hidden, results):
     import torch
     import torch.nn.functional as F
+    from bench_cross_entropy import _reset_peak_rss, _rss, _timed
 
     import tpcore
-    from bench_cross_entropy import _reset_peak_rss, _rss, _timed
 
     torch.set_num_threads(os.cpu_count() or 1)
     init_ranks(rank, world, store, "cpu")
@@ -45,13 +45,20 @@ def _fused_case(rank, world, store, args, impl, tokens, vocab, hidden, results):
 def report_fused(args) -> None:
     scale = 8 if args.quick else 1
     tokens, hidden, vocab = 2048 // scale, 256, 131072
-    print(f"\n## Fused LM head + CE vs F.linear + F.cross_entropy, TP=1, tokens {tokens}, hidden {hidden}, vocab {vocab}, fp32")
-    print("| unfused ms | fused ms | time ratio unfused/fused | unfused peak extra MiB | fused peak extra MiB | memory ratio |")
+    print(
+        f"\n## Fused LM head + CE vs F.linear + F.cross_entropy, TP=1, tokens {tokens}, "
+        f"hidden {hidden}, vocab {vocab}, fp32"
+    )
+    print(
+        "| unfused ms | fused ms | time ratio unfused/fused | unfused peak extra MiB | "
+        "fused peak extra MiB | memory ratio |"
+    )
     print("|---|---|---|---|---|---|")
     base = run_on_ranks(_fused_case, 1, args, "unfused", tokens, vocab, hidden)[0]
     ours = run_on_ranks(_fused_case, 1, args, "fused", tokens, vocab, hidden)[0]
     print(
-        f"| {base[0] * 1e3:.1f} | {ours[0] * 1e3:.1f} | {base[0] / ours[0]:.2f} | {base[1] / 2**20:.0f} "
+        f"| {base[0] * 1e3:.1f} | {ours[0] * 1e3:.1f} | {base[0] / ours[0]:.2f} | "
+        f"{base[1] / 2**20:.0f} "
         f"| {ours[1] / 2**20:.0f} | {base[1] / max(ours[1], 1):.1f}x |"
     )
 

@@ -5,7 +5,8 @@ Before (tpcore up to 2026-11-22): grad_w(fp32) += mm(g^T, h) computed in bf16, i
 and accumulated with addmm_ into the fp32 buffer (on CUDA with torch >= 2.8, one cuBLAS GEMM
 with bf16 inputs and an fp32 output instead). Prints time and the error against fp64.
 
-    python benchmarks/bench_fused_weight_grad.py [--vocab 32768 --hidden 1024 --tokens 1024 --chunks 4]
+    python benchmarks/bench_fused_weight_grad.py [--vocab 32768 --hidden 1024 --tokens 1024
+                                                  --chunks 4]
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ def main() -> None:
             times[name].append(time.perf_counter() - t)
             errors[name] = ((w.double() - exact).abs().max() / exact.abs().max()).item()
     med = {k: sorted(v)[len(v) // 2] * 1000 for k, v in times.items()}
-    print(f"{a.chunks} chunks of [{a.tokens} x {a.vocab}]^T [{a.tokens} x {a.hidden}], bf16, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{a.chunks} chunks of [{a.tokens} x {a.vocab}]^T [{a.tokens} x {a.hidden}], bf16, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     for name in ("before", "after"):
-        print(f"  {name:6s}: {med[name]:8.1f} ms (median of {a.rounds}), max error vs fp64 {errors[name]:.2e}")
+        print(
+            f"  {name:6s}: {med[name]:8.1f} ms (median of {a.rounds}), max error vs fp64 "
+            f"{errors[name]:.2e}"
+        )
     print(f"  after / before time: {med['after'] / med['before']:.2f}x")
 
 

@@ -1,6 +1,7 @@
 """The Hugging Face bridge's host memory and the step time of a `--load-hf` model.
 
-    python benchmarks/bench_hf_bridge.py [--layers 8 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816 --vocab 32000]
+    python benchmarks/bench_hf_bridge.py [--layers 8 --hidden 1024 --heads 16 --kv-heads 4
+                                          --ffn 2816 --vocab 32000]
 
 A random Llama of that shape is saved with `save_pretrained` (bf16) into a temporary
 folder, then, each case in fresh spawned gloo processes (one per rank):
@@ -62,11 +63,21 @@ def _reset_peak() -> float:
 def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                    num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=2048, tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
-def save_llama(path: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
+def save_llama(
+    path: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int
+) -> None:
     import transformers
 
     config = llama_config(layers, hidden, heads, kv_heads, ffn, vocab)
@@ -110,8 +121,15 @@ def _memory(rank, world, store, kind, tp, pp, folders, out_root, results):
                 row = (before, _mib("VmHWM"))
                 if which == "big" and tp == 2 and pp == 1:  # the checkpoint the convert case reads
                     state = tpcore.parallel_state
-                    save_checkpoint(os.path.join(out_root, "ckpt"), 1, chunks[0], None, consumed_samples=0,
-                                    tp_group=state.get_tensor_model_parallel_group(), dp_group=state.get_data_parallel_group())
+                    save_checkpoint(
+                        os.path.join(out_root, "ckpt"),
+                        1,
+                        chunks[0],
+                        None,
+                        consumed_samples=0,
+                        tp_group=state.get_tensor_model_parallel_group(),
+                        dp_group=state.get_data_parallel_group(),
+                    )
         del chunks
     dist.barrier()
     dist.destroy_process_group()
@@ -124,7 +142,10 @@ def _convert(rank, world, store, ckpt, out_root, results):
     for which in ("tiny", "big"):
         src = ckpt[which]
         before = _reset_peak()
-        assert convert_main(["--load", src, "--to-hf", os.path.join(out_root, f"converted-{which}")]) == 0
+        assert (
+            convert_main(["--load", src, "--to-hf", os.path.join(out_root, f"converted-{which}")])
+            == 0
+        )
         rows.append((before, _mib("VmHWM")))
     results.put((rank, rows[-1]))
 
@@ -135,15 +156,27 @@ def _step_time(rank, world, store, folder, rounds, steps, seq, results):
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     config = GPTConfig.from_hf(folder)
     torch.manual_seed(0)
-    models = {"--load-hf": GPTModel(config, _init=False, dtype=torch.float32), "native": GPTModel(config, dtype=torch.float32)}
+    models = {
+        "--load-hf": GPTModel(config, _init=False, dtype=torch.float32),
+        "native": GPTModel(config, dtype=torch.float32),
+    }
     load_hf_weights(models["--load-hf"], folder)
-    opts = {k: ParallelAdamW(m, is_replicated=lambda n: False, tp_group=group, dp_group=tpcore.parallel_state.get_data_parallel_group(),
-                             lr=1e-5, weight_decay=0.0) for k, m in models.items()}
+    opts = {
+        k: ParallelAdamW(
+            m,
+            is_replicated=lambda n: False,
+            tp_group=group,
+            dp_group=tpcore.parallel_state.get_data_parallel_group(),
+            lr=1e-5,
+            weight_decay=0.0,
+        )
+        for k, m in models.items()
+    }
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)
     times = {k: [] for k in models}
     for r in range(rounds + 1):  # round 0 warms up
-        for name in (list(models) if r % 2 else list(models)[::-1]):
+        for name in list(models) if r % 2 else list(models)[::-1]:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
@@ -164,13 +197,19 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=128, help="tokens per step (batch 1) for the step time")
+    p.add_argument(
+        "--seq", type=int, default=128, help="tokens per step (batch 1) for the step time"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default=tempfile.gettempdir())
     args = p.parse_args()
-    try:  # checked here, not by a rank after the model was written: the cases load at TP 4 and at PP 2
-        GPTConfig.from_hf(llama_config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)).check_tp(4)
+    # checked here, not by a rank after the model was written: the cases load at TP 4 and at
+    # PP 2
+    try:
+        GPTConfig.from_hf(
+            llama_config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)
+        ).check_tp(4)
         if args.layers < 2:
             raise ValueError(f"--layers {args.layers}: the PP 2 cases need 2 or more")
     except ValueError as e:
@@ -178,29 +217,51 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tpcore-bench-hf-", dir=args.workdir)
     try:
         folders = {"big": os.path.join(root, "big"), "tiny": os.path.join(root, "tiny")}
-        save_llama(folders["big"], args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)
+        save_llama(
+            folders["big"],
+            args.layers,
+            args.hidden,
+            args.heads,
+            args.kv_heads,
+            args.ffn,
+            args.vocab,
+        )
         save_llama(folders["tiny"], 2, 64, 4, 2, 96, 256)
         import safetensors.torch as st
 
         tensors = st.load_file(os.path.join(folders["big"], "model.safetensors"))
         model_mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
-        largest_key = max(tensors, key=lambda k: tensors[k].numel())
+        largest_key = max(tensors.items(), key=lambda item: item[1].numel())[0]
         largest_mib = tensors[largest_key].numel() * tensors[largest_key].element_size() / 2**20
         del tensors
-        print(f"Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads} / kv {args.kv_heads}, ffn {args.ffn}, vocab {args.vocab}, "
-              f"bf16: model {model_mib:.1f} MiB, largest tensor {largest_key} {largest_mib:.1f} MiB; torch {torch.__version__}, "
-              f"load average {os.getloadavg()[0]:.2f}")
-        header = f"{'case':<30} {'rank':>4} {'before MiB':>10} {'peak MiB':>9} {'increase':>9} {'expected':>9} {'ratio':>6}"
+        print(
+            f"Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads} / kv "
+            f"{args.kv_heads}, ffn {args.ffn}, vocab {args.vocab}, "
+            f"bf16: model {model_mib:.1f} MiB, largest tensor {largest_key} "
+            f"{largest_mib:.1f} MiB; torch {torch.__version__}, "
+            f"load average {os.getloadavg()[0]:.2f}"
+        )
+        header = (
+            f"{'case':<30} {'rank':>4} {'before MiB':>10} {'peak MiB':>9} {'increase':>9} "
+            f"{'expected':>9} {'ratio':>6}"
+        )
         print("\nPeak host memory per rank (increase = peak - resident set before the case)")
         print(header)
-        for kind, layouts in (("load", [(1, 1), (2, 1), (4, 1), (2, 2)]), ("export", [(2, 1), (2, 2)])):
+        for kind, layouts in (
+            ("load", [(1, 1), (2, 1), (4, 1), (2, 2)]),
+            ("export", [(2, 1), (2, 2)]),
+        ):
             for tp, pp in layouts:
                 out = os.path.join(root, "out")
                 os.makedirs(out, exist_ok=True)
                 rows = run_on_ranks(_memory, tp * pp, kind, tp, pp, folders, out)
                 expected = model_mib / (tp * pp) if kind == "load" else largest_mib
                 for rank, (before, peak) in enumerate(rows):
-                    print(f"{kind + f' TP={tp} PP={pp}':<30} {rank:>4} {before:>10.1f} {peak:>9.1f} {peak - before:>9.1f} {expected:>9.1f} {(peak - before) / expected:>6.2f}")
+                    print(
+                        f"{kind + f' TP={tp} PP={pp}':<30} {rank:>4} {before:>10.1f} "
+                        f"{peak:>9.1f} {peak - before:>9.1f} {expected:>9.1f} "
+                        f"{(peak - before) / expected:>6.2f}"
+                    )
                 if kind == "export":  # keep the checkpoint for the convert case, drop the rest
                     for name in os.listdir(out):
                         if name != "ckpt":
@@ -208,14 +269,27 @@ def main() -> None:
         out = os.path.join(root, "out")
         tiny_ckpt = os.path.join(root, "tiny-ckpt")
         run_on_ranks(_save_tiny, 2, folders["tiny"], tiny_ckpt)
-        (before, peak), = run_on_ranks(_convert, 1, {"tiny": tiny_ckpt, "big": os.path.join(out, "ckpt")}, out)
-        print(f"{'tpcore-convert --to-hf (TP 2 ckpt)':<30} {0:>4} {before:>10.1f} {peak:>9.1f} {peak - before:>9.1f} {largest_mib:>9.1f} {(peak - before) / largest_mib:>6.2f}")
+        ((before, peak),) = run_on_ranks(
+            _convert, 1, {"tiny": tiny_ckpt, "big": os.path.join(out, "ckpt")}, out
+        )
+        print(
+            f"{'tpcore-convert --to-hf (TP 2 ckpt)':<30} {0:>4} {before:>10.1f} "
+            f"{peak:>9.1f} {peak - before:>9.1f} {largest_mib:>9.1f} "
+            f"{(peak - before) / largest_mib:>6.2f}"
+        )
         shutil.rmtree(out)
-        print(f"\nGPT step time, fp32, TP 2, batch 1 x {args.seq} tokens, median of {args.rounds} rounds x {args.steps} steps "
-              f"(load average before {os.getloadavg()[0]:.2f})")
+        print(
+            f"\nGPT step time, fp32, TP 2, batch 1 x {args.seq} tokens, median of "
+            f"{args.rounds} rounds x {args.steps} steps "
+            f"(load average before {os.getloadavg()[0]:.2f})"
+        )
         times = run_on_ranks(_step_time, 2, folders["big"], args.rounds, args.steps, args.seq)[0]
-        print(f"  --load-hf model {times['--load-hf'] * 1e3:.0f} ms/step, native model {times['native'] * 1e3:.0f} ms/step, "
-              f"ratio {times['--load-hf'] / times['native']:.3f} (load average after {os.getloadavg()[0]:.2f})")
+        print(
+            f"  --load-hf model {times['--load-hf'] * 1e3:.0f} ms/step, native model "
+            f"{times['native'] * 1e3:.0f} ms/step, "
+            f"ratio {times['--load-hf'] / times['native']:.3f} (load average after "
+            f"{os.getloadavg()[0]:.2f})"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -224,8 +298,15 @@ def _save_tiny(rank, world, store, folder, ckpt, results):
     init_ranks(rank, world, store, "cpu")
     chunks = _load(folder, torch.bfloat16)
     state = tpcore.parallel_state
-    save_checkpoint(ckpt, 1, chunks[0], None, consumed_samples=0, tp_group=state.get_tensor_model_parallel_group(),
-                    dp_group=state.get_data_parallel_group())
+    save_checkpoint(
+        ckpt,
+        1,
+        chunks[0],
+        None,
+        consumed_samples=0,
+        tp_group=state.get_tensor_model_parallel_group(),
+        dp_group=state.get_data_parallel_group(),
+    )
     dist.destroy_process_group()
     results.put((rank, None))
 

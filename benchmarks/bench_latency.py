@@ -34,8 +34,10 @@ def _all_reduce_case(rank, world, store, results):
     init_ranks(rank, world, store, "cpu")
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     x = torch.randn(1, 1, 1024)  # 4 KiB: one token's hidden state
-    contenders = {"dist.all_reduce (in place)": lambda: dist.all_reduce(x, group=group),
-                  "tpcore.comm.all_reduce (out of place)": lambda: tpcore.comm.all_reduce(x, group)}
+    contenders = {
+        "dist.all_reduce (in place)": lambda: dist.all_reduce(x, group=group),
+        "tpcore.comm.all_reduce (out of place)": lambda: tpcore.comm.all_reduce(x, group),
+    }
     rounds = {name: [] for name in contenders}
     for _ in range(6):  # alternate, so drift in the machine's speed hits both alike
         for name, fn in contenders.items():
@@ -59,7 +61,10 @@ def _linear_case(rank, world, store, results):
             dense = torch.nn.Linear(fan_in, fan_out, bias=False)
             column = tpcore.ColumnParallelLinear.from_dense(dense, gather_output=True)
             x = torch.randn(1, 1, fan_in)
-            best = {name: min(_per_call_us(lambda: f(x), 300, 20) for _ in range(5)) for name, f in (("nn.Linear", dense), ("ColumnParallelLinear", column))}
+            best = {
+                name: min(_per_call_us(lambda: f(x), 300, 20) for _ in range(5))
+                for name, f in (("nn.Linear", dense), ("ColumnParallelLinear", column))
+            }
             rows.append((fan_in, fan_out, best))
     tpcore.shutdown()
     results.put((rank, rows))
@@ -67,11 +72,16 @@ def _linear_case(rank, world, store, results):
 
 def main() -> None:
     reduce = run_on_ranks(_all_reduce_case, 2)[0]
-    print("| all-reduce of [1, 1, 1024] fp32, 2 processes | us per call (median of 6 rounds of 300) |")
+    print(
+        "| all-reduce of [1, 1, 1024] fp32, 2 processes | us per call (median of 6 rounds of 300) |"
+    )
     print("|---|---|")
     for name, us in reduce.items():
         print(f"| {name} | {us:.0f} |")
-    print("\n| linear, input [1, 1, in], TP=1, no grad | nn.Linear us | ColumnParallelLinear us | difference us |")
+    print(
+        "\n| linear, input [1, 1, in], TP=1, no grad | nn.Linear us | ColumnParallelLinear "
+        "us | difference us |"
+    )
     print("|---|---|---|---|")
     for fan_in, fan_out, best in run_on_ranks(_linear_case, 1)[0]:
         ours, ref = best["ColumnParallelLinear"], best["nn.Linear"]

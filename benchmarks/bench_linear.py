@@ -18,10 +18,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from ranks import init_ranks, run_on_ranks
 from torch import nn
 
 import tpcore
-from ranks import init_ranks, run_on_ranks
 
 
 def _sync(device: str) -> None:
@@ -29,7 +29,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_fwd_bwd(module: nn.Module, x: torch.Tensor, device: str, iters: int, warmup: int = 3) -> float:
+def time_fwd_bwd(
+    module: nn.Module, x: torch.Tensor, device: str, iters: int, warmup: int = 3
+) -> float:
     """Median seconds of one forward + backward of `module` on `x`."""
     times = []
     for i in range(warmup + iters):
@@ -50,7 +52,10 @@ def layer_overhead(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init_ranks(0, 1, os.path.join(tmp, "store"), device)
         x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
-        print(f"## TP=1 layer overhead: tokens={args.tokens}, {args.hidden} -> {4 * args.hidden}, {device}, fp32")
+        print(
+            f"## TP=1 layer overhead: tokens={args.tokens}, {args.hidden} -> "
+            f"{4 * args.hidden}, {device}, fp32"
+        )
         print("| layer | nn.Linear ms | tpcore ms | ratio tpcore/nn.Linear |")
         print("|---|---|---|---|")
         for name, cls, kwargs in (
@@ -98,7 +103,10 @@ def mlp_scaling(args) -> None:
     # Same hardware both ways: TP=1 gets every core, each TP=2 rank half of them.
     t1 = _mlp_step_time(1, cores, args)
     t2 = _mlp_step_time(2, max(1, cores // 2), args)
-    print(f"\n## MLP {args.hidden} -> {4 * args.hidden} -> {args.hidden}, tokens={args.tokens}, {args.device}, fp32, fwd+bwd")
+    print(
+        f"\n## MLP {args.hidden} -> {4 * args.hidden} -> {args.hidden}, "
+        f"tokens={args.tokens}, {args.device}, fp32, fwd+bwd"
+    )
     print("| TP | ranks x threads | step ms | speed-up vs TP=1 |")
     print("|---|---|---|---|")
     print(f"| 1 | 1 x {cores} | {t1 * 1e3:.1f} | 1.00 |")
@@ -107,14 +115,21 @@ def mlp_scaling(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of baseline and tpcore")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds of baseline and tpcore"
+    )
     parser.add_argument("--skip-mlp", action="store_true", help="only the TP=1 layer comparison")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, tpcore built with CUDA: {tpcore.built_with_cuda()}, {os.cpu_count()} CPU cores")
+    print(
+        f"torch {torch.__version__}, tpcore built with CUDA: {tpcore.built_with_cuda()}, "
+        f"{os.cpu_count()} CPU cores"
+    )
     layer_overhead(args)
     if not args.skip_mlp:
         if args.device == "cuda" and torch.cuda.device_count() < 2:

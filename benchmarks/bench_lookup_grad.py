@@ -19,7 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 
-CASES = [(32000, 1024, 512), (131072, 256, 256), (131072, 256, 4096), (32000, 4096, 512)]  # vocab, h, tokens
+CASES = [
+    (32000, 1024, 512),
+    (131072, 256, 256),
+    (131072, 256, 4096),
+    (32000, 4096, 512),
+]  # vocab, h, tokens
 
 
 def _median_ms(fn, calls: int = 5) -> float:
@@ -43,8 +48,12 @@ def main() -> None:
 
     tpcore.initialize_model_parallel(1)
     group = parallel_state.get_tensor_model_parallel_group()
-    print("| vocab x h (fp32 table) | tokens | nn.Embedding, dense .grad + add_ (ms) | nn.Embedding(sparse=True), COO .grad + add_ (ms) "
-          "| tpcore, dense (ms) | tpcore, tokens to the sink (ms) | nn.Embedding / tokens | sparse / tokens |")
+    print(
+        "| vocab x h (fp32 table) | tokens | nn.Embedding, dense .grad + add_ (ms) | "
+        "nn.Embedding(sparse=True), COO .grad + add_ (ms) "
+        "| tpcore, dense (ms) | tpcore, tokens to the sink (ms) | nn.Embedding / tokens | "
+        "sparse / tokens |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for vocab, h, tokens in CASES:
         torch.manual_seed(0)
@@ -59,10 +68,13 @@ def main() -> None:
                 (layer(ids) * upstream).sum().backward()
                 main_grad.add_(layer.weight.grad)
                 layer.weight.grad = None
+
             return step
 
         def tokens_to_sink():
-            gradient_sink.attach_gradient_sink(ours.weight, lambda rows, grads: add_token_rows(main_grad, rows, grads))
+            gradient_sink.attach_gradient_sink(
+                ours.weight, lambda rows, grads: add_token_rows(main_grad, rows, grads)
+            )
             try:
                 (ours(ids) * upstream).sum().backward()
             finally:
@@ -70,11 +82,21 @@ def main() -> None:
 
         got: dict[str, list[float]] = {}
         for _ in range(2):
-            for name, fn in (("plain", dense(plain)), ("sparse", dense(sparse)), ("ours", dense(ours)), ("sink", tokens_to_sink)):
+            for name, fn in (
+                ("plain", dense(plain)),
+                ("sparse", dense(sparse)),
+                ("ours", dense(ours)),
+                ("sink", tokens_to_sink),
+            ):
                 got.setdefault(name, []).append(_median_ms(fn))
         best = {k: min(v) for k, v in got.items()}
-        print(f"| {vocab} x {h} ({vocab * h * 4 / 2**20:.0f} MiB) | {tokens} | {best['plain']:.2f} | {best['sparse']:.2f} | "
-              f"{best['ours']:.2f} | {best['sink']:.2f} | {best['plain'] / best['sink']:.1f}x | {best['sparse'] / best['sink']:.1f}x |", flush=True)
+        print(
+            f"| {vocab} x {h} ({vocab * h * 4 / 2**20:.0f} MiB) | {tokens} | "
+            f"{best['plain']:.2f} | {best['sparse']:.2f} | "
+            f"{best['ours']:.2f} | {best['sink']:.2f} | "
+            f"{best['plain'] / best['sink']:.1f}x | {best['sparse'] / best['sink']:.1f}x |",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -1,7 +1,9 @@
 """Peak host memory per rank: building a large GPT, and resharding its checkpoint.
 
-    python benchmarks/bench_memory.py [--layers 22 --hidden 2048 --heads 16 --vocab 50257] [--workdir /tmp]
-    python benchmarks/bench_memory.py --skip-build --skip-baseline --remap-mib 1048576   # one mapping per file
+    python benchmarks/bench_memory.py [--layers 22 --hidden 2048 --heads 16 --vocab 50257]
+                                      [--workdir /tmp]
+    python benchmarks/bench_memory.py --skip-build --skip-baseline
+                                      --remap-mib 1048576   # one mapping per file
 
 Every case runs in fresh spawned gloo processes (one per rank), so no peak leaks from one
 case into the next. Inside a case the ranks take turns (a barrier between turns): the
@@ -43,12 +45,17 @@ from ranks import init_ranks, run_on_ranks  # noqa: E402
 import tpcore  # noqa: E402
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT  # noqa: E402
 from tpcore.tensor_parallel.shard_spec import merge, shard  # noqa: E402
-from tpcore.train import load_checkpoint, save_checkpoint  # noqa: E402
-from tpcore.train import checkpoint  # noqa: E402
+from tpcore.train import (  # noqa: E402
+    checkpoint,  # noqa: E402
+    load_checkpoint,
+    save_checkpoint,
+)
 from tpcore.train.checkpoint import read_metadata  # noqa: E402
 
 DTYPE = torch.bfloat16
-TINY = GPTConfig(vocab_size=300, num_layers=1, hidden_size=64, num_attention_heads=4, max_position_embeddings=32)
+TINY = GPTConfig(
+    vocab_size=300, num_layers=1, hidden_size=64, num_attention_heads=4, max_position_embeddings=32
+)
 
 
 def _status_mib(field: str) -> float:
@@ -58,7 +65,10 @@ def _status_mib(field: str) -> float:
 
 def _config(args) -> GPTConfig:
     return GPTConfig(
-        vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
         max_position_embeddings=args.seq,
     )
 
@@ -83,18 +93,35 @@ def _load_baseline(directory: str, model: GPTModel, rank: int, tp: int) -> None:
         state = {}
         for name in states[0]:
             spec = specs[name]
-            state[name] = shard(merge([s[name] for s in states], spec.at(saved_tp, 0)), spec).contiguous()
+            state[name] = shard(
+                merge([s[name] for s in states], spec.at(saved_tp, 0)), spec
+            ).contiguous()
     model.load_state_dict(state)
 
 
-def _case(config: GPTConfig, kind: str, path: str, directory: str | None, rank: int, tp: int, group, alone=None) -> None:
+def _case(
+    config: GPTConfig,
+    kind: str,
+    path: str,
+    directory: str | None,
+    rank: int,
+    tp: int,
+    group,
+    alone=None,
+) -> None:
     torch.manual_seed(0)
     if kind == "build":
-        model = GPTModel(config, group=group, dtype=DTYPE) if path == "tpcore" else _build_baseline(config, group)
+        model = (
+            GPTModel(config, group=group, dtype=DTYPE)
+            if path == "tpcore"
+            else _build_baseline(config, group)
+        )
     else:
         model = GPTModel(config, group=group, dtype=DTYPE, _init=False)
         if path == "tpcore":
-            load_checkpoint(directory, model, tp_group=group, load_rng=False, load_group=alone)  # ranks load in turns
+            load_checkpoint(
+                directory, model, tp_group=group, load_rng=False, load_group=alone
+            )  # ranks load in turns
         else:
             _load_baseline(directory, model, rank, tp)
     assert all(p.dtype == DTYPE for p in model.parameters())
@@ -131,7 +158,15 @@ def _save(rank, world, store, config, save_dir, results):
     state = tpcore.parallel_state
     torch.manual_seed(0)
     model = GPTModel(config, dtype=DTYPE)
-    save_checkpoint(save_dir, 1, model, None, consumed_samples=0, tp_group=state.get_tensor_model_parallel_group(), dp_group=state.get_data_parallel_group())
+    save_checkpoint(
+        save_dir,
+        1,
+        model,
+        None,
+        consumed_samples=0,
+        tp_group=state.get_tensor_model_parallel_group(),
+        dp_group=state.get_data_parallel_group(),
+    )
     dist.destroy_process_group()
     results.put((rank, None))
 
@@ -143,23 +178,42 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--workdir", default=tempfile.gettempdir(), help="where the checkpoints are written (and removed)")
+    p.add_argument(
+        "--workdir",
+        default=tempfile.gettempdir(),
+        help="where the checkpoints are written (and removed)",
+    )
     p.add_argument("--skip-baseline", action="store_true", help="measure tpcore's path only")
     p.add_argument("--skip-build", action="store_true", help="measure checkpoint loading only")
-    p.add_argument("--remap-mib", type=int, default=None,
-                   help="map a saved file afresh after this many MiB read (default: the library's 64; huge: one mapping per file)")
+    p.add_argument(
+        "--remap-mib",
+        type=int,
+        default=None,
+        help=(
+            "map a saved file afresh after this many MiB read (default: the library's 64; "
+            "huge: one mapping per file)"
+        ),
+    )
     args = p.parse_args()
     config = _config(args)
     params = sum(p.numel() for p in ReferenceGPT(config, device="meta").parameters())
-    print(f"GPT {params / 1e9:.3f} B parameters ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}), bf16: "
-          f"{params * 2 / 2**20:.0f} MiB of weights; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(
+        f"GPT {params / 1e9:.3f} B parameters ({args.layers} layers, hidden {args.hidden}, "
+        f"vocab {args.vocab}), bf16: "
+        f"{params * 2 / 2**20:.0f} MiB of weights; torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
     paths = ["tpcore"] + ([] if args.skip_baseline else ["full-model baseline"])
-    header = f"{'case':<34} {'rank':>4} {'before MiB':>10} {'peak MiB':>9} {'increase':>9} {'ratio':>6} {'ideal':>6}"
+    header = (
+        f"{'case':<34} {'rank':>4} {'before MiB':>10} {'peak MiB':>9} {'increase':>9} "
+        f"{'ratio':>6} {'ideal':>6}"
+    )
     root = tempfile.mkdtemp(prefix="tpcore-bench-memory-", dir=args.workdir)
     try:
         reference = {}
         if not args.skip_build:
-            print("\n(a) building the model (GPTModel(config, dtype=bf16) after torch.manual_seed(0))")
+            print(
+                "\n(a) building the model (GPTModel(config, dtype=bf16) after torch.manual_seed(0))"
+            )
             print(header)
             for path in paths:
                 for tp in (1, 4):
@@ -176,18 +230,26 @@ def main() -> None:
             for saved_tp, tp in ((1, 1), (1, 4), (4, 4), (4, 1), (4, 2)):
                 directory = os.path.join(save[saved_tp], "iter_0000001")
                 warmup = os.path.join(tiny[saved_tp], "iter_0000001")
-                rows = run_on_ranks(_measure, tp, config, "load", path, directory, warmup, args.remap_mib)
+                rows = run_on_ranks(
+                    _measure, tp, config, "load", path, directory, warmup, args.remap_mib
+                )
                 _report(f"{path}: TP={saved_tp} -> TP={tp}", rows, tp, reference, "load")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _report(name: str, rows: list[tuple[float, float]], tp: int, reference: dict, kind: str) -> None:
+def _report(
+    name: str, rows: list[tuple[float, float]], tp: int, reference: dict, kind: str
+) -> None:
     for rank, (before, peak) in enumerate(rows):
         increase = peak - before
         reference.setdefault(kind, increase)  # the first case of each kind is tpcore at TP=1
         ratio = increase / reference[kind]
-        print(f"{name:<34} {rank:>4} {before:>10.0f} {peak:>9.0f} {increase:>9.0f} {ratio:>6.2f} {1 / tp:>6.2f}", flush=True)
+        print(
+            f"{name:<34} {rank:>4} {before:>10.0f} {peak:>9.0f} {increase:>9.0f} "
+            f"{ratio:>6.2f} {1 / tp:>6.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
-
 import types
 
 import torch
 import torch.distributed as dist
-
 from ranks import init_ranks
+
 from tpcore.models import GPTModel, ReferenceGPT
 
 
@@ -44,7 +43,11 @@ def dtensor_gpt(dense: ReferenceGPT, world: int) -> ReferenceGPT:
     """`dense` with its blocks tensor parallel through DTensor, in place: the fused QKV rows
     regrouped so each rank's column shard holds whole heads [q_r; k_r; v_r] (as tpcore's)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     c = dense.config
     if c.gated_mlp:
@@ -56,10 +59,24 @@ def dtensor_gpt(dense: ReferenceGPT, world: int) -> ReferenceGPT:
         with torch.no_grad():
             for t in (attn.qkv.weight, attn.qkv.bias):
                 if t is not None:
-                    q, k, v = t.split([c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
-                    t.copy_(torch.cat([torch.cat([q.chunk(world)[r], k.chunk(world)[r], v.chunk(world)[r]]) for r in range(world)]))
+                    q, k, v = t.split(
+                        [c.num_attention_heads * d, c.num_kv_heads * d, c.num_kv_heads * d]
+                    )
+                    t.copy_(
+                        torch.cat(
+                            [
+                                torch.cat([q.chunk(world)[r], k.chunk(world)[r], v.chunk(world)[r]])
+                                for r in range(world)
+                            ]
+                        )
+                    )
         # The attention's forward reads its head counts from its config: this rank's.
-        attn.config = types.SimpleNamespace(num_attention_heads=h, num_kv_heads=kv, head_dim=d, attention_dropout=c.attention_dropout)
+        attn.config = types.SimpleNamespace(
+            num_attention_heads=h,
+            num_kv_heads=kv,
+            head_dim=d,
+            attention_dropout=c.attention_dropout,
+        )
         parallelize_module(attn, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
         parallelize_module(block.mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     return dense
@@ -85,12 +102,16 @@ def compile_worker(rank, world, store, args, config, batch, results) -> None:
             torch.manual_seed(0)
             contenders[name] = dtensor_gpt(ReferenceGPT(config, dtype=dtype), world)
     ids, target = (t.to(device) for t in batch)
-    if world > 1 and "DTensor eager" in contenders:  # the same function as tpcore's, or the comparison means nothing
+    if (
+        world > 1 and "DTensor eager" in contenders
+    ):  # the same function as tpcore's, or the comparison means nothing
         want = contenders["GPTModel eager"](ids, target).item()
         got = contenders["DTensor eager"](ids, target).item()
         # fp32: summation order only; bf16 / fp16: the loss itself is rounded to the dtype, 2 ulps.
         rtol = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-        assert abs(got - want) <= rtol * abs(want), f"DTensor GPT loss {got} != GPTModel loss {want}"
+        assert abs(got - want) <= rtol * abs(want), (
+            f"DTensor GPT loss {got} != GPTModel loss {want}"
+        )
     dist.barrier()
     steps, first, breaks = {}, {}, {}
     for name, model in list(contenders.items()):
@@ -107,7 +128,11 @@ def compile_worker(rank, world, store, args, config, batch, results) -> None:
         steps[name] = []
     for _ in range(args.rounds):
         for name, (model, opt) in contenders.items():
-            steps[name].append(statistics.median(timed_step(model, opt, ids, target, args.device) for _ in range(args.iters)))
+            steps[name].append(
+                statistics.median(
+                    timed_step(model, opt, ids, target, args.device) for _ in range(args.iters)
+                )
+            )
     out = {name: (statistics.median(t), first[name], breaks.get(name)) for name, t in steps.items()}
     results.put((rank, out))
 
@@ -116,7 +141,10 @@ def print_compile_table(one: dict, two: dict | None) -> None:
     """The summary: step time, ratios against eager and against compiled ReferenceGPT."""
     ref = one["ReferenceGPT compiled"][0]
     print("\n## torch.compile: training step (median ms; TP=2 is the slowest rank's)")
-    print("| contender | step ms | compiled / eager | / ReferenceGPT compiled | compile s | graph breaks |")
+    print(
+        "| contender | step ms | compiled / eager | / ReferenceGPT compiled | compile s | "
+        "graph breaks |"
+    )
     print("|---|---|---|---|---|---|")
     for label, rows in (("TP=1", one), ("TP=2", two)):
         if rows is None:
@@ -125,4 +153,7 @@ def print_compile_table(one: dict, two: dict | None) -> None:
             eager = rows[name.replace("compiled", "eager")][0]
             speedup = f"{step / eager:.3f}" if "compiled" in name else ""
             compile_s = f"{first - step:.1f}" if "compiled" in name else ""
-            print(f"| {label} {name} | {step * 1e3:.1f} | {speedup} | {step / ref:.3f} | {compile_s} | {'' if breaks is None else breaks} |")
+            print(
+                f"| {label} {name} | {step * 1e3:.1f} | {speedup} | {step / ref:.3f} | "
+                f"{compile_s} | {'' if breaks is None else breaks} |"
+            )

@@ -15,9 +15,10 @@ What `setup` does, and what the caller must have done (from deepspeed 0.19.8's s
 * DS_ACCELERATOR=cpu is set before deepspeed is first imported (done here if the caller
   has not imported it), and LOCAL_SIZE=world while the op initialises: with LOCAL_SIZE
   different from the world size the op skips its shm setup yet is still called (SIGSEGV).
-* The op names its segments /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>,
-  never unlinks them (66 MiB per rank) and reuses a stale one of the same name. So MASTER_ADDR
-  and MASTER_PORT are set to a per-job token while it initialises (the caller's values are
+* The op names its segments
+  /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, never
+  unlinks them (66 MiB per rank) and reuses a stale one of the same name. So MASTER_ADDR and
+  MASTER_PORT are set to a per-job token while it initialises (the caller's values are
   restored), and each rank unlinks its own segment once every rank has mapped them all.
 * The op's reduce loops use OpenMP threads: torch.set_num_threads decides how many.
 
@@ -67,7 +68,11 @@ def setup(rank: int, world: int) -> tuple[Callable[[torch.Tensor], None] | None,
     if not dist.is_available() or not dist.is_initialized():
         return None, "torch.distributed is not initialised (initialise it before setup)"
     if dist.get_world_size() != world or dist.get_rank() != rank:
-        return None, f"DeepSpeed's shm op spans the whole default group ({dist.get_world_size()} ranks), not {world}"
+        return (
+            None,
+            f"DeepSpeed's shm op spans the whole default group ({dist.get_world_size()} "
+            f"ranks), not {world}",
+        )
     if world < 2:
         return None, "one rank: DeepSpeed's inference_all_reduce returns at once, no shm path"
 
@@ -83,16 +88,24 @@ def setup(rank: int, world: int) -> tuple[Callable[[torch.Tensor], None] | None,
             logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
             accel = get_accelerator()
             if accel.device_name() != "cpu":
-                raise RuntimeError(f"deepspeed picked accelerator {accel.device_name()!r}, not cpu (DS_ACCELERATOR)")
+                raise RuntimeError(
+                    f"deepspeed picked accelerator {accel.device_name()!r}, not cpu "
+                    "(DS_ACCELERATOR)"
+                )
             if accel.communication_backend_name() != "gloo":
                 backend = accel.communication_backend_name()
-                raise RuntimeError(f"deepspeed's cpu backend is {backend!r} (oneCCL bindings installed), not the shm path")
+                raise RuntimeError(
+                    f"deepspeed's cpu backend is {backend!r} (oneCCL bindings installed), "
+                    "not the shm path"
+                )
             builder = accel.create_op_builder("ShareMemCommBuilder")
             if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
                 raise RuntimeError("deepspeed_shm_comm is not compatible with this platform")
             op = builder.load()
             if op.vector_kernel_level() < 1:
-                raise RuntimeError("no AVX2: DeepSpeed would fall back to torch.distributed.all_reduce")
+                raise RuntimeError(
+                    "no AVX2: DeepSpeed would fall back to torch.distributed.all_reduce"
+                )
     except Exception as e:  # ImportError without deepspeed, build errors (no compiler / ninja), ...
         err = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
     if not _all_ok(not err):
@@ -100,17 +113,22 @@ def setup(rank: int, world: int) -> tuple[Callable[[torch.Tensor], None] | None,
         return _ready
 
     # Stage 2, collective: DeepSpeed wraps our process group and initialises the op's shm.
-    token = torch.tensor([int.from_bytes(os.urandom(6), 'little') if rank == 0 else 0])
+    token = torch.tensor([int.from_bytes(os.urandom(6), "little") if rank == 0 else 0])
     dist.broadcast(token, src=0)
     addr, port = "tpcorebench", str(token.item())
     name = f"{_SHM_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
     try:
         import deepspeed.comm as ds_comm
 
-        with environment(dict(LOCAL_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=port)), contextlib.redirect_stdout(io.StringIO()):
+        with (
+            environment(dict(LOCAL_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=port)),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
             deepspeed.init_distributed(verbose=False)
         cdb = ds_comm.comm.cdb
-        if getattr(cdb, "shm_comm_op", None) is None or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+        if getattr(cdb, "shm_comm_op", None) is None or not hasattr(
+            torch.ops.deepspeed, "inference_all_reduce_"
+        ):
             raise RuntimeError(f"deepspeed's backend {type(cdb).__name__} has no shm op")
         if not os.path.exists(f"/dev/shm/{name}"):
             raise RuntimeError(f"op did not create /dev/shm/{name} (LOCAL_SIZE not seen?)")
@@ -124,8 +142,15 @@ def setup(rank: int, world: int) -> tuple[Callable[[torch.Tensor], None] | None,
         _ready = (None, err or "another rank failed to initialise DeepSpeed's shm op")
         return _ready
     level = cdb.shm_vector_kernel_level
-    dtypes = "float32, bfloat16, float16" if level >= 2 else "float32 only (no AVX-512BW: bf16 goes to gloo)"
-    _ready = (ds_comm.inference_all_reduce, f"deepspeed {deepspeed.__version__} shm all-reduce, {world} ranks, {dtypes}")
+    dtypes = (
+        "float32, bfloat16, float16"
+        if level >= 2
+        else "float32 only (no AVX-512BW: bf16 goes to gloo)"
+    )
+    _ready = (
+        ds_comm.inference_all_reduce,
+        f"deepspeed {deepspeed.__version__} shm all-reduce, {world} ranks, {dtypes}",
+    )
     return _ready
 
 
@@ -164,7 +189,10 @@ def _check(world: int, calls: int) -> int:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_check_rank, args=(r, world, store, calls, results)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_check_rank, args=(r, world, store, calls, results))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         try:
@@ -181,7 +209,10 @@ def _check(world: int, calls: int) -> int:
     ok = all(o.get(k) for o in outs.values() for k in ("torch.float32", "torch.bfloat16"))
     print(f"sum of {world} ranks' 4 KiB float32 and 2 KiB bfloat16: {'correct' if ok else 'WRONG'}")
     for name in ("deepspeed shm", "gloo"):
-        print(f"{name}: median {out[name]:.1f} us per 4 KiB float32 all-reduce (rank 0, {calls} calls)")
+        print(
+            f"{name}: median {out[name]:.1f} us per 4 KiB float32 all-reduce (rank 0, "
+            f"{calls} calls)"
+        )
     return 0 if ok else 1
 
 

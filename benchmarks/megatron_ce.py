@@ -29,7 +29,9 @@ class _MegatronCrossEntropy(torch.autograd.Function):
         shifted = logits - logits_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + local)
         local_target = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = (
+            shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        )
         dist.all_reduce(predicted, group=group)
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
@@ -75,5 +77,8 @@ def load_megatron_core(world: int):
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     except Exception as e:  # noqa: BLE001
-        return f"megatron-core's parallel_state.initialize_model_parallel failed: {type(e).__name__}: {e}"
+        return (
+            "megatron-core's parallel_state.initialize_model_parallel failed: "
+            f"{type(e).__name__}: {e}"
+        )
     return vocab_parallel_cross_entropy

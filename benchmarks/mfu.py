@@ -41,8 +41,12 @@ def training_flops(c: GPTConfig, batch: int, seq: int) -> int:
     softmax and the loss are not counted: this is model FLOPs, not hardware FLOPs.
     """
     tokens = batch * seq
-    # The attention term's "hidden" is the width of the heads (heads x head dim; H unless kv_channels says otherwise).
-    return 6 * matmul_parameters(c) * tokens + 12 * c.num_layers * c.num_attention_heads * c.head_dim * seq * tokens
+    # The attention term's "hidden" is the width of the heads (heads x head dim; H unless
+    # kv_channels says otherwise).
+    return (
+        6 * matmul_parameters(c) * tokens
+        + 12 * c.num_layers * c.num_attention_heads * c.head_dim * seq * tokens
+    )
 
 
 def _median_seconds(fn, device: torch.device, warmup: int, reps: int) -> float:
@@ -85,4 +89,6 @@ def datasheet_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     their tensor-core figure is for (fp32 runs without TF32 get a small fraction of it)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return None
-    return next((peak for key, peak in _TENSOR_CORE_PEAK_TFLOPS.items() if key in device_name), None)
+    return next(
+        (peak for key, peak in _TENSOR_CORE_PEAK_TFLOPS.items() if key in device_name), None
+    )

@@ -25,8 +25,14 @@ def find_tcmalloc() -> str | None:
         out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
-    found = [line.split("=>")[-1].strip() for line in out.splitlines() if "libtcmalloc" in line and "debug" not in line]
-    found += sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.*")) + sorted(glob.glob("/usr/lib/*/libtcmalloc.so.*"))
+    found = [
+        line.split("=>")[-1].strip()
+        for line in out.splitlines()
+        if "libtcmalloc" in line and "debug" not in line
+    ]
+    found += sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.*")) + sorted(
+        glob.glob("/usr/lib/*/libtcmalloc.so.*")
+    )
     found = [p for p in found if os.path.isfile(p) and "debug" not in os.path.basename(p)]
     # tcmalloc_minimal first: no profiler hooks.
     found.sort(key=lambda p: "minimal" not in p)
@@ -39,15 +45,38 @@ def allocator_conditions(names: list[str]) -> list[tuple[str, str, dict[str, str
     conditions = []
     for name in names:
         if name == "default":
-            conditions.append((name, "default allocator (glibc malloc: large blocks are fresh mmaps, faulted in on first touch)", {}))
+            conditions.append(
+                (
+                    name,
+                    "default allocator (glibc malloc: large blocks are fresh mmaps, "
+                    "faulted in on first touch)",
+                    {},
+                )
+            )
         elif name == "tcmalloc":
             path = find_tcmalloc()
             if path is None:
-                print(f"\n**tcmalloc is not installed**: the caching-allocator condition is skipped (apt-get install {_TCMALLOC_PACKAGES}).")
+                print(
+                    "\n**tcmalloc is not installed**: the caching-allocator condition is "
+                    f"skipped (apt-get install {_TCMALLOC_PACKAGES})."
+                )
                 continue
-            conditions.append((name, f"caching allocator for every contender: LD_PRELOAD={path}", {"LD_PRELOAD": path}))
+            conditions.append(
+                (
+                    name,
+                    f"caching allocator for every contender: LD_PRELOAD={path}",
+                    {"LD_PRELOAD": path},
+                )
+            )
         elif name == "thp":
-            conditions.append((name, "default allocator with torch's THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for large CPU tensors)", {"THP_MEM_ALLOC_ENABLE": "1"}))
+            conditions.append(
+                (
+                    name,
+                    "default allocator with torch's THP_MEM_ALLOC_ENABLE=1 (2 MiB pages "
+                    "for large CPU tensors)",
+                    {"THP_MEM_ALLOC_ENABLE": "1"},
+                )
+            )
         else:
             raise ValueError(f"unknown allocator condition {name!r} (default, tcmalloc, thp)")
     return conditions
@@ -96,7 +125,9 @@ def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     tpcore.initialize_model_parallel(world)
 
 
-def collect_results(results, procs: list, timeout: float, check: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+def collect_results(
+    results, procs: list, timeout: float, check: Callable[[int, Any], None] | None = None
+) -> dict[int, Any]:
     """Every rank's value from `results` (`(rank, value)` pairs). Raises as soon as a rank
     has exited without giving one (its peers would otherwise wait in a collective until
     `timeout`), or when `check(rank, value)` raises for a value (a rank reporting failure)."""
@@ -108,9 +139,16 @@ def collect_results(results, procs: list, timeout: float, check: Callable[[int, 
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
             if dead:
-                raise RuntimeError(f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) without a result; see their output above") from None
+                raise RuntimeError(
+                    f"rank(s) {dead} exited (exit codes "
+                    f"{[procs[r].exitcode for r in dead]}) without a result; see their "
+                    "output above"
+                ) from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(values))} gave no result within {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(len(procs))) - set(values))} gave no result "
+                    f"within {timeout:.0f} s"
+                ) from None
             continue
         if check is not None:
             check(rank, value)
@@ -119,7 +157,11 @@ def collect_results(results, procs: list, timeout: float, check: Callable[[int, 
 
 
 def run_on_ranks(
-    target: Callable[..., None], world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 1800
+    target: Callable[..., None],
+    world: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
 ) -> list[Any]:
     """Start `target(rank, world, store_path, *args, results)` on `world` spawned processes
     (with `env` added to their environment); each puts `(rank, value)` into `results`.
@@ -128,7 +170,9 @@ def run_on_ranks(
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp, environment(env or {}):
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=target, args=(r, world, store, *args, results)) for r in range(world)]
+        procs = [
+            ctx.Process(target=target, args=(r, world, store, *args, results)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         values = None
@@ -136,7 +180,9 @@ def run_on_ranks(
             values = collect_results(results, procs, timeout)
         finally:
             for p in procs:
-                p.join(timeout=60 if values is not None else 0)  # after a failure, stop the rest now
+                p.join(
+                    timeout=60 if values is not None else 0
+                )  # after a failure, stop the rest now
                 if p.is_alive():
                     p.kill()
     return [values[r] for r in range(world)]

@@ -27,13 +27,22 @@ import tpcore
 
 
 def build_demo_model(path: str) -> str:
-    """A 4-layer Llama (hidden 256, GQA 8/4 heads, vocab 1000) with random weights, saved to `path`."""
+    """A 4-layer Llama (hidden 256, GQA 8/4 heads, vocab 1000) with random weights, saved to
+    `path`."""
     import transformers
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         config = transformers.LlamaConfig(
-            vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+            vocab_size=1000,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            bos_token_id=None,
+            eos_token_id=None,
         )
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -43,7 +52,9 @@ def build_demo_model(path: str) -> str:
 def prompt_ids(path: str, args) -> tuple[torch.Tensor, object]:
     """The prompt as ids `[1, t]`, and the tokenizer when the folder has one."""
     tokenizer = None
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -52,8 +63,14 @@ def prompt_ids(path: str, args) -> tuple[torch.Tensor, object]:
 
 
 def sampling_kwargs(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, top_k=args.top_k,
-                top_p=args.top_p, temperature=args.temperature, seed=args.seed)
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
 
 
 def show(tokens: torch.Tensor, tokenizer, prompt_len: int) -> None:
@@ -101,7 +118,9 @@ def run_torchrun(path: str | None, args) -> None:
 
 def run_launcher(path: str, args) -> None:
     ids, tokenizer = prompt_ids(path, args)
-    with tpcore.hf.launch(path, args.tensor_parallel_size, dtype=getattr(torch, args.dtype)) as model:
+    with tpcore.hf.launch(
+        path, args.tensor_parallel_size, dtype=getattr(torch, args.dtype)
+    ) as model:
         peaks = [(s["peak_rss_kib"] - s["rss_before_kib"]) / 1024 for s in model.load_stats]
         print("peak MiB per rank while loading:", [round(p, 1) for p in peaks])
         tokens = model.generate(ids, **sampling_kwargs(args))
@@ -112,21 +131,41 @@ def run_launcher(path: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a save_pretrained folder; default: a demo Llama built from a config")
-    parser.add_argument("--demo-dir", default=os.path.join(tempfile.gettempdir(), "tpcore-hf-demo-llama"))
+    parser.add_argument(
+        "--model", help="a save_pretrained folder; default: a demo Llama built from a config"
+    )
+    parser.add_argument(
+        "--demo-dir", default=os.path.join(tempfile.gettempdir(), "tpcore-hf-demo-llama")
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
-    parser.add_argument("--launcher", action="store_true", help="spawn the workers here instead of running under torchrun")
+    parser.add_argument(
+        "--launcher",
+        action="store_true",
+        help="spawn the workers here instead of running under torchrun",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--prompt", default="The tensor-parallel model says", help="text (needs a tokenizer in the folder)")
-    parser.add_argument("--prompt-ids", default="1,17,42,99,7", help="comma-separated ids when there is no tokenizer")
+    parser.add_argument(
+        "--prompt",
+        default="The tensor-parallel model says",
+        help="text (needs a tokenizer in the folder)",
+    )
+    parser.add_argument(
+        "--prompt-ids",
+        default="1,17,42,99,7",
+        help="comma-separated ids when there is no tokenizer",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=30)
     parser.add_argument("--do-sample", action="store_true")
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                        help="compare greedy ids with plain transformers (default: on for the demo model)")
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare greedy ids with plain transformers (default: on for the demo model)",
+    )
     args = parser.parse_args()
     args.check = args.model is None if args.check is None else args.check
     if args.launcher:

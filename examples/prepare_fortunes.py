@@ -1,6 +1,7 @@
 """Turn the Debian `fortunes` collection into JSON lines: a small default pretraining corpus.
 
-    python examples/prepare_fortunes.py [--source-dir /usr/share/games/fortunes] [--output data/fortunes.jsonl]
+    python examples/prepare_fortunes.py [--source-dir /usr/share/games/fortunes]
+                                        [--output data/fortunes.jsonl]
 
 Each fortune file holds entries separated by lines that are exactly "%"; every
 non-empty entry (stripped) becomes one line {"text": ...}. Files are read in sorted
@@ -23,10 +24,12 @@ DEFAULT_SOURCE = "/usr/share/games/fortunes"
 
 
 def fortune_files(source_dir: str) -> list[str]:
-    """The fortune files of `source_dir`, sorted by name: regular files only, no indexes or links."""
+    """The fortune files of `source_dir`, sorted by name: regular files only, no indexes or
+    links."""
     with os.scandir(source_dir) as entries:
         return sorted(
-            e.path for e in entries
+            e.path
+            for e in entries
             if e.is_file(follow_symlinks=False) and not e.name.endswith((".dat", ".u8"))
         )
 
@@ -51,7 +54,8 @@ def prepare(source_dir: str, output: str) -> tuple[int, int]:
     """Write every fortune of `source_dir` to `output`; returns (documents, bytes)."""
     data = b"".join(
         json.dumps({"text": text}, ensure_ascii=False).encode() + b"\n"
-        for path in fortune_files(source_dir) for text in read_fortunes(path)
+        for path in fortune_files(source_dir)
+        for text in read_fortunes(path)
     )
     with atomic_output(output) as tmp, open(tmp, "wb") as f:
         f.write(data)
@@ -61,11 +65,17 @@ def prepare(source_dir: str, output: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source-dir", default=DEFAULT_SOURCE, help="directory of fortune files")
-    parser.add_argument("--output", default="data/fortunes.jsonl", help="the JSON lines file to write")
+    parser.add_argument(
+        "--output", default="data/fortunes.jsonl", help="the JSON lines file to write"
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.source_dir):
-        print(f"{args.source_dir} does not exist: install the Debian package `fortunes` (apt-get install fortunes) "
-              "or point --source-dir at a directory of fortune files", file=sys.stderr)
+        print(
+            f"{args.source_dir} does not exist: install the Debian package `fortunes` "
+            "(apt-get install fortunes) "
+            "or point --source-dir at a directory of fortune files",
+            file=sys.stderr,
+        )
         return 2
     documents, size = prepare(args.source_dir, args.output)
     print(f"{args.output}: {documents} documents, {size} bytes")

@@ -15,33 +15,66 @@ from tpcore.models import GPTConfig
 # Per-dtype tolerance, relative to the magnitude of the reference. fp32 differs from
 # the dense reference only by summation order; bf16 rounds every partial sum that
 # crosses a collective to 8 mantissa bits (eps = 2**-7 = 7.8e-3), so two roundings.
-RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2 * 2**-7, torch.float16: 2 * 2**-10}
+RTOL = {
+    torch.float32: 1e-5,
+    torch.float64: 1e-12,
+    torch.bfloat16: 2 * 2**-7,
+    torch.float16: 2 * 2**-10,
+}
 
 
 # Tiny GPTs shared by the model, generation and trainer tests.
 GPT_VARIANTS = {
     # GPT-2 style: LayerNorm, GeLU, learned positions, tied embeddings, biases.
-    "gpt2": GPTConfig(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=4),
+    "gpt2": GPTConfig(
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        make_vocab_size_divisible_by=4,
+    ),
     # Llama style: RMSNorm, SwiGLU, rotary, grouped-query attention, untied head, no biases.
     "llama": GPTConfig(
-        vocab_size=50, num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-        max_position_embeddings=16, norm="rmsnorm", activation="swiglu", position_embedding="rotary",
-        tie_embeddings=False, bias=False, make_vocab_size_divisible_by=4,
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=96,
+        max_position_embeddings=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rotary",
+        tie_embeddings=False,
+        bias=False,
+        make_vocab_size_divisible_by=4,
     ),
 }
-# Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4; 1: at TP 2 and 4).
+# Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4;
+# 1: at TP 2 and 4).
 GQA_VARIANTS = {
     "llama_kv2": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2),
     "llama_kv1": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=1),
-    # Heads wider and narrower than hidden / heads (kv_channels, HF's head_dim: Mistral-Nemo, Qwen3).
+    # Heads wider and narrower than hidden / heads (kv_channels, HF's head_dim:
+    # Mistral-Nemo, Qwen3).
     "llama_wide_heads": dataclasses.replace(GPT_VARIANTS["llama"], kv_channels=16),
-    "llama_kv2_narrow_heads": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2, kv_channels=4),
+    "llama_kv2_narrow_heads": dataclasses.replace(
+        GPT_VARIANTS["llama"], num_kv_heads=2, kv_channels=4
+    ),
     # Qwen3's shape: q / k norms over each head, heads wider than hidden / heads.
     "qwen3": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, kv_channels=16),
     "qwen3_kv2": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, num_kv_heads=2),
     # Gemma's shape: (1 + weight) norms, GeGLU, scaled embeddings, tied head, one KV head of 16.
-    "gemma": dataclasses.replace(GPT_VARIANTS["llama"], norm="gemma_rmsnorm", activation="geglu", embedding_scale=8.0,
-                                 tie_embeddings=True, num_kv_heads=1, kv_channels=16),
+    "gemma": dataclasses.replace(
+        GPT_VARIANTS["llama"],
+        norm="gemma_rmsnorm",
+        activation="geglu",
+        embedding_scale=8.0,
+        tie_embeddings=True,
+        num_kv_heads=1,
+        kv_channels=16,
+    ),
 }
 
 
@@ -78,7 +111,8 @@ def expect_error(exc_type: type[BaseException], match: str, fn, *args, **kwargs)
 
 
 def reference_cross_entropy(logits, target, *, smoothing, ignore_index, reduction, z_loss):
-    """Plain PyTorch: F.cross_entropy over logits [..., V] plus z_loss * logsumexp^2 (F has no z-loss)."""
+    """Plain PyTorch: F.cross_entropy over logits [..., V] plus z_loss * logsumexp^2
+    (F has no z-loss)."""
     import torch.nn.functional as F
 
     vocab = logits.shape[-1]
@@ -107,7 +141,14 @@ class LargestAllocation(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func._schema.is_mutable:
             return out
-        tensors = lambda tree: [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]  # noqa: E731
+
+        def tensors(tree):
+            return [
+                t
+                for t in tree_flatten(tree)[0]
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            ]
+
         inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
         for t in tensors(out):
             if t.untyped_storage().data_ptr() not in inputs:
@@ -149,7 +190,9 @@ def _chunks(units: int, tp: int) -> int:
     return tp if units >= tp else units
 
 
-def slice_piece(full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPTConfig, owned: bool = False) -> torch.Tensor:
+def slice_piece(
+    full: torch.Tensor, rule: tuple, rank: int, tp: int, config: GPTConfig, owned: bool = False
+) -> torch.Tensor:
     """Rank's piece of a full tensor at TP size `tp`, by plain slicing (the reference for
     checkpoint resharding); vocabulary padding rows are zero. `owned`: zero the copies of
     replicated KV heads a lower rank holds too (a loader reads those from that rank)."""
@@ -181,10 +224,15 @@ def merge_pieces(pieces: list[torch.Tensor], rule: tuple, config: GPTConfig) -> 
     counts = [_chunks(u, tp) for u in units]
     parts = [p.split([s // n for s, n in zip(sizes, counts)], dim) for p in pieces]
     # A replicated KV head: the copy of the first rank holding it.
-    return torch.cat([torch.cat([parts[j * tp // n][k] for j in range(n)], dim) for k, n in enumerate(counts)], dim)
+    return torch.cat(
+        [torch.cat([parts[j * tp // n][k] for j in range(n)], dim) for k, n in enumerate(counts)],
+        dim,
+    )
 
 
-def ranks_sharing(full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, config: GPTConfig) -> list[int]:
+def ranks_sharing(
+    full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, config: GPTConfig
+) -> list[int]:
     """The TP ranks at `saved_tp` whose piece shares an index with rank's piece at `tp`,
     found by slicing a tensor of index + 1 (0 marks padding); a replicated tensor (and a
     piece of padding only) is read from rank 0."""
@@ -192,4 +240,8 @@ def ranks_sharing(full_shape, rule: tuple, rank: int, tp: int, saved_tp: int, co
         return [0]
     index = torch.arange(1, 1 + torch.Size(full_shape).numel()).view(full_shape)
     mine = set(slice_piece(index, rule, rank, tp, config).flatten().tolist()) - {0}
-    return [r for r in range(saved_tp) if mine & set(slice_piece(index, rule, r, saved_tp, config, owned=True).flatten().tolist())] or [0]
+    return [
+        r
+        for r in range(saved_tp)
+        if mine & set(slice_piece(index, rule, r, saved_tp, config, owned=True).flatten().tolist())
+    ] or [0]

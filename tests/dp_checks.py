@@ -14,7 +14,14 @@ import torch.distributed as dist
 import tpcore
 from checks import GPT_VARIANTS, GQA_VARIANTS, assert_close
 from tpcore import parallel_state
-from tpcore.pipeline_parallel import activation_shape, build_gpt_stages, finalize_model_grads, forward_backward, gpt_forward_step, sync_tied_embeddings
+from tpcore.pipeline_parallel import (
+    activation_shape,
+    build_gpt_stages,
+    finalize_model_grads,
+    forward_backward,
+    gpt_forward_step,
+    sync_tied_embeddings,
+)
 from tpcore.train import LossScaler
 from tpcore.train.optimizer_setup import DataParallelOptions, make_optimizer
 from train_checks import BETAS, EPS, WD
@@ -24,16 +31,23 @@ BASELINE = DataParallelOptions(contiguous_buffers=False)
 BUFFERS = DataParallelOptions()
 OVERLAP = DataParallelOptions(overlap_grad_reduce=True)
 DISTRIBUTED = DataParallelOptions(use_distributed_optimizer=True)
-DISTRIBUTED_OVERLAP = DataParallelOptions(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+DISTRIBUTED_OVERLAP = DataParallelOptions(
+    use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+)
 
 
 def config_for(variant: str, num_layers: int, **changes):
-    return dataclasses.replace({**GPT_VARIANTS, **GQA_VARIANTS}[variant], num_layers=num_layers, **changes)
+    return dataclasses.replace(
+        {**GPT_VARIANTS, **GQA_VARIANTS}[variant], num_layers=num_layers, **changes
+    )
 
 
 def groups():
-    return (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(),
-            parallel_state.get_pipeline_model_parallel_group())
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_data_parallel_group(),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
 
 
 def batches(config, m: int, dp: int, seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -46,18 +60,39 @@ def batches(config, m: int, dp: int, seed: int) -> list[list[tuple[torch.Tensor,
 class Run:
     """This rank's chunks and optimizer, built from seed 0 at the current layout."""
 
-    def __init__(self, config, options: DataParallelOptions, *, v: int = 1, dtype=torch.float32, loss_scale: float | None = None,
-                 schedule: str = "1f1b", prepare=None) -> None:
+    def __init__(
+        self,
+        config,
+        options: DataParallelOptions,
+        *,
+        v: int = 1,
+        dtype=torch.float32,
+        loss_scale: float | None = None,
+        schedule: str = "1f1b",
+        prepare=None,
+    ) -> None:
         tp_group, dp_group, pp_group = groups()
         torch.manual_seed(0)
         self.config, self.v, self.dtype, self.schedule = config, v, dtype, schedule
-        self.chunks = build_gpt_stages(config, num_model_chunks=v, tp_group=tp_group, pp_group=pp_group, dtype=dtype)
+        self.chunks = build_gpt_stages(
+            config, num_model_chunks=v, tp_group=tp_group, pp_group=pp_group, dtype=dtype
+        )
         sync_tied_embeddings(self.chunks)
         if prepare is not None:
             prepare(self.chunks)  # freeze or add parameters before the optimizer sees them
         scaler = LossScaler(loss_scale, window=1000) if loss_scale else None
-        self.opt, self.grads = make_optimizer(self.chunks, options, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
-                                              lr=1e-2, weight_decay=WD, betas=BETAS, eps=EPS, loss_scaler=scaler)
+        self.opt, self.grads = make_optimizer(
+            self.chunks,
+            options,
+            tp_group=tp_group,
+            dp_group=dp_group,
+            pp_group=pp_group,
+            lr=1e-2,
+            weight_decay=WD,
+            betas=BETAS,
+            eps=EPS,
+            loss_scaler=scaler,
+        )
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
 
     def step(self, micro_batches, lr: float, clip: float) -> tuple[float, float, bool]:
@@ -67,8 +102,14 @@ class Run:
         if self.grads is not None:
             self.grads.start_step(m)
         loss = forward_backward(
-            gpt_forward_step(self.chunks, micro_batches, tensor_shape=shape), num_micro_batches=m, tensor_shape=shape, dtype=self.dtype,
-            schedule=self.schedule, num_model_chunks=self.v, group=self.pp_group, loss_scale=self.opt.loss_scale,
+            gpt_forward_step(self.chunks, micro_batches, tensor_shape=shape),
+            num_micro_batches=m,
+            tensor_shape=shape,
+            dtype=self.dtype,
+            schedule=self.schedule,
+            num_model_chunks=self.v,
+            group=self.pp_group,
+            loss_scale=self.opt.loss_scale,
         )
         if self.grads is not None:
             self.grads.finish_grad_sync()
@@ -81,7 +122,11 @@ class Run:
     def params(self) -> dict[str, torch.Tensor]:
         """Every parameter of this rank (all gathers waited for), by name and chunk."""
         self.opt.finish_param_sync()
-        return {f"{c}/{n}": p.detach().clone() for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
+        return {
+            f"{c}/{n}": p.detach().clone()
+            for c, chunk in enumerate(self.chunks)
+            for n, p in chunk.named_parameters()
+        }
 
 
 def step_alike(run: Run, base: Run, micro_batches, lr: float, clip: float) -> None:
@@ -99,4 +144,6 @@ def assert_same_params(run: Run, base: Run, what: str = "") -> None:
 
 
 def setup(tp: int = 1, pp: int = 1, backend: str | None = None) -> None:
-    tpcore.initialize_model_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, backend=backend)
+    tpcore.initialize_model_parallel(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, backend=backend
+    )

@@ -30,7 +30,14 @@ import uuid
 
 # What every warm process has imported: torch, tpcore, the trainer, and transformers' model
 # base (another 4 s of CPU a process; skipped where transformers is not installed).
-PRELOAD = ["torch", "torch.distributed", "tpcore", "tpcore.train", "transformers.modeling_utils", "tpcore.hf"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "tpcore",
+    "tpcore.train",
+    "transformers.modeling_utils",
+    "tpcore.hf",
+]
 # torchrun ends the other workers this long after SIGTERM with SIGKILL.
 KILL_GRACE_S = 30.0
 
@@ -52,7 +59,9 @@ def warm_context():
     return _context
 
 
-def _rank_main(env: dict, program: list[str], cwd: str | None, out_path: str, err_path: str) -> None:
+def _rank_main(
+    env: dict, program: list[str], cwd: str | None, out_path: str, err_path: str
+) -> None:
     """One rank: the caller's environment, stdout / stderr into files, `program` run as
     `python program...` would run it (`-m module` or a script path), then the exit handlers
     a real interpreter runs at exit, then exit with the program's status."""
@@ -107,7 +116,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def torchrun(program: list[str], nproc: int, env: dict | None = None, cwd=None, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def torchrun(
+    program: list[str], nproc: int, env: dict | None = None, cwd=None, timeout: float = 240.0
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc <program>` (or `python <program>` for one
     process, as the tests launch single-process runs), each rank forked warm.
 
@@ -126,10 +137,21 @@ def torchrun(program: list[str], nproc: int, env: dict | None = None, cwd=None, 
         # As torchrun's agent: it serves the store at MASTER_PORT that every rank joins.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         run_id = uuid.uuid4().hex[:8]
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                    GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(nproc),
-                    TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                    OMP_NUM_THREADS="1")
+        base.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            GROUP_WORLD_SIZE="1",
+            ROLE_NAME="default",
+            ROLE_WORLD_SIZE=str(nproc),
+            TORCHELASTIC_RUN_ID=run_id,
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            OMP_NUM_THREADS="1",
+        )
     folder = tempfile.mkdtemp(prefix="tpcore-launch-")
     procs, paths = [], []
     for rank in range(nproc):
@@ -138,7 +160,11 @@ def torchrun(program: list[str], nproc: int, env: dict | None = None, cwd=None, 
             env_r.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
         out, err = os.path.join(folder, f"out{rank}"), os.path.join(folder, f"err{rank}")
         paths.append((out, err))
-        p = ctx.Process(target=_rank_main, args=(env_r, [str(a) for a in program], None if cwd is None else str(cwd), out, err), daemon=False)
+        p = ctx.Process(
+            target=_rank_main,
+            args=(env_r, [str(a) for a in program], None if cwd is None else str(cwd), out, err),
+            daemon=False,
+        )
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout

@@ -29,7 +29,9 @@ class RankFailure(AssertionError):
     """A job failed on at least one rank."""
 
 
-def _worker(rank: int, world: int, store_path: str, backend: str, group_timeout_s: float, tasks, results) -> None:
+def _worker(
+    rank: int, world: int, store_path: str, backend: str, group_timeout_s: float, tasks, results
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -41,7 +43,11 @@ def _worker(rank: int, world: int, store_path: str, backend: str, group_timeout_
 
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=group_timeout_s)
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=group_timeout_s),
     )
 
     while True:
@@ -75,7 +81,15 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world, store, self.backend, self.group_timeout_s, self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world,
+                    store,
+                    self.backend,
+                    self.group_timeout_s,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(self.world)
@@ -102,10 +116,15 @@ class RankPool:
         job_id = self._job_id
         for q in self._tasks:
             q.put((job_id, fn, args))
-        values, errors, dead = collect_answers(self._results, self._procs, job_id, timeout, FAILURE_GRACE_S, poll_s=0.2)
+        values, errors, dead = collect_answers(
+            self._results, self._procs, job_id, timeout, FAILURE_GRACE_S, poll_s=0.2
+        )
         if dead:
             self._kill()
-            raise RankFailure(f"{fn.__name__}: rank(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
+            raise RankFailure(
+                f"{fn.__name__}: rank(s) died: "
+                + ", ".join(f"rank {r} exit code {c}" for r, c in dead)
+            )
         if errors or len(values) < self.world:
             missing = sorted(set(range(self.world)) - set(values) - set(errors))
             self._kill()  # ranks may be stuck in a collective: start afresh next time
@@ -116,13 +135,18 @@ class RankPool:
         return [values[r] for r in range(self.world)]
 
 
-def run_fresh_processes(target: Callable[..., None], world: int, *args: Any, timeout: float = 240.0) -> dict[int, Any]:
+def run_fresh_processes(
+    target: Callable[..., None], world: int, *args: Any, timeout: float = 240.0
+) -> dict[int, Any]:
     """Run `target(rank, world, *args, results)` in `world` new processes (for tests
     that make and end their own default groups, which the pool's ranks cannot); each puts
     `(rank, answer)` on `results`. Returns the answers by rank; kills what is left."""
     ctx = warm_context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, *args, results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=target, args=(r, world, *args, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:

@@ -18,10 +18,16 @@ LOW = torch.bfloat16
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Same dtype, and equal up to bf16 rounding (the compute dtype) relative to |expected|."""
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, nn gives {expected.dtype}"
+    assert actual.dtype == expected.dtype, (
+        f"{what}: dtype {actual.dtype}, nn gives {expected.dtype}"
+    )
     scale = expected.detach().abs().max().item()
     torch.testing.assert_close(
-        actual.float(), expected.float(), rtol=RTOL[LOW], atol=RTOL[LOW] * max(scale, 1e-6), msg=lambda m: f"{what}: {m}"
+        actual.float(),
+        expected.float(),
+        rtol=RTOL[LOW],
+        atol=RTOL[LOW] * max(scale, 1e-6),
+        msg=lambda m: f"{what}: {m}",
     )
 
 
@@ -32,14 +38,21 @@ def _linears(tp_rank, tp, device, sp):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 2, IN, generator=g).to(device)
     upstream = torch.randn(8, 2, OUT, generator=g).to(device)
-    for cls, x_layout, w_dim in ((tpcore.ColumnParallelLinear, 0, 0), (tpcore.RowParallelLinear, -1, 1)):
+    for cls, x_layout, w_dim in (
+        (tpcore.ColumnParallelLinear, 0, 0),
+        (tpcore.RowParallelLinear, -1, 1),
+    ):
         what = f"{cls.__name__} sp={sp}"
         dense.zero_grad()
         xr = x.clone().requires_grad_(True)
         with torch.autocast(device, dtype=LOW):
             y_ref = dense(xr)
         y_ref.backward(upstream.to(y_ref.dtype))
-        kwargs = dict(sequence_parallel=sp) if cls is tpcore.ColumnParallelLinear else dict(input_is_parallel=True, sequence_parallel=sp)
+        kwargs = (
+            dict(sequence_parallel=sp)
+            if cls is tpcore.ColumnParallelLinear
+            else dict(input_is_parallel=True, sequence_parallel=sp)
+        )
         layer = cls.from_dense(dense, **kwargs)
         if cls is tpcore.ColumnParallelLinear:
             xin, out_of = (mine(x, 0) if sp else x), (lambda t: mine(t, -1))
@@ -70,9 +83,15 @@ def _losses(tp_rank, tp, device):
         ref_loss.backward()
         local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
         with torch.autocast(device, dtype=LOW):
-            loss = tpcore.vocab_parallel_cross_entropy(local, target, vocab_size=VOCAB, label_smoothing=0.1)
-        assert loss.dtype == torch.float32, f"logits {dtype}: F.cross_entropy gives an fp32 loss under autocast"
-        assert_close(loss, ref_loss.detach(), f"logits {dtype}: loss")  # fp32 math on the same values
+            loss = tpcore.vocab_parallel_cross_entropy(
+                local, target, vocab_size=VOCAB, label_smoothing=0.1
+            )
+        assert loss.dtype == torch.float32, (
+            f"logits {dtype}: F.cross_entropy gives an fp32 loss under autocast"
+        )
+        assert_close(
+            loss, ref_loss.detach(), f"logits {dtype}: loss"
+        )  # fp32 math on the same values
         loss.backward()
         _close(local.grad, ref.grad.chunk(tp, -1)[tp_rank], f"logits {dtype}: grad")
 
@@ -85,9 +104,14 @@ def _losses(tp_rank, tp, device):
     with torch.autocast(device, dtype=LOW):
         ref_loss = F.cross_entropy(F.linear(h_ref, w_ref[:VOCAB]), target)
     ref_loss.backward()
-    h, w = hidden.clone().requires_grad_(True), weight.chunk(tp, 0)[tp_rank].clone().requires_grad_(True)
+    h, w = (
+        hidden.clone().requires_grad_(True),
+        weight.chunk(tp, 0)[tp_rank].clone().requires_grad_(True),
+    )
     with torch.autocast(device, dtype=LOW):
-        loss = tpcore.vocab_parallel_linear_cross_entropy(h, w, target, vocab_size=VOCAB, chunk_size=5)
+        loss = tpcore.vocab_parallel_linear_cross_entropy(
+            h, w, target, vocab_size=VOCAB, chunk_size=5
+        )
     _close(loss, ref_loss.detach(), "fused: loss")
     loss.backward()
     _close(h.grad, h_ref.grad, "fused: grad hidden")

@@ -24,8 +24,14 @@ def _cmake() -> str:
 
 
 def _archs(**env: str) -> tuple[str, str] | str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("TPCORE_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST")}
-    out = subprocess.run([_cmake(), "-P", SCRIPT], env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TPCORE_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST")
+    }
+    out = subprocess.run(
+        [_cmake(), "-P", SCRIPT], env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
     if out.returncode:
         return out.stderr
     lines = dict(line.split("=", 1) for line in out.stderr.splitlines() if "=" in line)

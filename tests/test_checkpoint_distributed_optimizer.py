@@ -22,17 +22,27 @@ from tpcore.train import CheckpointError, load_checkpoint, save_checkpoint
 GLOBAL_MICRO = 4  # micro-batches per global batch, split over the DP ranks
 STEPS, SAVED_AT = 4, 2
 LRS = [1e-2, 5e-3, 2e-2, 1e-2]
-OPTIONS = {"plain": BASELINE, "buffers": BUFFERS, "distributed": DISTRIBUTED, "distributed+overlap": DISTRIBUTED_OVERLAP}
+OPTIONS = {
+    "plain": BASELINE,
+    "buffers": BUFFERS,
+    "distributed": DISTRIBUTED,
+    "distributed+overlap": DISTRIBUTED_OVERLAP,
+}
 
 
 def _micro_batches(config, step: int):
     """This DP rank's share of step `step`'s global batch (the same samples at any DP size)."""
     g = torch.Generator().manual_seed(step)
-    all_micro = [(torch.randint(0, config.vocab_size, (2, 8), generator=g), torch.randint(0, config.vocab_size, (2, 8), generator=g))
-                 for _ in range(GLOBAL_MICRO)]
+    all_micro = [
+        (
+            torch.randint(0, config.vocab_size, (2, 8), generator=g),
+            torch.randint(0, config.vocab_size, (2, 8), generator=g),
+        )
+        for _ in range(GLOBAL_MICRO)
+    ]
     dp_group = groups()[1]
     dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    return all_micro[rank * GLOBAL_MICRO // dp:(rank + 1) * GLOBAL_MICRO // dp]
+    return all_micro[rank * GLOBAL_MICRO // dp : (rank + 1) * GLOBAL_MICRO // dp]
 
 
 def _layout(tp: int, pp: int) -> None:
@@ -56,13 +66,25 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
     run = Run(config, OPTIONS[save_options])
     curve = _train(run, range(SAVED_AT))
     tp_group, dp_group, pp_group = groups()
-    path = save_checkpoint(root, SAVED_AT, run.chunks, run.opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group)
+    path = save_checkpoint(
+        root,
+        SAVED_AT,
+        run.chunks,
+        run.opt,
+        consumed_samples=0,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=pp_group,
+    )
     curve += _train(run, range(SAVED_AT, STEPS))
     files = sorted(os.listdir(path))
-    # Uninterrupted at the loading layout: the same function (layouts differ only by rounding), for the weights.
+    # Uninterrupted at the loading layout: the same function (layouts differ only by
+    # rounding), for the weights.
     _layout(*load_layout)
     reference = Run(config, OPTIONS[load_options])
-    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(_train(reference, range(STEPS)), curve))
+    assert all(
+        math.isclose(a, b, rel_tol=1e-5) for a, b in zip(_train(reference, range(STEPS)), curve)
+    )
     want = _dense(reference)
     # Resumed at the loading layout.
     resumed = Run(config, OPTIONS[load_options])
@@ -70,10 +92,16 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
     load_checkpoint(path, resumed.chunks, resumed.opt, tp_group=tp_group, pp_group=pp_group)
     tail = _train(resumed, range(SAVED_AT, STEPS))
     for step, (got, expected) in enumerate(zip(tail, curve[SAVED_AT:]), SAVED_AT + 1):
-        assert math.isclose(got, expected, rel_tol=1e-5), f"step {step}: resumed loss {got}, uninterrupted {expected}"
+        assert math.isclose(got, expected, rel_tol=1e-5), (
+            f"step {step}: resumed loss {got}, uninterrupted {expected}"
+        )
     got = _dense(resumed)
     for name, value in want.items():
-        assert_close(got[name], value, f"{save_options} {save_layout} -> {load_options} {load_layout}: {name}")
+        assert_close(
+            got[name],
+            value,
+            f"{save_options} {save_layout} -> {load_options} {load_layout}: {name}",
+        )
     return files
 
 
@@ -84,22 +112,44 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
         ((2, 1), "distributed+overlap", (4, 1), "distributed"),  # DP 2 -> DP 1
         ((2, 1), "distributed", (2, 1), "plain"),  # without the distributed optimizer
         ((2, 1), "plain", (1, 1), "distributed"),  # a plain checkpoint, continued with it
-        ((1, 2), "distributed+overlap", (1, 1), "buffers"),  # PP 2 x DP 2 (tied embedding across stages) -> DP 4
+        (
+            (1, 2),
+            "distributed+overlap",
+            (1, 1),
+            "buffers",
+        ),  # PP 2 x DP 2 (tied embedding across stages) -> DP 4
     ],
     ids=["dp2-to-dp4", "dp2-to-dp1", "dp2-to-plain", "plain-to-dp4", "pp2dp2-to-buffers"],
 )
-def test_resume_at_another_layout_continues_the_curve(cpu_ranks, tmp_path, save_layout, save_options, load_layout, load_options):
-    files = cpu_ranks.run(_resume, str(tmp_path), save_layout, save_options, load_layout, load_options)[0]
+def test_resume_at_another_layout_continues_the_curve(
+    cpu_ranks, tmp_path, save_layout, save_options, load_layout, load_options
+):
+    files = cpu_ranks.run(
+        _resume, str(tmp_path), save_layout, save_options, load_layout, load_options
+    )[0]
     optim = [f for f in files if f.startswith("optim_")]
     if save_options.startswith("distributed"):
         tp, pp = save_layout
         dp = 4 // (tp * pp)
-        assert optim == sorted(f"optim_tp{t:02d}_pp{p:02d}_dp{d:03d}.pt" for t in range(tp) for p in range(pp) for d in range(dp))
+        assert optim == sorted(
+            f"optim_tp{t:02d}_pp{p:02d}_dp{d:03d}.pt"
+            for t in range(tp)
+            for p in range(pp)
+            for d in range(dp)
+        )
         meta = json.loads((tmp_path / f"iter_{SAVED_AT:07d}" / "metadata.json").read_text())
-        assert meta["version"] == 4 and meta["distributed_optimizer"] and all(f in meta["files"] for f in optim)
+        assert (
+            meta["version"] == 4
+            and meta["distributed_optimizer"]
+            and all(f in meta["files"] for f in optim)
+        )
         # No rank wrote the whole optimizer state of its (TP, PP) rank: each file about 1/DP of it.
         for prefix in {f[: len("optim_tp00_pp00")] for f in optim}:
-            sizes = [os.path.getsize(tmp_path / f"iter_{SAVED_AT:07d}" / f) for f in optim if f.startswith(prefix)]
+            sizes = [
+                os.path.getsize(tmp_path / f"iter_{SAVED_AT:07d}" / f)
+                for f in optim
+                if f.startswith(prefix)
+            ]
             assert max(sizes) < 0.75 * sum(sizes), (prefix, sizes)
     else:
         assert not optim
@@ -110,7 +160,9 @@ def _load_damaged(rank, world, path, expect, verify=True):
     run = Run(config_for("gpt2", 4), DISTRIBUTED)
     tp_group, _, pp_group = groups()
     try:
-        load_checkpoint(path, run.chunks, run.opt, tp_group=tp_group, pp_group=pp_group, verify=verify)
+        load_checkpoint(
+            path, run.chunks, run.opt, tp_group=tp_group, pp_group=pp_group, verify=verify
+        )
     except CheckpointError as e:
         assert expect in str(e), str(e)
         return str(e)
@@ -122,18 +174,40 @@ def _save_distributed(rank, world, root):
     run = Run(config_for("gpt2", 4), DISTRIBUTED)
     _train(run, range(1))
     tp_group, dp_group, pp_group = groups()
-    return save_checkpoint(root, 1, run.chunks, run.opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group)
+    return save_checkpoint(
+        root,
+        1,
+        run.chunks,
+        run.opt,
+        consumed_samples=0,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=pp_group,
+    )
 
 
 def test_damaged_or_swapped_optimizer_files_are_refused(cpu_ranks, tmp_path):
     path = cpu_ranks.run(_save_distributed, str(tmp_path))[0]
-    a, b = os.path.join(path, "optim_tp00_pp00_dp000.pt"), os.path.join(path, "optim_tp00_pp00_dp001.pt")
+    a, b = (
+        os.path.join(path, "optim_tp00_pp00_dp000.pt"),
+        os.path.join(path, "optim_tp00_pp00_dp001.pt"),
+    )
     with open(a, "r+b") as f:  # one flipped byte
         f.seek(os.path.getsize(a) // 2)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     cpu_ranks.run(_load_damaged, path, "optim_tp00_pp00_dp000.pt is corrupt")
-    shutil.copyfile(b, a)  # a DP peer's file in its place: its size differs, and so (unchecked) does its identity
+    shutil.copyfile(
+        b, a
+    )  # a DP peer's file in its place: its size differs, and so (unchecked) does its identity
     cpu_ranks.run(_load_damaged, path, "optim_tp00_pp00_dp000.pt is corrupt")
-    cpu_ranks.run(_load_damaged, path, "expects at TP rank 0, PP rank 0, DP rank 0 (a file of another rank, save or run?): data_parallel_rank: file 1, metadata 0", False)
+    cpu_ranks.run(
+        _load_damaged,
+        path,
+        (
+            "expects at TP rank 0, PP rank 0, DP rank 0 (a file of another rank, save or run?): "
+            "data_parallel_rank: file 1, metadata 0"
+        ),
+        False,
+    )

@@ -18,10 +18,18 @@ import torch
 import torch.distributed as dist
 
 from checks import GPT_VARIANTS, setup_tp
-from train_checks import make_adamw, tp_dp_groups
 from tpcore.models import GPTModel
-from tpcore.train import CheckpointError, checkpoint_integrity, convert, find_checkpoint, load_checkpoint, load_dense_state_dict, save_checkpoint
+from tpcore.train import (
+    CheckpointError,
+    checkpoint_integrity,
+    convert,
+    find_checkpoint,
+    load_checkpoint,
+    load_dense_state_dict,
+    save_checkpoint,
+)
 from tpcore.train.checkpoint_index import read_metadata
+from train_checks import make_adamw, tp_dp_groups
 
 CONFIG = GPT_VARIANTS["llama"]
 
@@ -34,7 +42,9 @@ def _make(seed: int):
 
 def _save(model, opt, save: str, iteration: int) -> str:
     tp_group, dp_group = tp_dp_groups()
-    return save_checkpoint(save, iteration, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    return save_checkpoint(
+        save, iteration, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group
+    )
 
 
 def _digest(folder: str) -> dict[str, str]:
@@ -43,7 +53,9 @@ def _digest(folder: str) -> dict[str, str]:
     for root, _, names in os.walk(folder):
         for name in names:
             with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(f.read()).hexdigest()
+                out[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(
+                    f.read()
+                ).hexdigest()
     return out
 
 
@@ -81,7 +93,9 @@ def _damaged_shards(rank, world, root):
     tp_group, _ = tp_dp_groups()
     model, opt = _make(0)
     good = _save(model, opt, os.path.join(root, "run_a"), 5)
-    other = _save(*_make(1), os.path.join(root, "run_b"), 5)  # same shapes, same iteration, another run
+    other = _save(
+        *_make(1), os.path.join(root, "run_b"), 5
+    )  # same shapes, same iteration, another run
     corrupt, swapped, foreign = (os.path.join(root, n) for n in ("corrupt", "swapped", "foreign"))
 
     def damage():
@@ -93,22 +107,60 @@ def _damaged_shards(rank, world, root):
             f.write(os.urandom(4096))
         a, b = (os.path.join(swapped, f"model_tp{r:02d}_pp00.pt") for r in (0, 1))
         os.rename(a, a + ".x"), os.rename(b, a), os.rename(a + ".x", b)
-        shutil.copy(os.path.join(other, "model_tp01_pp00.pt"), os.path.join(foreign, "model_tp01_pp00.pt"))
+        shutil.copy(
+            os.path.join(other, "model_tp01_pp00.pt"), os.path.join(foreign, "model_tp01_pp00.pt")
+        )
 
     _on_rank0(rank, damage)
     fresh, fresh_opt = _make(2)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     load = dict(tp_group=tp_group)
-    # Every rank names the damaged file and the cause (those that did not read it quote the one that did).
-    _every_rank_raises(f"{corrupt}/model_tp00_pp00.pt is corrupt: CRC-32", load_checkpoint, corrupt, fresh, fresh_opt, **load)
-    msg = _every_rank_raises(f"{swapped}/model_tp0", load_checkpoint, swapped, fresh, fresh_opt, **load)
-    assert "holds the bytes the metadata records for model_tp0" in msg and "shard files swapped or renamed" in msg, msg
-    _every_rank_raises(f"{foreign}/model_tp01_pp00.pt is corrupt", load_checkpoint, foreign, fresh, fresh_opt, **load)
-    # Without the checksums (--no-verify-checkpoint), the identity each shard records still catches them.
+    # Every rank names the damaged file and the cause (those that did not read it quote the
+    # one that did).
+    _every_rank_raises(
+        f"{corrupt}/model_tp00_pp00.pt is corrupt: CRC-32",
+        load_checkpoint,
+        corrupt,
+        fresh,
+        fresh_opt,
+        **load,
+    )
+    msg = _every_rank_raises(
+        f"{swapped}/model_tp0", load_checkpoint, swapped, fresh, fresh_opt, **load
+    )
+    assert (
+        "holds the bytes the metadata records for model_tp0" in msg
+        and "shard files swapped or renamed" in msg
+    ), msg
+    _every_rank_raises(
+        f"{foreign}/model_tp01_pp00.pt is corrupt",
+        load_checkpoint,
+        foreign,
+        fresh,
+        fresh_opt,
+        **load,
+    )
+    # Without the checksums (--no-verify-checkpoint), the identity each shard records still
+    # catches them.
     load["verify"] = False
-    _every_rank_raises("is not the shard this checkpoint expects at TP rank 0, PP rank 0 (a file of another rank, save or run?): "
-                       "tensor_parallel_rank: file 1, metadata 0", load_checkpoint, swapped, fresh, fresh_opt, **load)
-    msg = _every_rank_raises(f"{foreign}/model_tp01_pp00.pt is not the shard this checkpoint expects at TP rank 1", load_checkpoint, foreign, fresh, fresh_opt, **load)
+    _every_rank_raises(
+        "is not the shard this checkpoint expects at TP rank 0, PP rank 0 "
+        "(a file of another rank, save or run?): "
+        "tensor_parallel_rank: file 1, metadata 0",
+        load_checkpoint,
+        swapped,
+        fresh,
+        fresh_opt,
+        **load,
+    )
+    msg = _every_rank_raises(
+        f"{foreign}/model_tp01_pp00.pt is not the shard this checkpoint expects at TP rank 1",
+        load_checkpoint,
+        foreign,
+        fresh,
+        fresh_opt,
+        **load,
+    )
     assert "run_id: file" in msg and "save_id: file" in msg, msg
     for name, p in fresh.named_parameters():  # loading nothing half-way either
         assert torch.equal(p.detach(), before[name]), name
@@ -138,7 +190,9 @@ def test_convert_refuses_a_damaged_checkpoint(damaged, tmp_path, capsys):
     assert convert.main(["--load", os.path.join(damaged, "corrupt"), "--output", out]) == 1
     assert f"{bad} is corrupt" in capsys.readouterr().err
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
-    assert convert.main(["--load", os.path.join(damaged, "run_a"), "--output", out]) == 0  # the intact one exports
+    assert (
+        convert.main(["--load", os.path.join(damaged, "run_a"), "--output", out]) == 0
+    )  # the intact one exports
 
 
 def _save_failures(rank, world, root):
@@ -160,8 +214,17 @@ def _save_failures(rank, world, root):
 
         checkpoint_integrity._ChecksumWriter.write = full_disk
     try:
-        _every_rank_raises(f"writing {save}/iter_0000002.tmp/model_tp01_pp00.pt failed: ENOSPC (No space left on device): the disk is full",
-                           _save, model, opt, save, 2)
+        _every_rank_raises(
+            (
+                f"writing {save}/iter_0000002.tmp/model_tp01_pp00.pt failed: "
+                "ENOSPC (No space left on device): the disk is full"
+            ),
+            _save,
+            model,
+            opt,
+            save,
+            2,
+        )
     finally:
         checkpoint_integrity._ChecksumWriter.write = write
     dist.barrier()
@@ -174,7 +237,9 @@ def _save_failures(rank, world, root):
     assert _digest(save) == before, "a checkpoint of non-finite weights was written"
 
 
-def test_full_disk_and_nan_weights_fail_every_rank_and_keep_the_last_checkpoint(cpu_ranks, tmp_path):
+def test_full_disk_and_nan_weights_fail_every_rank_and_keep_the_last_checkpoint(
+    cpu_ranks, tmp_path
+):
     cpu_ranks.run(_save_failures, str(tmp_path))
 
 
@@ -184,7 +249,9 @@ def test_latest_garbage_negative_iteration_and_missing_latest(damaged, tmp_path)
     shutil.copytree(src, save / "iter_0000005")
     shutil.copytree(src, save / "iter_0000003")
     (save / "latest").write_bytes(b"\x00\xffPK\x03\x04 garbage")
-    with pytest.raises(CheckpointError, match=f"{save}/latest should hold the name of a checkpoint folder"):
+    with pytest.raises(
+        CheckpointError, match=f"{save}/latest should hold the name of a checkpoint folder"
+    ):
         find_checkpoint(str(save))
     (save / "latest").unlink()  # no `latest`: the newest complete iter_N, never "nothing here"
     assert find_checkpoint(str(save)) == str(save / "iter_0000005")
@@ -197,7 +264,9 @@ def test_latest_garbage_negative_iteration_and_missing_latest(damaged, tmp_path)
     shutil.copytree(src, bad)
     meta = json.loads((bad / "metadata.json").read_text())
     (bad / "metadata.json").write_text(json.dumps({**meta, "iteration": -3}))
-    with pytest.raises(CheckpointError, match=f"{bad}/metadata.json: 'iteration' must be an integer >= 0, got -3"):
+    with pytest.raises(
+        CheckpointError, match=f"{bad}/metadata.json: 'iteration' must be an integer >= 0, got -3"
+    ):
         load_dense_state_dict(str(bad))
 
 

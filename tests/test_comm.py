@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tpcore
-from tpcore import _C, comm
-from conftest import DEVICES, pool_for
 from checks import assert_close, expect_error, per_rank_tensor, setup_tp
+from conftest import DEVICES, pool_for
+from tpcore import _C, comm
 
 TPS = [1, 2, 4]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -32,7 +32,9 @@ def _collectives(rank, world, tp, dtype, device):
     # Non-contiguous input: the reduction must not be silently skipped.
     nc = mine.transpose(0, 2)
     assert not nc.is_contiguous()
-    assert_close(comm.all_reduce(nc), total.transpose(0, 2), "all_reduce of a non-contiguous tensor")
+    assert_close(
+        comm.all_reduce(nc), total.transpose(0, 2), "all_reduce of a non-contiguous tensor"
+    )
     buf = mine.clone().transpose(0, 2)
     out = comm.all_reduce_inplace_async(buf).wait()
     assert out.data_ptr() == buf.data_ptr()
@@ -40,12 +42,22 @@ def _collectives(rank, world, tp, dtype, device):
 
     for dim in (0, 1, 2, -1):
         assert_close(comm.all_gather(mine, dim), torch.cat(inputs, dim), f"all_gather dim {dim}")
-        assert_close(comm.all_gather_async(nc, dim).wait(), torch.cat([t.transpose(0, 2) for t in inputs], dim), f"all_gather non-contiguous dim {dim}")
+        assert_close(
+            comm.all_gather_async(nc, dim).wait(),
+            torch.cat([t.transpose(0, 2) for t in inputs], dim),
+            f"all_gather non-contiguous dim {dim}",
+        )
     for dim in (0, 2, -1):
         want = total.chunk(tp, dim)[tp_rank]
         assert_close(comm.reduce_scatter(mine, dim), want, f"reduce_scatter dim {dim}")
-        assert_close(comm.reduce_scatter_async(mine, dim).wait(), want, f"reduce_scatter_async dim {dim}")
-        assert_close(_C.reduce_scatter_via_all_reduce(mine, dim, group), want, f"reduce_scatter fallback dim {dim}")
+        assert_close(
+            comm.reduce_scatter_async(mine, dim).wait(), want, f"reduce_scatter_async dim {dim}"
+        )
+        assert_close(
+            _C.reduce_scatter_via_all_reduce(mine, dim, group),
+            want,
+            f"reduce_scatter fallback dim {dim}",
+        )
     for src in range(tp):
         assert_close(comm.broadcast(mine, src), inputs[src], f"broadcast from {src}")
     if tp > 1:
@@ -82,7 +94,9 @@ def _edge_collectives(rank, world):
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     # A 0-d tensor gathers into [tp], like all_gather_into_tensor.
     gathered = comm.all_gather(torch.tensor(float(rank)))
-    assert torch.equal(gathered, torch.tensor([float(rank - tp_rank + r) for r in range(tp)])), gathered
+    assert torch.equal(gathered, torch.tensor([float(rank - tp_rank + r) for r in range(tp)])), (
+        gathered
+    )
     # A backend lacking reduce-scatter for one dtype (stood in for by marking it) sends only
     # that dtype to the fallback; the fallback still gives the right answer.
     bf16, fp32 = per_rank_tensor((4, 3), rank, torch.bfloat16), per_rank_tensor((4, 3), rank)
@@ -94,7 +108,9 @@ def _edge_collectives(rank, world):
         inputs = [per_rank_tensor((4, 3), rank - tp_rank + r, x.dtype) for r in range(tp)]
         want = torch.stack([t.double() for t in inputs]).sum(0).to(x.dtype).chunk(tp, 0)[tp_rank]
         assert_close(comm.reduce_scatter(x, 0), want, f"reduce_scatter {x.dtype}")
-    assert _C._collective_fallbacks() == fallbacks, "a dtype the backend supports must not fall back"
+    assert _C._collective_fallbacks() == fallbacks, (
+        "a dtype the backend supports must not fall back"
+    )
     _C._mark_collective_missing(group, "reduce_scatter_base", bf16, missing=False)
     assert _C._collective_fallbacks() == []
 

@@ -14,18 +14,21 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from test_train import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 import tpcore
-from rank_pool import run_fresh_processes
 from launch import torchrun
-from test_train import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, workdir  # noqa: F401 (workdir: the corpus fixture)
+from rank_pool import run_fresh_processes
 from tpcore.comm_threads import may_use_realtime
 from tpcore.train import read_metrics
 
 _CAP_SYS_NICE = 23  # linux/capability.h
 _PR_CAPBSET_DROP = 24  # linux/prctl.h
 _RR = os.SCHED_RR | os.SCHED_RESET_ON_FORK
-_NEEDS_RIGHT = pytest.mark.skipif(not may_use_realtime(), reason="this process may not use real-time scheduling (no CAP_SYS_NICE, ulimit -r 0)")
+_NEEDS_RIGHT = pytest.mark.skipif(
+    not may_use_realtime(),
+    reason="this process may not use real-time scheduling (no CAP_SYS_NICE, ulimit -r 0)",
+)
 
 
 def _policies(tids: list[int]) -> list[tuple[int, int]]:
@@ -45,7 +48,12 @@ def _prioritize(rank, world, store_dir, drop_rights, results):
 
     torch.set_num_threads(2)  # gloo's threads start OpenMP workers for large tensors
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(os.path.join(store_dir, "store"), world),
+            rank=rank,
+            world_size=world,
+        )
         dist.all_reduce(torch.ones(4))
         threads = tpcore.comm_threads.gloo_threads()
         if drop_rights:
@@ -56,15 +64,33 @@ def _prioritize(rank, world, store_dir, drop_rights, results):
             changed, error = [], str(e)
         # Collectives still sum exactly: each rank's values against their sum made here. The
         # tensors are large enough for gloo's threads to start OpenMP workers now.
-        values = [torch.randn(1 << 21, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        values = [
+            torch.randn(1 << 21, generator=torch.Generator().manual_seed(r)) for r in range(world)
+        ]
         got = values[rank].clone()
         dist.all_reduce(got)
         gathered = torch.empty(world << 21)
         dist.all_gather_into_tensor(gathered, values[rank])
-        realtime = [int(t) for t in os.listdir("/proc/self/task") if os.sched_getscheduler(int(t)) & ~os.SCHED_RESET_ON_FORK == os.SCHED_RR]
-        results.put((rank, dict(threads=threads, changed=changed, error=error, policies=_policies(threads), realtime=sorted(realtime),
-                                main=_policies([threading.get_native_id()])[0],
-                                exact=torch.equal(got, sum(values)) and torch.equal(gathered, torch.cat(values)))))
+        realtime = [
+            int(t)
+            for t in os.listdir("/proc/self/task")
+            if os.sched_getscheduler(int(t)) & ~os.SCHED_RESET_ON_FORK == os.SCHED_RR
+        ]
+        results.put(
+            (
+                rank,
+                dict(
+                    threads=threads,
+                    changed=changed,
+                    error=error,
+                    policies=_policies(threads),
+                    realtime=sorted(realtime),
+                    main=_policies([threading.get_native_id()])[0],
+                    exact=torch.equal(got, sum(values))
+                    and torch.equal(gathered, torch.cat(values)),
+                ),
+            )
+        )
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported, not lost in a child
         results.put((rank, f"failed: {e!r}"))
@@ -89,8 +115,14 @@ def test_without_the_right_it_raises_saying_what_grants_it_and_changes_nothing()
         got = run_fresh_processes(_prioritize, 2, tmp, True)
     for rank, r in got.items():
         assert isinstance(r, dict), r
-        assert r["changed"] == [] and "CAP_SYS_NICE" in r["error"] and "ulimit -r 1" in r["error"], r
-        assert r["policies"] == [(os.SCHED_OTHER, 0)] * len(r["threads"]) and r["realtime"] == [] and r["exact"], r
+        assert (
+            r["changed"] == [] and "CAP_SYS_NICE" in r["error"] and "ulimit -r 1" in r["error"]
+        ), r
+        assert (
+            r["policies"] == [(os.SCHED_OTHER, 0)] * len(r["threads"])
+            and r["realtime"] == []
+            and r["exact"]
+        ), r
 
 
 def _named_threads(count: int):
@@ -152,14 +184,28 @@ def _without_realtime_rights() -> None:
     """In the launched job: no CAP_SYS_NICE (dropped from the bounding set, so the exec'd
     launcher lacks it even as root) and a real-time priority limit of 0."""
     resource.setrlimit(resource.RLIMIT_RTPRIO, (0, resource.getrlimit(resource.RLIMIT_RTPRIO)[1]))
-    if os.geteuid() == 0 and ctypes.CDLL(None, use_errno=True).prctl(_PR_CAPBSET_DROP, _CAP_SYS_NICE, 0, 0, 0) != 0:
+    if (
+        os.geteuid() == 0
+        and ctypes.CDLL(None, use_errno=True).prctl(_PR_CAPBSET_DROP, _CAP_SYS_NICE, 0, 0, 0) != 0
+    ):
         raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_SYS_NICE)")
 
 
 def _run(workdir, name: str, *extra: str, **kwargs) -> subprocess.CompletedProcess:
-    flags = FLAGS + DP2 + ["--data-path", str(workdir / "corpus"), "--log-dir", str(workdir / name), *extra]
+    flags = (
+        FLAGS
+        + DP2
+        + ["--data-path", str(workdir / "corpus"), "--log-dir", str(workdir / name), *extra]
+    )
     if kwargs:  # process rights: the real launcher, started with them
-        return subprocess.run(_command(2, flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=GLOO, **kwargs)
+        return subprocess.run(
+            _command(2, flags),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            env=GLOO,
+            **kwargs,
+        )
     return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S)
 
 
@@ -169,12 +215,24 @@ def test_trainer_with_realtime_threads_trains_the_same_steps(workdir):
     for name, extra in (("rt_plain", ()), ("rt_on", ("--realtime-comm-threads",))):
         proc = _run(workdir, name, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = [[repr(row[k]) for k in COMPARED] for row in read_metrics(str(workdir / name / "metrics.csv"))]
-    assert "+realtime-comm-threads" in proc.stdout and "DP on gloo" in proc.stdout, proc.stdout[-2000:]
-    assert len(runs["rt_plain"]) == 4 and runs["rt_on"] == runs["rt_plain"], runs  # scheduling changes no bit
+        runs[name] = [
+            [repr(row[k]) for k in COMPARED]
+            for row in read_metrics(str(workdir / name / "metrics.csv"))
+        ]
+    assert "+realtime-comm-threads" in proc.stdout and "DP on gloo" in proc.stdout, proc.stdout[
+        -2000:
+    ]
+    assert len(runs["rt_plain"]) == 4 and runs["rt_on"] == runs["rt_plain"], (
+        runs
+    )  # scheduling changes no bit
 
 
 def test_trainer_without_the_right_fails_on_every_rank(workdir):
-    proc = _run(workdir, "rt_refused", "--realtime-comm-threads", preexec_fn=_without_realtime_rights)
+    proc = _run(
+        workdir, "rt_refused", "--realtime-comm-threads", preexec_fn=_without_realtime_rights
+    )
     assert proc.returncode != 0, proc.stdout[-2000:]
-    assert proc.stderr.count("real-time priority 1 for gloo's communication threads is not permitted") >= 2, proc.stderr[-4000:]
+    assert (
+        proc.stderr.count("real-time priority 1 for gloo's communication threads is not permitted")
+        >= 2
+    ), proc.stderr[-4000:]

@@ -28,7 +28,12 @@ from tpcore.models import GPTModel, finalize_sequence_parallel_grads
 from tpcore.tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG
 
 ops = torch.ops.tpcore
-STATIC_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
+STATIC_CHECKS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+)
 ALL_CHECKS = STATIC_CHECKS + ("test_aot_dispatch_dynamic",)
 
 
@@ -71,34 +76,92 @@ def _opcheck_every_op(rank, world, tp):
     flat_h = per_rank_tensor((s * b, h), tp_rank, seed=7)
     for sp in (False, True):
         for mask in ([True, True, True], [True, False, False]):
-            _check(ops.column_parallel_linear_backward, (per_rank_tensor((s * (tp if sp else 1), b, 4), tp_rank, seed=8), x, w, g, sp, mask), ALL_CHECKS)
+            _check(
+                ops.column_parallel_linear_backward,
+                (
+                    per_rank_tensor((s * (tp if sp else 1), b, 4), tp_rank, seed=8),
+                    x,
+                    w,
+                    g,
+                    sp,
+                    mask,
+                ),
+                ALL_CHECKS,
+            )
         _check(ops.row_parallel_linear_forward, (x, w, g, sp), ALL_CHECKS)
         _check(ops.vocab_parallel_embedding_forward, (ids, table, g, v * tp, sp), ALL_CHECKS)
         grad = per_rank_tensor((s // (tp if sp else 1), b, h), tp_rank, seed=9)
-        _check(ops.vocab_parallel_embedding_backward, (grad, ids.reshape(-1), v, 0, g, sp), ALL_CHECKS)
+        _check(
+            ops.vocab_parallel_embedding_backward, (grad, ids.reshape(-1), v, 0, g, sp), ALL_CHECKS
+        )
     _check(ops.cross_entropy_forward, (flat_logits, target, g, v * tp, 0.1, -100, 1e-3), ALL_CHECKS)
-    _check(ops.cross_entropy_backward, (flat_logits, target, stats[1], stats[2], g, v * tp, 0.1, 1e-3), ALL_CHECKS)
-    _check(ops.linear_cross_entropy_forward, (flat_h, table, target, g, v * tp, 0.0, -100, 0.0, 4), ALL_CHECKS)
-    _check(ops.linear_cross_entropy_backward, (flat_h, table, target, stats[1], stats[2], g, v * tp, 0.0, 0.0, 4, [True, True]), ALL_CHECKS)
+    _check(
+        ops.cross_entropy_backward,
+        (flat_logits, target, stats[1], stats[2], g, v * tp, 0.1, 1e-3),
+        ALL_CHECKS,
+    )
+    _check(
+        ops.linear_cross_entropy_forward,
+        (flat_h, table, target, g, v * tp, 0.0, -100, 0.0, 4),
+        ALL_CHECKS,
+    )
+    _check(
+        ops.linear_cross_entropy_backward,
+        (flat_h, table, target, stats[1], stats[2], g, v * tp, 0.0, 0.0, 4, [True, True]),
+        ALL_CHECKS,
+    )
 
     # Layer ops, with autograd.
-    for op in (ops.copy_to_tensor_parallel, ops.reduce_from_tensor_parallel, ops.scatter_to_tensor_parallel,
-               ops.gather_from_tensor_parallel, ops.scatter_to_sequence_parallel, ops.reduce_scatter_to_sequence_parallel):
+    for op in (
+        ops.copy_to_tensor_parallel,
+        ops.reduce_from_tensor_parallel,
+        ops.scatter_to_tensor_parallel,
+        ops.gather_from_tensor_parallel,
+        ops.scatter_to_sequence_parallel,
+        ops.reduce_scatter_to_sequence_parallel,
+    ):
         _check(op, (leaf((s, b, h), 10), g))
     _check(ops.gather_from_sequence_parallel, (leaf((s, b, h), 11), g, True))
     _check(ops.gather_from_sequence_parallel, (leaf((s, b, h), 11), g, False))
     for sp in (False, True):
-        _check(ops.column_parallel_linear, (leaf((s, b, h), 12), leaf((4, h), 13), leaf((4,), 14), g, False, sp))
-        _check(ops.row_parallel_linear, (leaf((s, b, h), 15), leaf((4, h), 16), leaf((4,), 17), g, True, sp))
+        _check(
+            ops.column_parallel_linear,
+            (leaf((s, b, h), 12), leaf((4, h), 13), leaf((4,), 14), g, False, sp),
+        )
+        _check(
+            ops.row_parallel_linear,
+            (leaf((s, b, h), 15), leaf((4, h), 16), leaf((4,), 17), g, True, sp),
+        )
         _check(ops.vocab_parallel_embedding, (ids, leaf((v, h), 18), g, v * tp - 1, 1, sp))
-    _check(ops.column_parallel_linear, (leaf((s, b, h), 12), leaf((4, h), 13), None, g, True, False))
-    _check(ops.row_parallel_linear, (leaf((s, b, h * tp), 15), leaf((4, h), 16), None, g, False, False))
+    _check(
+        ops.column_parallel_linear, (leaf((s, b, h), 12), leaf((4, h), 13), None, g, True, False)
+    )
+    _check(
+        ops.row_parallel_linear, (leaf((s, b, h * tp), 15), leaf((4, h), 16), None, g, False, False)
+    )
     logits = leaf((s, b, v), 19)
     target2 = target.view(s, b).clone()
     target2[0, 0] = -100
     for reduction in (0, 1, 2):
-        _check(ops.vocab_parallel_cross_entropy, (logits, target2, g, v * tp - 1, 0.1, -100, reduction, 1e-3, False))
-        _check(ops.vocab_parallel_linear_cross_entropy, (leaf((s, b, h), 20), leaf((v, h), 21), target2, g, v * tp - 1, 0.1, -100, reduction, 1e-3, 4))
+        _check(
+            ops.vocab_parallel_cross_entropy,
+            (logits, target2, g, v * tp - 1, 0.1, -100, reduction, 1e-3, False),
+        )
+        _check(
+            ops.vocab_parallel_linear_cross_entropy,
+            (
+                leaf((s, b, h), 20),
+                leaf((v, h), 21),
+                target2,
+                g,
+                v * tp - 1,
+                0.1,
+                -100,
+                reduction,
+                1e-3,
+                4,
+            ),
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -112,11 +175,14 @@ BATCH, SEQ = 2, 8
 # cannot trace the rotary tables (it makes the config's sizes symbolic). The ops themselves
 # (opcheck above) and eager use work on every supported torch.
 compile_tested = pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15), reason="whole-model torch.compile is tested from torch 2.15"
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15),
+    reason="whole-model torch.compile is tested from torch 2.15",
 )
 
 
-def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend):
+def _eager_and_compiled_gpt(
+    rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend
+):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     setup_tp(tp)
@@ -124,8 +190,12 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
         return  # the other data-parallel replicas would compile the same graphs again
     torch._dynamo.reset()
     config = dataclasses.replace(
-        {**GPT_VARIANTS, **GQA_VARIANTS}[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute,
-        dropout=dropout, attention_dropout=dropout,
+        {**GPT_VARIANTS, **GQA_VARIANTS}[variant],
+        sequence_parallel=sequence_parallel,
+        fused_lm_head_loss=fused,
+        recompute=recompute,
+        dropout=dropout,
+        attention_dropout=dropout,
     )
     if backend == "inductor":  # one layer: inductor's cold compile grows with the graph
         config = dataclasses.replace(config, num_layers=1)
@@ -165,10 +235,14 @@ def _eager_and_compiled_gpt(rank, world, tp, variant, sequence_parallel, fused, 
     # (With dynamic=True some configurations compile once per shape, e.g. TP 2 with sequence
     # parallelism: not asserted until that is understood.)
     if not dynamic:
-        assert counter.frame_count == 1, f"{counter.frame_count} compilations for {len(shapes)} steps of one shape"
+        assert counter.frame_count == 1, (
+            f"{counter.frame_count} compilations for {len(shapes)} steps of one shape"
+        )
     if dropout:
         with torch.no_grad():
-            assert compiled(ids, target) != model.eval()(ids, target), "dropout must change the loss"
+            assert compiled(ids, target) != model.eval()(ids, target), (
+                "dropout must change the loss"
+            )
 
 
 # A covering set: every TP size, tied (gpt2) and untied (llama, qwen3) heads, sequence parallelism
@@ -214,8 +288,21 @@ INDUCTOR_CASES = [(2, "gpt2", True, True, "full", False, 0.2)]
     + [(*case, 0.2, "aot_eager") for case in DROPOUT_CASES]
     + [(*case, "inductor") for case in INDUCTOR_CASES],
 )
-def test_compiled_gpt_matches_eager(cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend):
-    cpu_ranks.run(_eager_and_compiled_gpt, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend, timeout=900)
+def test_compiled_gpt_matches_eager(
+    cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend
+):
+    cpu_ranks.run(
+        _eager_and_compiled_gpt,
+        tp,
+        variant,
+        sequence_parallel,
+        fused,
+        recompute,
+        dynamic,
+        dropout,
+        backend,
+        timeout=900,
+    )
 
 
 def _backward_graph_overlaps(rank, world, tp, sequence_parallel):
@@ -234,7 +321,9 @@ def _backward_graph_overlaps(rank, world, tp, sequence_parallel):
     torch.manual_seed(0)
     layer = tpcore.ColumnParallelLinear(16, 8 * tp, sequence_parallel=sequence_parallel)
     x = per_rank_tensor((4, 2, 16), dist.get_rank(), seed=1).requires_grad_()
-    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    compiled = torch.compile(
+        layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True
+    )
     got = compiled(x)
     got.square().sum().backward()
     want = layer(x.detach().requires_grad_())
@@ -246,7 +335,11 @@ def _backward_graph_overlaps(rank, world, tp, sequence_parallel):
     assert_close(weight_grad, layer.weight.grad, "weight grad")
     assert_close(x.grad, x_ref.grad, "input grad (the started collective's result)")
     backward = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
-    start = "tpcore.reduce_scatter_start.default" if sequence_parallel else "tpcore.all_reduce_start.default"
+    start = (
+        "tpcore.reduce_scatter_start.default"
+        if sequence_parallel
+        else "tpcore.all_reduce_start.default"
+    )
     assert start in backward, backward
     waits = [i for i, t in enumerate(backward) if t == "_c10d_functional.wait_tensor.default"]
     mms = [i for i, t in enumerate(backward) if t == "aten.mm.default"]
@@ -299,7 +392,9 @@ def _layers_in_user_model(rank, world, tp):
 
     scaled = ScaledVocabParallelEmbedding(30, 8, embed_scale=8**0.5)
     # fullgraph=True raises at a graph break, naming it
-    assert torch.equal(torch.compile(scaled, fullgraph=True, backend="aot_eager")(ids), scaled(ids)), "scaled embedding"
+    assert torch.equal(
+        torch.compile(scaled, fullgraph=True, backend="aot_eager")(ids), scaled(ids)
+    ), "scaled embedding"
     # Split Phi-3 and OLMo 2 attentions compile with no graph break: Phi-3's reads its per-rank
     # head count from a RankConfig, OLMo 2's q / k norms span the heads of every rank.
     import copy
@@ -308,11 +403,22 @@ def _layers_in_user_model(rank, world, tp):
 
     import tpcore.hf
 
-    small = dict(vocab_size=30, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    small = dict(
+        vocab_size=30,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     for family in ("Phi3", "Olmo2"):
         torch.manual_seed(5)  # the same dense model on every rank
-        dense = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**small)).eval()
+        dense = getattr(transformers, f"{family}ForCausalLM")(
+            getattr(transformers, f"{family}Config")(**small)
+        ).eval()
         split = tpcore.hf.parallelize(copy.deepcopy(dense)).model
         hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(4))
         rotary = split.rotary_emb(hidden, torch.arange(6)[None])
@@ -320,11 +426,22 @@ def _layers_in_user_model(rank, world, tp):
         with torch.no_grad():
             want = dense.model.layers[0].self_attn(hidden, rotary, None)[0]
             compiled_attention = torch.compile(attention, fullgraph=True, backend="aot_eager")
-            assert_close(compiled_attention(hidden, rotary, None)[0], want, f"compiled split {family} attention")
+            assert_close(
+                compiled_attention(hidden, rotary, None)[0],
+                want,
+                f"compiled split {family} attention",
+            )
     # The functional collectives compile too.
     x = per_rank_tensor((4, 2 * tp), dist.get_rank(), seed=3)
-    fn = torch.compile(lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1, fullgraph=True)  # inductor
-    assert_close(fn(x), tpcore.comm.all_gather(tpcore.comm.reduce_scatter(x * 2, 1), 0) + 1, "compiled collectives")
+    fn = torch.compile(
+        lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1,
+        fullgraph=True,
+    )  # inductor
+    assert_close(
+        fn(x),
+        tpcore.comm.all_gather(tpcore.comm.reduce_scatter(x * 2, 1), 0) + 1,
+        "compiled collectives",
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -349,7 +466,9 @@ def _export_and_dynamic(rank, world):
     dynamic = torch.compile(model, dynamic=True, fullgraph=True, backend="aot_eager")
     for batch, seq in ((2, 8), (3, 6), (1, 16)):
         ids = torch.randint(0, 50, (batch, seq), generator=torch.Generator().manual_seed(seq))
-        assert_close(dynamic(ids), model(ids).detach(), f"dynamic shapes: logits of [{batch}, {seq}]")
+        assert_close(
+            dynamic(ids), model(ids).detach(), f"dynamic shapes: logits of [{batch}, {seq}]"
+        )
 
 
 @compile_tested

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 # Run in a fresh process: the limit is read once, when the cache is first used.
-_SCRIPT = r"""
+_SCRIPT = (
+    r"""
 import os, tempfile
 import torch, torch.distributed as dist, torch.nn.functional as F
 import tpcore
@@ -23,11 +24,13 @@ def step(tokens, vocab):
     tpcore.vocab_parallel_cross_entropy(logits, target).backward()
     ref = logits.detach().clone().requires_grad_(True)
     F.cross_entropy(ref, target).backward()
-    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-5 * ref.grad.abs().max().item())
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, """
+    r"""atol=1e-5 * ref.grad.abs().max().item())
     return logits.grad.data_ptr()
 
 with tempfile.TemporaryDirectory() as tmp:
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), """
+    r"""rank=0, world_size=1)
     tpcore.initialize_model_parallel(1)
     assert os.environ["TPCORE_CPU_CACHE_MB"] == "3"
     first = step(256, 1024)  # 1 MiB: kept, and handed out again
@@ -45,9 +48,12 @@ with tempfile.TemporaryDirectory() as tmp:
     dist.destroy_process_group()
 print("cache ok")
 """
+)
 
 
 def test_cache_is_bounded_and_evicts_the_oldest():
     env = {**os.environ, "TPCORE_CPU_CACHE_MB": "3"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "cache ok" in proc.stdout, proc.stdout + proc.stderr

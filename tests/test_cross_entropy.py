@@ -33,7 +33,12 @@ def _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream):
     """Loss and logits gradient of plain PyTorch on the gathered real columns."""
     full = logits.detach().clone().requires_grad_(True)
     loss = reference_cross_entropy(
-        full[..., :vocab], target, smoothing=smoothing, ignore_index=IGNORE, reduction=reduction, z_loss=z_loss
+        full[..., :vocab],
+        target,
+        smoothing=smoothing,
+        ignore_index=IGNORE,
+        reduction=reduction,
+        z_loss=z_loss,
     )
     (loss * upstream).sum().backward()
     return loss.detach(), full.grad
@@ -42,18 +47,33 @@ def _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream):
 def _cross_entropy(rank, world, tp, dtype, device):
     tp_rank, tp = setup_tp(tp)
     mine = lambda t: t.chunk(tp, -1)[tp_rank]  # noqa: E731
-    combos = itertools.product(VOCABS, [(12,), (3, 5)], ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-2])
+    combos = itertools.product(
+        VOCABS, [(12,), (3, 5)], ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-2]
+    )
     for (vocab, multiple), shape, reduction, smoothing, z_loss in combos:
-        what = f"vocab={vocab} shape={shape} reduction={reduction} smoothing={smoothing} z_loss={z_loss}"
+        what = (
+            f"vocab={vocab} shape={shape} reduction={reduction} "
+            f"smoothing={smoothing} z_loss={z_loss}"
+        )
         logits, target = _case(shape, vocab, multiple, tp, dtype, device)
-        upstream = torch.rand(shape if reduction == "none" else (), generator=torch.Generator().manual_seed(2)).to(device, dtype)
-        ref_loss, ref_grad = _reference(logits, target, vocab, smoothing, reduction, z_loss, upstream)
+        upstream = torch.rand(
+            shape if reduction == "none" else (), generator=torch.Generator().manual_seed(2)
+        ).to(device, dtype)
+        ref_loss, ref_grad = _reference(
+            logits, target, vocab, smoothing, reduction, z_loss, upstream
+        )
         for inplace in (False, True):
             local = mine(logits).clone().requires_grad_(True)
             x = local * 1 if inplace else local  # in-place needs a non-leaf buffer of its own
             loss = tpcore.vocab_parallel_cross_entropy(
-                x, target, vocab_size=vocab, label_smoothing=smoothing, ignore_index=IGNORE,
-                reduction=reduction, z_loss=z_loss, inplace_backward=inplace,
+                x,
+                target,
+                vocab_size=vocab,
+                label_smoothing=smoothing,
+                ignore_index=IGNORE,
+                reduction=reduction,
+                z_loss=z_loss,
+                inplace_backward=inplace,
             )
             assert loss.dtype == dtype and loss.shape == ref_loss.shape, what
             assert_close(loss, ref_loss, f"{what}: loss")
@@ -96,15 +116,32 @@ def _bad_args(rank, world):
     logits = torch.randn(4, 10)
     target = torch.tensor([1, 2, 3, 4])
     ce = tpcore.vocab_parallel_cross_entropy
-    expect_error(ValueError, "target shape [3] does not match the logits' leading shape [4]", ce, logits, target[:3])
-    expect_error(IndexError, "target 20 is out of range [0, 20)", ce, logits, torch.tensor([1, 20, 3, 4]))
+    expect_error(
+        ValueError,
+        "target shape [3] does not match the logits' leading shape [4]",
+        ce,
+        logits,
+        target[:3],
+    )
+    expect_error(
+        IndexError, "target 20 is out of range [0, 20)", ce, logits, torch.tensor([1, 20, 3, 4])
+    )
     expect_error(IndexError, "target -5 is out of range", ce, logits, torch.tensor([1, -5, 3, 4]))
-    expect_error(IndexError, "target 19 is out of range [0, 19)", ce, logits, torch.tensor([1, 19, 3, 4]), vocab_size=19)
+    expect_error(
+        IndexError,
+        "target 19 is out of range [0, 19)",
+        ce,
+        logits,
+        torch.tensor([1, 19, 3, 4]),
+        vocab_size=19,
+    )
     expect_error(TypeError, "float32, bfloat16 or float16", ce, logits.long(), target)
     expect_error(TypeError, "target must be an integer tensor", ce, logits, target.float())
     expect_error(ValueError, "reduction must be one of", ce, logits, target, reduction="avg")
     expect_error(ValueError, "vocab_size 21 must be in [1, 20]", ce, logits, target, vocab_size=21)
-    expect_error(ValueError, "label_smoothing must be in [0, 1]", ce, logits, target, label_smoothing=1.5)
+    expect_error(
+        ValueError, "label_smoothing must be in [0, 1]", ce, logits, target, label_smoothing=1.5
+    )
     # Nothing above reached a collective: a correct call still works on every rank.
     assert torch.isfinite(ce(logits, target))
 
@@ -120,21 +157,82 @@ def _disagreeing_ranks(rank, world):
     rank = tpcore.parallel_state.get_tensor_model_parallel_rank()
     ce, lce = tpcore.vocab_parallel_cross_entropy, tpcore.vocab_parallel_linear_cross_entropy
     target = torch.tensor([1, 2, 3, 4])
-    expect_error(ValueError, "disagree on the local vocabulary (logits' last dim) (rank 0: 5, rank 1: 6)",
-                 ce, torch.randn(4, 5 + rank), target)
-    expect_error(ValueError, "disagree on vocab_size (rank 0: 10, rank 1: 9)", ce, torch.randn(4, 5), target, vocab_size=10 - rank)
-    expect_error(ValueError, "disagree on label_smoothing", ce, torch.randn(4, 5), target, label_smoothing=0.1 * rank)
-    expect_error(ValueError, "disagree on z_loss", ce, torch.randn(4, 5), target, z_loss=1e-4 * rank)
-    expect_error(ValueError, "disagree on ignore_index", ce, torch.randn(4, 5), target, ignore_index=-100 - rank)
-    expect_error(ValueError, "disagree on the local vocabulary", lce, torch.randn(4, 3), torch.randn(5 + rank, 3), target)
+    expect_error(
+        ValueError,
+        "disagree on the local vocabulary (logits' last dim) (rank 0: 5, rank 1: 6)",
+        ce,
+        torch.randn(4, 5 + rank),
+        target,
+    )
+    expect_error(
+        ValueError,
+        "disagree on vocab_size (rank 0: 10, rank 1: 9)",
+        ce,
+        torch.randn(4, 5),
+        target,
+        vocab_size=10 - rank,
+    )
+    expect_error(
+        ValueError,
+        "disagree on label_smoothing",
+        ce,
+        torch.randn(4, 5),
+        target,
+        label_smoothing=0.1 * rank,
+    )
+    expect_error(
+        ValueError, "disagree on z_loss", ce, torch.randn(4, 5), target, z_loss=1e-4 * rank
+    )
+    expect_error(
+        ValueError,
+        "disagree on ignore_index",
+        ce,
+        torch.randn(4, 5),
+        target,
+        ignore_index=-100 - rank,
+    )
+    expect_error(
+        ValueError,
+        "disagree on the local vocabulary",
+        lce,
+        torch.randn(4, 3),
+        torch.randn(5 + rank, 3),
+        target,
+    )
     # An invalid option or target on one rank only: every rank raises, naming it (before, the
     # others waited in the all-gather until the timeout).
     if rank == 0:
-        expect_error(ValueError, "vocab_size 11 must be in [1, 10]", ce, torch.randn(4, 5), target, vocab_size=11)
-        expect_error(IndexError, "target 10 is out of range [0, 10)", ce, torch.randn(4, 5), torch.tensor([1, 10, 3, 4]))
+        expect_error(
+            ValueError,
+            "vocab_size 11 must be in [1, 10]",
+            ce,
+            torch.randn(4, 5),
+            target,
+            vocab_size=11,
+        )
+        expect_error(
+            IndexError,
+            "target 10 is out of range [0, 10)",
+            ce,
+            torch.randn(4, 5),
+            torch.tensor([1, 10, 3, 4]),
+        )
     else:
-        expect_error(ValueError, "invalid options on tensor-parallel rank(s) 0", ce, torch.randn(4, 6), target, vocab_size=11)
-        expect_error(IndexError, "tensor-parallel rank(s) 0 have a target out of range", ce, torch.randn(4, 5), target)
+        expect_error(
+            ValueError,
+            "invalid options on tensor-parallel rank(s) 0",
+            ce,
+            torch.randn(4, 6),
+            target,
+            vocab_size=11,
+        )
+        expect_error(
+            IndexError,
+            "tensor-parallel rank(s) 0 have a target out of range",
+            ce,
+            torch.randn(4, 5),
+            target,
+        )
     # Agreeing ranks are unaffected: the loss equals F.cross_entropy of the gathered logits.
     torch.manual_seed(0)
     full = torch.randn(4, 10)
@@ -156,9 +254,13 @@ def _cached_buffers(rank, world):
     for step in range(3):
         target = torch.randint(0, vocab - 100, (tokens,), generator=g)
         target[0] = IGNORE
-        ref_loss, ref_grad = _reference(logits, target, vocab - 100, 0.1, "mean", 0.0, torch.tensor(1.0))
+        ref_loss, ref_grad = _reference(
+            logits, target, vocab - 100, 0.1, "mean", 0.0, torch.tensor(1.0)
+        )
         local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
-        loss = tpcore.vocab_parallel_cross_entropy(local, target, vocab_size=vocab - 100, label_smoothing=0.1, ignore_index=IGNORE)
+        loss = tpcore.vocab_parallel_cross_entropy(
+            local, target, vocab_size=vocab - 100, label_smoothing=0.1, ignore_index=IGNORE
+        )
         loss.backward()
         assert_close(loss, ref_loss, f"step {step}: loss")
         assert_close(local.grad, ref_grad.chunk(tp, -1)[tp_rank], f"step {step}: grad")
@@ -186,12 +288,22 @@ def _large_shards(rank, world):
     target[4] = IGNORE
     # The reference in float64: at this vocab fp32 F.cross_entropy's own gradient is off by
     # ~3e-7 with label smoothing, ten times the fp32 tolerance of checks.assert_close.
-    ref_loss, ref_grad = (r.float() for r in _reference(logits.double(), target, vocab, 0.1, "mean", 0.0, torch.tensor(1.0).double()))
+    ref_loss, ref_grad = (
+        r.float()
+        for r in _reference(
+            logits.double(), target, vocab, 0.1, "mean", 0.0, torch.tensor(1.0).double()
+        )
+    )
     for inplace in (False, True):
         local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
         x = local * 1 if inplace else local
         loss = tpcore.vocab_parallel_cross_entropy(
-            x, target, vocab_size=vocab, label_smoothing=0.1, ignore_index=IGNORE, inplace_backward=inplace
+            x,
+            target,
+            vocab_size=vocab,
+            label_smoothing=0.1,
+            ignore_index=IGNORE,
+            inplace_backward=inplace,
         )
         loss.backward()
         assert_close(loss, ref_loss, f"inplace={inplace}: loss")
@@ -216,7 +328,9 @@ def _bf16_rounding(rank, world):
     grads = []
     for x in (local.clone(), local.float()):
         x.requires_grad_(True)
-        tpcore.vocab_parallel_cross_entropy(x, target, label_smoothing=0.1, reduction="sum").backward()
+        tpcore.vocab_parallel_cross_entropy(
+            x, target, label_smoothing=0.1, reduction="sum"
+        ).backward()
         grads.append(x.grad)
     expected = grads[1].to(torch.bfloat16)
     torch.testing.assert_close(grads[0], expected, rtol=0, atol=0, equal_nan=True)

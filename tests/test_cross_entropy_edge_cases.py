@@ -21,7 +21,12 @@ def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     finite = expected[torch.isfinite(expected)]
     scale = finite.abs().max().item() if finite.numel() else 0.0
     torch.testing.assert_close(
-        actual, expected, rtol=1e-5, atol=1e-5 * max(scale, 1e-6), equal_nan=True, msg=lambda m: f"{what}: {m}"
+        actual,
+        expected,
+        rtol=1e-5,
+        atol=1e-5 * max(scale, 1e-6),
+        equal_nan=True,
+        msg=lambda m: f"{what}: {m}",
     )
 
 
@@ -37,7 +42,9 @@ def _all_ignored(rank, world, tp, device):
     for inplace in (False, True):
         local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
         x = local * 1 if inplace else local
-        loss = tpcore.vocab_parallel_cross_entropy(x, target, ignore_index=IGNORE, inplace_backward=inplace)
+        loss = tpcore.vocab_parallel_cross_entropy(
+            x, target, ignore_index=IGNORE, inplace_backward=inplace
+        )
         loss.backward()
         _same(loss, ref_loss, f"loss inplace={inplace}")
         _same(local.grad, ref.grad.chunk(tp, -1)[tp_rank], f"grad inplace={inplace}")
@@ -47,17 +54,23 @@ def _all_ignored(rank, world, tp, device):
     weight = torch.randn(8 * tp, 4, generator=g).to(device)
     h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     F.cross_entropy(F.linear(h_ref, w_ref), target, ignore_index=IGNORE).backward()
-    embedding = tpcore.VocabParallelEmbedding(8 * tp, 4, make_vocab_size_divisible_by=1, device=device)
+    embedding = tpcore.VocabParallelEmbedding(
+        8 * tp, 4, make_vocab_size_divisible_by=1, device=device
+    )
     with torch.no_grad():
         embedding.weight.copy_(weight.chunk(tp, 0)[tp_rank])
     h = hidden.clone().requires_grad_(True)
     ids = torch.arange(6, device=device) % (8 * tp)
     emb_out = embedding(ids)
-    loss = tpcore.vocab_parallel_linear_cross_entropy(h + 0 * emb_out, embedding.weight, target, ignore_index=IGNORE)
+    loss = tpcore.vocab_parallel_linear_cross_entropy(
+        h + 0 * emb_out, embedding.weight, target, ignore_index=IGNORE
+    )
     assert torch.isnan(loss), "the mean over zero tokens is NaN, as in F.cross_entropy"
     loss.backward()
     _same(h.grad, h_ref.grad, "fused: grad hidden")
-    assert torch.isfinite(embedding.weight.grad).all(), "fused: NaN reached the tied weight's gradient"
+    assert torch.isfinite(embedding.weight.grad).all(), (
+        "fused: NaN reached the tied weight's gradient"
+    )
     _same(embedding.weight.grad, w_ref.grad.chunk(tp, 0)[tp_rank], "fused: grad tied weight")
 
 
@@ -89,7 +102,9 @@ def _non_finite(rank, world, tp, device):
             ref_loss = F.cross_entropy(ref, target, label_smoothing=smoothing, reduction=reduction)
             ref_loss.sum().backward()
             local = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
-            loss = tpcore.vocab_parallel_cross_entropy(local, target, label_smoothing=smoothing, reduction=reduction)
+            loss = tpcore.vocab_parallel_cross_entropy(
+                local, target, label_smoothing=smoothing, reduction=reduction
+            )
             loss.sum().backward()
             _same(loss, ref_loss, f"{what}: loss")
             _same(local.grad, ref.grad.chunk(tp, -1)[tp_rank], f"{what}: grad")
@@ -120,7 +135,10 @@ def _rounding(rank, world, tp, device, dtype):
     for row in range(8):  # per row: the magnitudes span 6 orders
         scale = expected[row].abs().max().item()
         torch.testing.assert_close(
-            local.grad[row].float(), expected[row].float(), rtol=2**-7, atol=2**-7 * max(scale, 1e-30),
+            local.grad[row].float(),
+            expected[row].float(),
+            rtol=2**-7,
+            atol=2**-7 * max(scale, 1e-30),
             msg=lambda m: f"{dtype} row {row}: {m}",
         )
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcore
-from tpcore import _C
 from checks import assert_close, expect_error, reference_cross_entropy, setup_tp
 from conftest import pool_for
+from tpcore import _C
 
 CHUNK = 32  # kernels/embedding_plan.h: kChunk
 
@@ -50,7 +50,9 @@ def test_chunked_embedding_backward_plan_matches_f_embedding(dtype):
     ids = _ids_with_hot_rows(n, vocab, seed=1)
     grad = torch.randint(-4, 5, (n, dim), generator=torch.Generator().manual_seed(2)).to(dtype)
     for rows, start, padding_idx in [(64, 0, -1), (32, 32, -1), (32, 0, 3), (16, 48, 50)]:
-        got, used, bound = _C._embedding_backward_chunked_reference(ids, grad, rows, start, padding_idx)
+        got, used, bound = _C._embedding_backward_chunked_reference(
+            ids, grad, rows, start, padding_idx
+        )
         dense = _dense_grad(ids, grad, vocab, padding_idx if padding_idx >= 0 else None)
         assert torch.equal(got, dense[start : start + rows].to(dtype)), (rows, start, padding_idx)
         assert used <= bound == 2 * ((n + CHUNK - 1) // CHUNK)
@@ -62,9 +64,18 @@ def test_chunked_embedding_backward_plan_worst_cases():
     # Every id the same; every id distinct; pairs straddling every multiple of 32; nothing kept.
     n, dim = 320, 3
     grad = torch.randint(-4, 5, (n, dim), generator=torch.Generator().manual_seed(0)).float()
-    straddle = (torch.arange(n) + 1) // 2  # runs of 2 starting at odd positions: each 32k is crossed
-    for ids, vocab in [(torch.zeros(n, dtype=torch.long), 4), (torch.arange(n), n), (straddle, n), (torch.full((n,), 9), 20)]:
-        rows = vocab if vocab != 20 else 8  # the last case keeps no token: ids are all on another shard
+    straddle = (
+        torch.arange(n) + 1
+    ) // 2  # runs of 2 starting at odd positions: each 32k is crossed
+    for ids, vocab in [
+        (torch.zeros(n, dtype=torch.long), 4),
+        (torch.arange(n), n),
+        (straddle, n),
+        (torch.full((n,), 9), 20),
+    ]:
+        rows = (
+            vocab if vocab != 20 else 8
+        )  # the last case keeps no token: ids are all on another shard
         got, used, bound = _C._embedding_backward_chunked_reference(ids, grad, rows, 0, -1)
         assert torch.equal(got, _dense_grad(ids, grad, max(vocab, 10))[:rows].float()), ids[:8]
         assert used <= bound
@@ -77,7 +88,13 @@ def _input_checks(rank, world):
     bad_ids = torch.tensor([1, 12, 3])
     logits, bad_target = torch.randn(3, 10), torch.tensor([1, 10, 2])
     expect_error(IndexError, "token id 12 is out of range [0, 10)", emb, bad_ids)
-    expect_error(IndexError, "target 10 is out of range [0, 10)", tpcore.vocab_parallel_cross_entropy, logits, bad_target)
+    expect_error(
+        IndexError,
+        "target 10 is out of range [0, 10)",
+        tpcore.vocab_parallel_cross_entropy,
+        logits,
+        bad_target,
+    )
     tpcore.set_input_checks(False)
     try:
         assert not tpcore.input_checks_enabled()
@@ -101,7 +118,9 @@ def test_input_checks_off_from_the_environment():
     code = "import tpcore; print(tpcore.input_checks_enabled())"
     for value, expected in (("0", "False"), ("1", "True")):
         env = dict(os.environ, TPCORE_CHECK_INPUTS=value)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.stdout.strip() == expected, out.stderr
 
 
@@ -127,7 +146,9 @@ def _hot_id_backward(rank, world, dtype):
     g = torch.Generator().manual_seed(4)
     grad = torch.randint(-4, 5, (n, dim), generator=g).to(dtype)
     dense = nn.Embedding(vocab, dim, padding_idx=5, device="cuda")
-    layer = tpcore.VocabParallelEmbedding.from_dense(dense, make_vocab_size_divisible_by=8).to(dtype)
+    layer = tpcore.VocabParallelEmbedding.from_dense(dense, make_vocab_size_divisible_by=8).to(
+        dtype
+    )
     ids, grad = ids.cuda(), grad.cuda()
     out = layer(ids)
     assert torch.equal(out, F.embedding(ids, dense.weight.detach().to(dtype), padding_idx=5))
@@ -140,9 +161,13 @@ def _hot_id_backward(rank, world, dtype):
     assert torch.equal(layer.weight.grad, first), "not deterministic"
     # Odd width: the scalar (unvectorised) kernels.
     dense33 = nn.Embedding(vocab, 33, device="cuda")
-    layer33 = tpcore.VocabParallelEmbedding.from_dense(dense33, make_vocab_size_divisible_by=8).to(dtype)
+    layer33 = tpcore.VocabParallelEmbedding.from_dense(dense33, make_vocab_size_divisible_by=8).to(
+        dtype
+    )
     out33 = layer33(ids)
-    assert torch.equal(out33, F.embedding(ids, dense33.weight.detach().to(dtype))), "odd width lookup"
+    assert torch.equal(out33, F.embedding(ids, dense33.weight.detach().to(dtype))), (
+        "odd width lookup"
+    )
     out33.backward(grad[:, :33].contiguous())
     dense33(ids).backward(grad[:, :33].float())
     assert torch.equal(layer33.weight.grad, dense33.weight.grad.to(dtype)), "odd width backward"
@@ -160,15 +185,25 @@ def _ce_above_2_31(rank, world):
     tokens, vocab = 16500, 131072  # 2.16e9 logits
     assert tokens * vocab > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
-    logits = (torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=g) * 4).requires_grad_(True)
+    logits = (
+        torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=g) * 4
+    ).requires_grad_(True)
     target = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
     loss = tpcore.vocab_parallel_cross_entropy(logits, target, reduction="sum")
     loss.backward()
-    # Plain PyTorch in fp64, 1024 rows at a time (the whole would need 17 GB), rows at the end included.
+    # Plain PyTorch in fp64, 1024 rows at a time (the whole would need 17 GB), rows at the
+    # end included.
     total = torch.zeros((), dtype=torch.float64, device="cuda")
     for r0 in range(0, tokens, 1024):
         rows = logits.detach()[r0 : r0 + 1024].double().requires_grad_(True)
-        part = reference_cross_entropy(rows, target[r0 : r0 + 1024], smoothing=0.0, ignore_index=-100, reduction="sum", z_loss=0.0)
+        part = reference_cross_entropy(
+            rows,
+            target[r0 : r0 + 1024],
+            smoothing=0.0,
+            ignore_index=-100,
+            reduction="sum",
+            z_loss=0.0,
+        )
         part.backward()
         total += part.detach()
         assert_close(logits.grad[r0 : r0 + 1024], rows.grad.to(torch.bfloat16), f"grad rows {r0}+")
@@ -216,7 +251,9 @@ def _graph_capture(rank, world):
         graph.replay()
         # The same step in plain PyTorch on the same weights.
         weights = [p.detach().clone().requires_grad_(True) for p in params]
-        logits = F.linear(F.embedding(ids, weights[0]), weights[1], weights[2] if len(weights) > 2 else None)
+        logits = F.linear(
+            F.embedding(ids, weights[0]), weights[1], weights[2] if len(weights) > 2 else None
+        )
         ref = F.cross_entropy(logits.view(-1, vocab), target.view(-1))
         ref.backward()
         assert_close(static_loss, ref.detach(), f"loss, replay {seed}")
@@ -244,10 +281,17 @@ def test_rng_tracker_fork_inside_cuda_graph_capture():
     masks = []
     for _ in range(2):
         graph.replay()
-        assert set(forked.unique().tolist()) <= {0.0, 2.0} and set(plain.unique().tolist()) <= {0.0, 2.0}
-        assert not torch.equal(plain, forked), "fork() inside the graph drew from the default stream"
+        assert set(forked.unique().tolist()) <= {0.0, 2.0} and set(plain.unique().tolist()) <= {
+            0.0,
+            2.0,
+        }
+        assert not torch.equal(plain, forked), (
+            "fork() inside the graph drew from the default stream"
+        )
         masks.append(forked.clone())
-    assert not torch.equal(masks[0], masks[1]), "the tracked generator did not advance between replays"
+    assert not torch.equal(masks[0], masks[1]), (
+        "the tracked generator did not advance between replays"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

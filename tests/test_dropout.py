@@ -63,7 +63,12 @@ def test_masks_and_values_match_the_reference(dtype):
     g = torch.Generator().manual_seed(0)
     # Sizes through the vectorized loop (32 blocks at a time) and its tail; block numbers
     # crossing 2^32 (the counter's high word).
-    cases = [(1, 0, 0, 0.5), (5, 2**40 + 3, 8, 0.1), (1027, -1, 4 * (2**32 - 100), 0.3), (300, 7, 2**40, 0.5)]
+    cases = [
+        (1, 0, 0, 0.5),
+        (5, 2**40 + 3, 8, 0.1),
+        (1027, -1, 4 * (2**32 - 100), 0.3),
+        (300, 7, 2**40, 0.5),
+    ]
     for n, seed, offset, p in cases:
         x = (torch.rand(n, generator=g) + 0.5).to(dtype)  # no zeros: a zero output means dropped
         out = ops.dropout_apply(x, torch.tensor([seed, offset]), p)
@@ -73,7 +78,9 @@ def test_masks_and_values_match_the_reference(dtype):
     # Any layout: the mask follows the row-major order of the values.
     x = torch.randn(6, 10, generator=g).to(dtype).t()
     state = torch.tensor([11, 0])
-    assert torch.equal(ops.dropout_apply(x, state, 0.4), ops.dropout_apply(x.contiguous(), state, 0.4))
+    assert torch.equal(
+        ops.dropout_apply(x, state, 0.4), ops.dropout_apply(x.contiguous(), state, 0.4)
+    )
 
 
 def test_drop_rate_and_identity():
@@ -84,7 +91,9 @@ def test_drop_rate_and_identity():
         assert abs(out.mean().item() - 1.0) < 0.01
     assert torch.equal(ops.dropout_apply(x, torch.tensor([5, 0]), 0.0), x)
     nan = torch.full((8,), float("nan"))
-    assert ops.dropout_apply(nan, torch.tensor([1, 0]), 0.5).isnan().all(), "a NaN stays NaN, as in F.dropout"
+    assert ops.dropout_apply(nan, torch.tensor([1, 0]), 0.5).isnan().all(), (
+        "a NaN stays NaN, as in F.dropout"
+    )
 
 
 def test_autograd_applies_the_same_mask():
@@ -96,7 +105,11 @@ def test_autograd_applies_the_same_mask():
     out.backward(grad_out)
     keep = (out != 0).detach()
     assert_close(x.grad, grad_out * keep / 0.75, "input gradient")
-    for op, args in [(ops.dropout_apply, (x.detach(), state, 0.25)), (ops.dropout, (x, state, 0.25)), (ops.rng_state_copy, (state,))]:
+    for op, args in [
+        (ops.dropout_apply, (x.detach(), state, 0.25)),
+        (ops.dropout, (x, state, 0.25)),
+        (ops.rng_state_copy, (state,)),
+    ]:
         result = opcheck(op, args)
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
 
@@ -106,7 +119,9 @@ def test_bad_arguments_raise_clear_errors():
     expect_error(ValueError, "p must be in [0, 1)", ops.dropout_apply, x, state, 1.0)
     expect_error(ValueError, "p must be in [0, 1)", ops.dropout, x, state, -0.1)
     expect_error(ValueError, "p must be in [0, 1)", tpcore.tracked_dropout, x, 1.5)
-    expect_error(TypeError, "floating-point", ops.dropout_apply, torch.ones(4, dtype=torch.int64), state, 0.5)
+    expect_error(
+        TypeError, "floating-point", ops.dropout_apply, torch.ones(4, dtype=torch.int64), state, 0.5
+    )
     expect_error(ValueError, "int64 tensor [2]", ops.dropout_apply, x, state.float(), 0.5)
     expect_error(ValueError, "int64 tensor [2]", ops.dropout_apply, x, torch.tensor([1, 0, 0]), 0.5)
     expect_error(ValueError, "multiple of 4", ops.dropout_apply, x, torch.tensor([1, 6]), 0.5)
@@ -154,28 +169,38 @@ def test_tracked_dropout_inside_cuda_graph_capture_advances_between_replays():
     assert not torch.equal(masks[0], masks[1]), "the counter did not advance between replays"
     tracker.restore_counters({("tp", str(x.device)): start})
     for mask in masks:
-        assert torch.equal(tpcore.tracked_dropout(x, 0.5, "tp"), mask), "a replay drew other masks than eager calls"
+        assert torch.equal(tpcore.tracked_dropout(x, 0.5, "tp"), mask), (
+            "a replay drew other masks than eager calls"
+        )
 
 
 def _streams(rank, world):
     tp_rank, tp = setup_tp(2)  # TP groups {0, 1}, {2, 3}
     get_rng_tracker().reset()
-    expect_error(RuntimeError, "model_parallel_manual_seed", tpcore.tracked_dropout, torch.ones(8), 0.5)
+    expect_error(
+        RuntimeError, "model_parallel_manual_seed", tpcore.tracked_dropout, torch.ones(8), 0.5
+    )
     tpcore.model_parallel_manual_seed(7)
     x = torch.ones(64)
     per_rank = [torch.empty(64) for _ in range(world)]
     dist.all_gather(per_rank, tpcore.tracked_dropout(x, 0.5))
     assert not torch.equal(per_rank[0], per_rank[1]), "TP ranks must drop different elements"
-    assert torch.equal(per_rank[0], per_rank[2]) and torch.equal(per_rank[1], per_rank[3]), "DP replicas must agree"
+    assert torch.equal(per_rank[0], per_rank[2]) and torch.equal(per_rank[1], per_rank[3]), (
+        "DP replicas must agree"
+    )
     dist.all_gather(per_rank, tpcore.tracked_dropout(x, 0.5, REPLICATED_RNG))
-    assert all(torch.equal(m, per_rank[0]) for m in per_rank), "the replicated stream must agree on every rank"
+    assert all(torch.equal(m, per_rank[0]) for m in per_rank), (
+        "the replicated stream must agree on every rank"
+    )
     assert torch.equal(tpcore.tracked_dropout(x, 0.5, training=False), x)
 
     # A stream is a sequence: draws of 8 then 5 elements continue one draw of 13.
     tracker = get_rng_tracker()
     start = tracker.counter(MODEL_PARALLEL_RNG, x.device).tolist()
     both = torch.cat([tpcore.tracked_dropout(x[:8], 0.5), tpcore.tracked_dropout(x[:5], 0.5)])
-    assert tracker.counter(MODEL_PARALLEL_RNG, x.device).tolist() == [start[0], start[1] + 16], "5 elements take 2 blocks of 4"
+    assert tracker.counter(MODEL_PARALLEL_RNG, x.device).tolist() == [start[0], start[1] + 16], (
+        "5 elements take 2 blocks of 4"
+    )
     tracker.restore_counters({(MODEL_PARALLEL_RNG, "cpu"): torch.tensor(start)})
     assert torch.equal(tpcore.tracked_dropout(x[:13], 0.5), both)
 
@@ -193,7 +218,9 @@ def _streams(rank, world):
     assert torch.equal(recomputed, plain)
     tracker.counter(MODEL_PARALLEL_RNG, x.device)[1] += 400  # draws between forward and backward
     recomputed.sum().backward()
-    assert torch.equal(w.grad, want[0]) and torch.equal(inp.grad, want[1]), "recompute must redraw the forward's masks"
+    assert torch.equal(w.grad, want[0]) and torch.equal(inp.grad, want[1]), (
+        "recompute must redraw the forward's masks"
+    )
 
 
 def test_streams_across_ranks_recompute_and_positions(cpu_ranks):
@@ -204,16 +231,18 @@ def _checkpoint_resumes_streams(rank, world, root):
     import dataclasses
 
     from checks import GPT_VARIANTS
-    from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
     from tpcore.models import GPTModel
     from tpcore.train import load_checkpoint, save_checkpoint
+    from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 
     setup_tp(2)
     tp_group, dp_group = tp_dp_groups()
     config = dataclasses.replace(GPT_VARIANTS["gpt2"], dropout=0.2, attention_dropout=0.2)
     losses = []
     for resume in (False, True):
-        tpcore.model_parallel_manual_seed(3 if not resume else 99)  # resuming must restore the streams
+        tpcore.model_parallel_manual_seed(
+            3 if not resume else 99
+        )  # resuming must restore the streams
         torch.manual_seed(0)
         model = GPTModel(config)
         opt = make_adamw(model, config)
@@ -223,7 +252,9 @@ def _checkpoint_resumes_streams(rank, world, root):
             for step in range(2):
                 model(*train_batch(step, config)).backward()
                 opt.step(LRS[step], CLIP)
-            save_checkpoint(root, 2, model, opt, consumed_samples=4, tp_group=tp_group, dp_group=dp_group)
+            save_checkpoint(
+                root, 2, model, opt, consumed_samples=4, tp_group=tp_group, dp_group=dp_group
+            )
         losses.append(model(*train_batch(2, config)).item())
     assert losses[0] == losses[1], f"the step after resuming draws other dropout masks: {losses}"
     model.eval()

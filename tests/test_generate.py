@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checks import GPT_VARIANTS as VARIANTS
+from checks import expect_error, setup_tp
 from tpcore.models import GPTModel, ReferenceGPT, generate
-from checks import GPT_VARIANTS as VARIANTS, expect_error, setup_tp
 
 NEW = 4
 
@@ -64,7 +65,9 @@ def _matches_dense(rank, world, tp, variant, sequence_parallel):
             assert torch.equal(out, ref), f"{what}: TP {out.tolist()} vs dense {ref.tolist()}"
             _same_on_all_ranks(out, what)
             outs[name] = out
-        assert torch.equal(outs["greedy"], _manual_greedy(dense, prompt, NEW)), f"greedy vs manual loop, length {length}"
+        assert torch.equal(outs["greedy"], _manual_greedy(dense, prompt, NEW)), (
+            f"greedy vs manual loop, length {length}"
+        )
         top1 = generate(model, prompt, NEW, top_k=1, seed=5)
         assert torch.equal(top1, outs["greedy"]), "top_k=1 sampling must equal greedy"
 
@@ -94,12 +97,18 @@ def _eod(rank, world):
     full = generate(model, prompt, 6, greedy=True)
     for eod in (int(full[0, 5]), int(full[1, 4]), int(full[0, 4])):
         out = generate(model, prompt, 6, greedy=True, eod=eod)
-        assert torch.equal(out, _expected_with_eod(full, 4, eod)), f"eod {eod}: {out.tolist()} vs {full.tolist()}"
-        assert torch.equal(out, generate(dense, prompt, 6, greedy=True, eod=eod)), f"eod {eod}: dense differs"
+        assert torch.equal(out, _expected_with_eod(full, 4, eod)), (
+            f"eod {eod}: {out.tolist()} vs {full.tolist()}"
+        )
+        assert torch.equal(out, generate(dense, prompt, 6, greedy=True, eod=eod)), (
+            f"eod {eod}: dense differs"
+        )
         _same_on_all_ranks(out, f"eod {eod}")
     # One sequence: it stops right after emitting eod.
     single = generate(model, prompt[:1], 6, greedy=True, eod=int(full[0, 5]))
-    assert single.shape[1] <= 6 and torch.equal(single, _expected_with_eod(full[:1], 4, int(full[0, 5]))), single.tolist()
+    assert single.shape[1] <= 6 and torch.equal(
+        single, _expected_with_eod(full[:1], 4, int(full[0, 5]))
+    ), single.tolist()
     # Training mode restored either way; max_new_tokens=0 returns the prompt.
     model.train()
     generate(model, prompt, 1, greedy=True)
@@ -130,8 +139,11 @@ def _bad_inputs(rank, world):
     ]
     for match, args, kw in cases:
         expect_error(ValueError, match, generate, model, *args, **kw)
-    # Sequence parallel with max_position_embeddings not divisible by TP: the padded window would not fit.
-    sp = GPTModel(dataclasses.replace(VARIANTS["gpt2"], sequence_parallel=True, max_position_embeddings=14))
+    # Sequence parallel with max_position_embeddings not divisible by TP: the padded window
+    # would not fit.
+    sp = GPTModel(
+        dataclasses.replace(VARIANTS["gpt2"], sequence_parallel=True, max_position_embeddings=14)
+    )
     expect_error(ValueError, "exceeds max_position_embeddings 14", generate, sp, _prompt(1, 12), 4)
     assert generate(sp, _prompt(1, 6), 3, greedy=True).shape == (1, 9)  # windows up to 8 still fit
     # No rank was left in a collective: generation still works.

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import tpcore
+from checks import GPT_VARIANTS as VARIANTS
+from checks import GQA_VARIANTS, assert_close, expect_error, setup_tp
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT, finalize_sequence_parallel_grads
 from tpcore.tensor_parallel.shard_spec import unshard
-from checks import GPT_VARIANTS as VARIANTS, GQA_VARIANTS, assert_close, expect_error, setup_tp
 
 BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
 
@@ -22,7 +23,10 @@ def _dense_grads(model: GPTModel) -> dict[str, torch.Tensor]:
 def _equivalence(rank, world, tp, variant, sequence_parallel, fused, recompute):
     setup_tp(tp)
     config = dataclasses.replace(
-        {**VARIANTS, **GQA_VARIANTS}[variant], sequence_parallel=sequence_parallel, fused_lm_head_loss=fused, recompute=recompute
+        {**VARIANTS, **GQA_VARIANTS}[variant],
+        sequence_parallel=sequence_parallel,
+        fused_lm_head_loss=fused,
+        recompute=recompute,
     )
     torch.manual_seed(0)
     dense = ReferenceGPT(config)
@@ -34,7 +38,10 @@ def _equivalence(rank, world, tp, variant, sequence_parallel, fused, recompute):
         tagged = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
         assert any("norm" in n for n in tagged), tagged
     g = torch.Generator().manual_seed(1)
-    dense_opt, opt = torch.optim.SGD(dense.parameters(), lr=LR), torch.optim.SGD(model.parameters(), lr=LR)
+    dense_opt, opt = (
+        torch.optim.SGD(dense.parameters(), lr=LR),
+        torch.optim.SGD(model.parameters(), lr=LR),
+    )
     for step in range(STEPS):
         ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
         target = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
@@ -95,8 +102,12 @@ HEAD_SHAPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tp,variant,sequence_parallel,fused,recompute", KV_REPLICATED_CASES + HEAD_SHAPE_CASES)
-def test_gqa_and_head_shapes_match_dense(cpu_ranks, tp, variant, sequence_parallel, fused, recompute):
+@pytest.mark.parametrize(
+    "tp,variant,sequence_parallel,fused,recompute", KV_REPLICATED_CASES + HEAD_SHAPE_CASES
+)
+def test_gqa_and_head_shapes_match_dense(
+    cpu_ranks, tp, variant, sequence_parallel, fused, recompute
+):
     cpu_ranks.run(_equivalence, tp, variant, sequence_parallel, fused, recompute)
 
 
@@ -106,14 +117,20 @@ def _logits(rank, world):
     torch.manual_seed(0)
     dense = ReferenceGPT(config)
     model = GPTModel.from_dense(dense)
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2)
+    )
     shard = model(ids)
     rows = shard.shape[-1]
     full = dense(ids)
     real = max(0, min(rows, config.vocab_size - tp_rank * rows))
-    assert_close(shard[..., :real], full[..., tp_rank * rows : tp_rank * rows + real], "logits shard")
+    assert_close(
+        shard[..., :real], full[..., tp_rank * rows : tp_rank * rows + real], "logits shard"
+    )
     per_token = model(ids, ids, reduction="none")
-    ref = torch.nn.functional.cross_entropy(full.reshape(-1, config.vocab_size), ids.reshape(-1), reduction="none")
+    ref = torch.nn.functional.cross_entropy(
+        full.reshape(-1, config.vocab_size), ids.reshape(-1), reduction="none"
+    )
     assert_close(per_token, ref.view(BATCH, SEQ), "per-token loss")
 
 
@@ -122,7 +139,8 @@ def test_logits_and_per_token_loss(cpu_ranks):
 
 
 def _qk_norm_collectives(rank, world):
-    """Collectives of one backward on the TP group's shared-memory backend, with and without q / k norms."""
+    """Collectives of one backward on the TP group's shared-memory backend, with and without
+    q / k norms."""
     setup_tp(2)
     shm = tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
     assert shm is not None, "the TP group is not on the shared-memory backend"
@@ -139,7 +157,8 @@ def _qk_norm_collectives(rank, world):
 
 
 def test_qk_norm_gradients_take_one_all_reduce_per_layer(cpu_ranks):
-    """The q and k norms' weight gradients are summed over TP in one all-reduce per layer, not one per norm."""
+    """The q and k norms' weight gradients are summed over TP in one all-reduce per layer, not
+    one per norm."""
     for counts in cpu_ranks.run(_qk_norm_collectives):
         assert counts[True] - counts[False] == VARIANTS["llama"].num_layers, counts
 
@@ -147,13 +166,28 @@ def test_qk_norm_gradients_take_one_all_reduce_per_layer(cpu_ranks):
 def _bad_configs(rank, world):
     setup_tp(4)
     base = VARIANTS["gpt2"]
-    expect_error(ValueError, "num_attention_heads (6) is not divisible by the tensor-parallel size (4)", GPTModel, dataclasses.replace(base, num_attention_heads=6, num_kv_heads=6, hidden_size=36))
+    expect_error(
+        ValueError,
+        "num_attention_heads (6) is not divisible by the tensor-parallel size (4)",
+        GPTModel,
+        dataclasses.replace(base, num_attention_heads=6, num_kv_heads=6, hidden_size=36),
+    )
     three_kv = dataclasses.replace(base, hidden_size=48, num_attention_heads=12, num_kv_heads=3)
-    expect_error(ValueError, "num_kv_heads (3) and the tensor-parallel size (4): one must divide the other", GPTModel, three_kv)
+    expect_error(
+        ValueError,
+        "num_kv_heads (3) and the tensor-parallel size (4): one must divide the other",
+        GPTModel,
+        three_kv,
+    )
     model = GPTModel(dataclasses.replace(base, sequence_parallel=True))
     ids = torch.zeros(2, 6, dtype=torch.long)
     expect_error(ValueError, "must be divisible by the tensor-parallel size 4", model, ids)
-    expect_error(ValueError, "exceeds max_position_embeddings 16", model, torch.zeros(1, 20, dtype=torch.long))
+    expect_error(
+        ValueError,
+        "exceeds max_position_embeddings 16",
+        model,
+        torch.zeros(1, 20, dtype=torch.long),
+    )
     expect_error(ValueError, "ids must be [batch, seq]", model, torch.zeros(8, dtype=torch.long))
     expect_error(IndexError, "token id 50 is out of range", model, torch.full((1, 8), 50))
 
@@ -179,5 +213,7 @@ def test_bad_inputs_raise_on_every_rank(cpu_ranks):
 )
 def test_config_validation(kwargs, match):
     args = dict(vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4)
-    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(
+        ValueError, match=match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
         GPTConfig(**{**args, **kwargs})

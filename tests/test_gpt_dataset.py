@@ -116,7 +116,9 @@ def test_the_index_cache_can_live_in_a_folder_of_its_own(corpus, tmp_path_factor
     plain = GPTDataset(indexed, 8, 30, seed=5, cache=False)
     assert all(np.array_equal(plain[i], x[i]) for x in (a, b) for i in range(30))
     other_dir = tmp_path_factory.mktemp("other")
-    with IndexedDatasetBuilder(str(other_dir / "c"), np.int32) as builder:  # same name, length and token count
+    with IndexedDatasetBuilder(
+        str(other_dir / "c"), np.int32
+    ) as builder:  # same name, length and token count
         for d in reversed(docs):
             builder.add_document(d)
     other = GPTDataset(IndexedDataset(str(other_dir / "c")), 8, 30, seed=5, cache_dir=cache)

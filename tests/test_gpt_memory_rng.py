@@ -9,12 +9,18 @@ import torch
 import torch.distributed as dist
 
 import tpcore
-from tpcore.models import GPTConfig, GPTModel, finalize_sequence_parallel_grads
 from checks import assert_close, expect_error, setup_tp
+from tpcore.models import GPTConfig, GPTModel, finalize_sequence_parallel_grads
 
 CONFIG = GPTConfig(
-    vocab_size=50, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=32,
-    make_vocab_size_divisible_by=4, dropout=0.1, attention_dropout=0.1,
+    vocab_size=50,
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    max_position_embeddings=32,
+    make_vocab_size_divisible_by=4,
+    dropout=0.1,
+    attention_dropout=0.1,
 )
 
 
@@ -27,18 +33,28 @@ def _gather(x: torch.Tensor) -> list[torch.Tensor]:
 def _rng(rank, world):
     tp_rank, tp = setup_tp(2)  # world 4: TP groups {0,1}, {2,3}; DP replicas share a TP rank
     tpcore.get_rng_tracker().reset()  # the pooled ranks keep earlier tests' seeds
-    expect_error(RuntimeError, "model_parallel_manual_seed", lambda: tpcore.get_rng_tracker().fork().__enter__())
+    expect_error(
+        RuntimeError,
+        "model_parallel_manual_seed",
+        lambda: tpcore.get_rng_tracker().fork().__enter__(),
+    )
     tpcore.model_parallel_manual_seed(123)
     default = _gather(torch.rand(4))
     assert all(torch.equal(d, default[0]) for d in default), "default RNG must match on every rank"
     with tpcore.get_rng_tracker().fork():
         forked = _gather(torch.rand(4))
     after_fork = torch.rand(4)
-    assert not torch.equal(forked[0], forked[1]), "TP ranks must draw different model-parallel numbers"
-    assert torch.equal(forked[0], forked[2]) and torch.equal(forked[1], forked[3]), "DP replicas must agree"
+    assert not torch.equal(forked[0], forked[1]), (
+        "TP ranks must draw different model-parallel numbers"
+    )
+    assert torch.equal(forked[0], forked[2]) and torch.equal(forked[1], forked[3]), (
+        "DP replicas must agree"
+    )
     torch.manual_seed(123)
     torch.rand(4)
-    assert torch.equal(after_fork, torch.rand(4)), "fork must leave the default generator where it was"
+    assert torch.equal(after_fork, torch.rand(4)), (
+        "fork must leave the default generator where it was"
+    )
 
 
 def test_model_parallel_rng(cpu_ranks):
@@ -58,7 +74,10 @@ def _loss_and_grads(config, ids, target):
 def _recompute_same_result(rank, world, sp):
     setup_tp(2)
     g = torch.Generator().manual_seed(0)
-    ids, target = torch.randint(0, 50, (2, 16), generator=g), torch.randint(0, 50, (2, 16), generator=g)
+    ids, target = (
+        torch.randint(0, 50, (2, 16), generator=g),
+        torch.randint(0, 50, (2, 16), generator=g),
+    )
     base = dataclasses.replace(CONFIG, sequence_parallel=sp)
     ref_loss, ref_grads = _loss_and_grads(base, ids, target)
     for mode in ("selective", "full"):
@@ -98,7 +117,9 @@ def _activation_memory(rank, world):
     sizes = {}
     for sp in (False, True):
         for mode in ("none", "selective", "full"):
-            sizes[(sp, mode)] = _saved_bytes(dataclasses.replace(config, sequence_parallel=sp, recompute=mode), ids, ids)
+            sizes[(sp, mode)] = _saved_bytes(
+                dataclasses.replace(config, sequence_parallel=sp, recompute=mode), ids, ids
+            )
     for sp in (False, True):
         assert sizes[(sp, "none")] > sizes[(sp, "selective")] > sizes[(sp, "full")], sizes
     assert sizes[(True, "none")] < sizes[(False, "none")], sizes

@@ -22,8 +22,12 @@ def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
     tpcore.initialize_model_parallel(tensor_parallel_size=tp)
     group = parallel_state.get_tensor_model_parallel_group()
     torch.manual_seed(0)
-    plain = VocabParallelEmbedding(VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx)
-    routed = VocabParallelEmbedding(VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx)
+    plain = VocabParallelEmbedding(
+        VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx
+    )
+    routed = VocabParallelEmbedding(
+        VOCAB, DIM, group=group, sequence_parallel=sequence_parallel, padding_idx=padding_idx
+    )
     routed.load_state_dict(plain.state_dict())
     g = torch.Generator().manual_seed(1)  # the same ids on every TP rank
     ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
@@ -31,12 +35,19 @@ def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
     if padding_idx is not None:
         ids[1] = padding_idx
     seen, used = [], []
-    gradient_sink.attach_gradient_sink(routed.weight, lambda rows, grads: seen.append((rows, grads)), used.append)
+    gradient_sink.attach_gradient_sink(
+        routed.weight, lambda rows, grads: seen.append((rows, grads)), used.append
+    )
     try:
         out_plain, out_routed = plain(ids), routed(ids)
         assert torch.equal(out_plain, out_routed), "the routed lookup's forward differs"
         out_plain.mul_(2), out_routed.mul_(2)  # in place, as `x += positions` would be
-        upstream = torch.randn(out_plain.shape, generator=torch.Generator().manual_seed(2 + parallel_state.get_tensor_model_parallel_rank()))
+        upstream = torch.randn(
+            out_plain.shape,
+            generator=torch.Generator().manual_seed(
+                2 + parallel_state.get_tensor_model_parallel_rank()
+            ),
+        )
         (out_plain * upstream).sum().backward()
         (out_routed * upstream).sum().backward()
     finally:
@@ -44,16 +55,29 @@ def _sink_equals_grad(rank, world, tp, sequence_parallel, padding_idx):
     assert routed.weight.grad is None, "the sink's gradient also reached .grad"
     assert len(seen) == 1 and len(used) == 1
     rows, grads = seen[0]
-    assert torch.equal(rows, used[0]) and rows.shape == (SEQ * BATCH,) and grads.shape == (SEQ * BATCH, DIM)
+    assert (
+        torch.equal(rows, used[0])
+        and rows.shape == (SEQ * BATCH,)
+        and grads.shape == (SEQ * BATCH, DIM)
+    )
     table = add_token_rows(torch.zeros_like(routed.weight), rows, grads)
-    assert_close(table, plain.weight.grad, f"TP {tp}, sequence parallel {sequence_parallel}, padding {padding_idx}")
+    assert_close(
+        table,
+        plain.weight.grad,
+        f"TP {tp}, sequence parallel {sequence_parallel}, padding {padding_idx}",
+    )
     touched = plain.weight.grad.ne(0).any(1).nonzero().squeeze(1)
-    assert set(touched.tolist()) <= set(rows.tolist()), "a row with a gradient is missing from the reported rows"
+    assert set(touched.tolist()) <= set(rows.tolist()), (
+        "a row with a gradient is missing from the reported rows"
+    )
     if padding_idx is not None and routed.vocab_start <= padding_idx < routed.vocab_end:
         assert not (rows == padding_idx - routed.vocab_start).any(), "the padding row was reported"
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,padding_idx", [(1, False, None), (2, False, 3), (2, True, None), (2, True, 25)])
+@pytest.mark.parametrize(
+    "tp,sequence_parallel,padding_idx",
+    [(1, False, None), (2, False, 3), (2, True, None), (2, True, 25)],
+)
 def test_lookup_gradient_to_sink_equals_grad(cpu_ranks, tp, sequence_parallel, padding_idx):
     cpu_ranks.run(_sink_equals_grad, tp, sequence_parallel, padding_idx)
 
@@ -69,7 +93,9 @@ def _compiled_lookup_to_sink(rank, world):
     routed.load_state_dict(plain.state_dict())
     ids = torch.randint(0, VOCAB, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
     seen = []
-    gradient_sink.attach_gradient_sink(routed.weight, lambda rows, grads: seen.append((rows, grads)))
+    gradient_sink.attach_gradient_sink(
+        routed.weight, lambda rows, grads: seen.append((rows, grads))
+    )
     try:
         torch._dynamo.reset()
         (torch.compile(routed)(ids) * 2).sum().backward()
@@ -80,7 +106,11 @@ def _compiled_lookup_to_sink(rank, world):
         gradient_sink.detach_gradient_sink(routed.weight)
     (plain(ids) * 2).sum().backward()
     assert routed.weight.grad is None and len(seen) == 1
-    assert_close(add_token_rows(torch.zeros_like(routed.weight), *seen[0]), plain.weight.grad, "compiled, routed")
+    assert_close(
+        add_token_rows(torch.zeros_like(routed.weight), *seen[0]),
+        plain.weight.grad,
+        "compiled, routed",
+    )
 
 
 def test_compiled_lookup_to_sink_runs_eagerly(cpu_ranks):
@@ -93,15 +123,22 @@ def test_add_token_rows_sums_in_fp32_in_a_fixed_order():
     rows = torch.tensor([3] * 2048 + [7, 40, 3])  # 40: no row (a table of 40)
     grads = torch.ones(rows.numel(), 4)
     table = add_token_rows(torch.zeros(40, 4, dtype=torch.bfloat16), rows, grads)
-    expected = torch.zeros(40, 4).index_add_(0, rows[rows < 40], grads[rows < 40]).to(torch.bfloat16)
+    expected = (
+        torch.zeros(40, 4).index_add_(0, rows[rows < 40], grads[rows < 40]).to(torch.bfloat16)
+    )
     assert torch.equal(table, expected), table[[3, 7]]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         g = torch.Generator().manual_seed(0)
-        rows, grads = torch.randint(0, 300, (4096,), generator=g), torch.randn(4096, 64, generator=g)
+        rows, grads = (
+            torch.randint(0, 300, (4096,), generator=g),
+            torch.randn(4096, 64, generator=g),
+        )
         first = add_token_rows(torch.zeros(300, 64), rows, grads)
-        assert all(torch.equal(add_token_rows(torch.zeros(300, 64), rows, grads), first) for _ in range(10))
+        assert all(
+            torch.equal(add_token_rows(torch.zeros(300, 64), rows, grads), first) for _ in range(10)
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -138,7 +175,11 @@ def test_add_token_rows_on_cuda_waits_for_nothing(dtype):
     rows = torch.randint(0, 51, (500,), generator=g)  # 50: no row
     grads = torch.randn(500, 16, generator=g)
     expected = add_token_rows(torch.zeros(50, 16, dtype=dtype), rows, grads)
-    table, rows_gpu, grads_gpu = torch.zeros(50, 16, dtype=dtype, device="cuda"), rows.cuda(), grads.cuda()
+    table, rows_gpu, grads_gpu = (
+        torch.zeros(50, 16, dtype=dtype, device="cuda"),
+        rows.cuda(),
+        grads.cuda(),
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -18,77 +18,249 @@ import transformers
 
 from checks import assert_close
 
-
 VOCAB = 97
-_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
-                bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.2)
-_ENCODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.2)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    initializer_range=0.2,
+)
+_ENCODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=40,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    initializer_range=0.2,
+)
 
 # name -> (transformers class, config factory). Heads divide 4, so every TP size runs.
 FAMILIES = {
-    "gpt2": ("GPT2LMHeadModel", lambda: transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None,
-        initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # tied head, Conv1D, fused c_attn
-    "llama": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),  # GQA; TP=4 replicates KV
-    "llama_tied": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
-    "mistral": ("MistralForCausalLM", lambda: transformers.MistralConfig(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=4, sliding_window=16)),
-    "qwen2": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),  # q/k/v biases
+    "gpt2": (
+        "GPT2LMHeadModel",
+        lambda: transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            initializer_range=0.2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    ),  # tied head, Conv1D, fused c_attn
+    "llama": (
+        "LlamaForCausalLM",
+        lambda: transformers.LlamaConfig(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False
+        ),
+    ),  # GQA; TP=4 replicates KV
+    "llama_tied": (
+        "LlamaForCausalLM",
+        lambda: transformers.LlamaConfig(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True
+        ),
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        lambda: transformers.MistralConfig(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=4, sliding_window=16
+        ),
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        lambda: transformers.Qwen2Config(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False
+        ),
+    ),  # q/k/v biases
     # Llama's layout under other names' model types; each adds what its forward does differently.
-    "qwen3": ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=4, head_dim=16)),  # q/k norms per head; head_dim != hidden / heads
-    "gemma": ("GemmaForCausalLM", lambda: transformers.GemmaConfig(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=1, head_dim=16)),  # one KV head (replicated); scaled embeddings
-    "gemma2": ("Gemma2ForCausalLM", lambda: transformers.Gemma2Config(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24)),  # soft-capped logits
-    "gemma3_text": ("Gemma3ForCausalLM", lambda: transformers.Gemma3TextConfig(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)),  # q/k norms, local + global layers
-    "granite": ("GraniteForCausalLM", lambda: transformers.GraniteConfig(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5,
-        attention_multiplier=0.2, logits_scaling=2.0)),  # multipliers, scaled logits
-    "olmo": ("OlmoForCausalLM", lambda: transformers.OlmoConfig(**_DECODER, num_attention_heads=4, clip_qkv=0.5)),  # clipped q, k, v
-    "smollm3": ("SmolLM3ForCausalLM", lambda: transformers.SmolLM3Config(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2)),  # layers without rotary
-    "starcoder2": ("Starcoder2ForCausalLM", lambda: transformers.Starcoder2Config(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0)),  # MLP c_fc / c_proj with biases
-    "helium": ("HeliumForCausalLM", lambda: transformers.HeliumConfig(**_DECODER, num_attention_heads=4, num_key_value_heads=4, head_dim=16)),
-    "ministral": ("MinistralForCausalLM", lambda: transformers.MinistralConfig(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=4)),  # local + global layers
-    "cohere": ("CohereForCausalLM", lambda: transformers.CohereConfig(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5)),  # per-head norm weights (KV copies at TP=4)
-    "cohere2": ("Cohere2ForCausalLM", lambda: transformers.Cohere2Config(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, sliding_window=4)),  # local + global layers
-    "olmo2": ("Olmo2ForCausalLM", lambda: transformers.Olmo2Config(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2)),  # q / k norms over all heads (KV copies at TP=4)
-    "olmo3": ("Olmo3ForCausalLM", lambda: transformers.Olmo3Config(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=4, sliding_window=4)),  # the same norms; local + global layers
-    "phi3": ("Phi3ForCausalLM", lambda: transformers.Phi3Config(
-        **_DECODER, num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.5)),  # fused q|k|v (KV copies at TP=4), gate|up; Phi-4-mini's partial rotary
-    # MoE: 4 experts, 2 per token; the load-balancing loss is on, so backward checks its gradient too.
-    "mixtral": ("MixtralForCausalLM", lambda: transformers.MixtralConfig(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, output_router_logits=True)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(  # a dense MLP in layer 1
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
-        norm_topk_prob=True, output_router_logits=True)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", lambda: transformers.Qwen2MoeConfig(  # a shared expert beside the routed ones
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        shared_expert_intermediate_size=96, output_router_logits=True)),
-    "olmoe": ("OlmoeForCausalLM", lambda: transformers.OlmoeConfig(
-        **_DECODER, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
-    "gpt_neox": ("GPTNeoXForCausalLM", lambda: transformers.GPTNeoXConfig(
-        **_DECODER, num_attention_heads=4, rotary_pct=0.5)),  # QKV fused per head
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        lambda: transformers.Qwen3Config(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=4, head_dim=16
+        ),
+    ),  # q/k norms per head; head_dim != hidden / heads
+    "gemma": (
+        "GemmaForCausalLM",
+        lambda: transformers.GemmaConfig(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=1, head_dim=16
+        ),
+    ),  # one KV head (replicated); scaled embeddings
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        lambda: transformers.Gemma2Config(
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=24,
+        ),
+    ),  # soft-capped logits
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        lambda: transformers.Gemma3TextConfig(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4
+        ),
+    ),  # q/k norms, local + global layers
+    "granite": (
+        "GraniteForCausalLM",
+        lambda: transformers.GraniteConfig(
+            **_DECODER,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        ),
+    ),  # multipliers, scaled logits
+    "olmo": (
+        "OlmoForCausalLM",
+        lambda: transformers.OlmoConfig(**_DECODER, num_attention_heads=4, clip_qkv=0.5),
+    ),  # clipped q, k, v
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        lambda: transformers.SmolLM3Config(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2
+        ),
+    ),  # layers without rotary
+    "starcoder2": (
+        "Starcoder2ForCausalLM",
+        lambda: transformers.Starcoder2Config(
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            residual_dropout=0.0,
+            embedding_dropout=0.0,
+        ),
+    ),  # MLP c_fc / c_proj with biases
+    "helium": (
+        "HeliumForCausalLM",
+        lambda: transformers.HeliumConfig(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=4, head_dim=16
+        ),
+    ),
+    "ministral": (
+        "MinistralForCausalLM",
+        lambda: transformers.MinistralConfig(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=2, head_dim=8, sliding_window=4
+        ),
+    ),  # local + global layers
+    "cohere": (
+        "CohereForCausalLM",
+        lambda: transformers.CohereConfig(
+            **_DECODER,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            use_qk_norm=True,
+            logit_scale=0.5,
+        ),
+    ),  # per-head norm weights (KV copies at TP=4)
+    "cohere2": (
+        "Cohere2ForCausalLM",
+        lambda: transformers.Cohere2Config(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=2, sliding_window=4
+        ),
+    ),  # local + global layers
+    "olmo2": (
+        "Olmo2ForCausalLM",
+        lambda: transformers.Olmo2Config(**_DECODER, num_attention_heads=8, num_key_value_heads=2),
+    ),  # q / k norms over all heads (KV copies at TP=4)
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        lambda: transformers.Olmo3Config(
+            **_DECODER, num_attention_heads=4, num_key_value_heads=4, sliding_window=4
+        ),
+    ),  # the same norms; local + global layers
+    "phi3": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            **_DECODER, num_attention_heads=8, num_key_value_heads=2, partial_rotary_factor=0.5
+        ),
+    ),  # fused q|k|v (KV copies at TP=4), gate|up; Phi-4-mini's partial rotary
+    # MoE: 4 experts, 2 per token; the load-balancing loss is on, so backward checks its
+    # gradient too.
+    "mixtral": (
+        "MixtralForCausalLM",
+        lambda: transformers.MixtralConfig(
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            output_router_logits=True,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        lambda: transformers.Qwen3MoeConfig(  # a dense MLP in layer 1
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            output_router_logits=True,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        lambda: transformers.Qwen2MoeConfig(  # a shared expert beside the routed ones
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            output_router_logits=True,
+        ),
+    ),
+    "olmoe": (
+        "OlmoeForCausalLM",
+        lambda: transformers.OlmoeConfig(
+            **_DECODER,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+        ),
+    ),
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        lambda: transformers.GPTNeoXConfig(**_DECODER, num_attention_heads=4, rotary_pct=0.5),
+    ),  # QKV fused per head
     "bert": ("BertForMaskedLM", lambda: transformers.BertConfig(**_ENCODER)),
     "bert_model": ("BertModel", lambda: transformers.BertConfig(**_ENCODER)),  # pooled output
-    "roberta": ("RobertaForMaskedLM", lambda: transformers.RobertaConfig(**_ENCODER, pad_token_id=1)),
+    "roberta": (
+        "RobertaForMaskedLM",
+        lambda: transformers.RobertaConfig(**_ENCODER, pad_token_id=1),
+    ),
 }
 ENCODERS = {"bert", "bert_model", "roberta"}
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
-SPLIT_QK_NORMS = {"olmo2", "olmo3", "cohere", "olmoe"}  # q / k norm weights cut by heads (not replicated)
+SPLIT_QK_NORMS = {
+    "olmo2",
+    "olmo3",
+    "cohere",
+    "olmoe",
+}  # q / k norm weights cut by heads (not replicated)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -119,7 +291,11 @@ def padded_mask(ids: torch.Tensor) -> torch.Tensor:
 
 
 # transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
-DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+DTYPE_KWARG = (
+    "dtype"
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
+    else "torch_dtype"
+)
 
 
 def load_dense(path: str, cls: str, dtype: torch.dtype):
@@ -142,14 +318,20 @@ def _outputs(model, ids, mask, routes: dict | None = None) -> dict[str, torch.Te
             return None
         forced = routes[f"experts[{layer}]"]
         forced_weights = probs.gather(-1, forced)
-        if torch.allclose(weights.float().sum(-1), torch.ones(())):  # this router renormalises its top-k weights
+        if torch.allclose(
+            weights.float().sum(-1), torch.ones(())
+        ):  # this router renormalises its top-k weights
             forced_weights = forced_weights / forced_weights.sum(-1, keepdim=True)
         return logits, forced_weights.to(weights.dtype), forced
 
     for name, module in model.named_modules():
         if type(module).__name__.endswith("TopKRouter"):
             layer = int(name.split("layers.")[1].split(".")[0])
-            handles.append(module.register_forward_hook(lambda m, a, out, layer=layer: record(m, a, out, layer)))
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, layer=layer: record(m, a, out, layer)
+                )
+            )
     try:
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -157,7 +339,9 @@ def _outputs(model, ids, mask, routes: dict | None = None) -> dict[str, torch.Te
         for handle in handles:
             handle.remove()
     keep = (torch.ones_like(ids) if mask is None else mask).bool()
-    result = {f"hidden_states[{i}]": h[keep].float() for i, h in enumerate(out.hidden_states)} | found
+    result = {
+        f"hidden_states[{i}]": h[keep].float() for i, h in enumerate(out.hidden_states)
+    } | found
     if getattr(out, "logits", None) is not None:
         result["logits"] = out.logits[keep].float()
     if getattr(out, "pooler_output", None) is not None:
@@ -180,12 +364,17 @@ def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
         assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
         for name in want:
             if name.startswith("experts"):
-                assert torch.equal(got[name], want[name]), f"{what}: {name} differ from the dense model's"
+                assert torch.equal(got[name], want[name]), (
+                    f"{what}: {name} differ from the dense model's"
+                )
             else:
                 assert_close(got[name], want[name], f"{what} {name}")
         return
     truth = _outputs(exact, ids, mask)
-    want, got = _outputs(dense, ids, mask, routes=truth), _outputs(parallel, ids, mask, routes=truth)
+    want, got = (
+        _outputs(dense, ids, mask, routes=truth),
+        _outputs(parallel, ids, mask, routes=truth),
+    )
     assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
     _check_near_ties(want, got, truth, what)
     for name in want:
@@ -193,7 +382,10 @@ def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
             continue
         dense_error = (want[name] - truth[name]).abs().max().item()
         error = (got[name] - truth[name]).abs().max().item()
-        assert error <= 2 * dense_error, f"{what} {name}: max |split - fp32| {error:.3g} > 2 x max |dense - fp32| {dense_error:.3g}"
+        assert error <= 2 * dense_error, (
+            f"{what} {name}: max |split - fp32| {error:.3g} > "
+            f"2 x max |dense - fp32| {dense_error:.3g}"
+        )
 
 
 def _check_near_ties(want, got, truth, what: str) -> None:
@@ -209,23 +401,35 @@ def _check_near_ties(want, got, truth, what: str) -> None:
         ranked = truth[f"probs[{layer}]"].sort(-1, descending=True).values
         margin = (ranked[:, k - 1] - ranked[:, k])[moved]
         bound = 2 * (want[f"probs[{layer}]"] - truth[f"probs[{layer}]"]).abs().max().item()
-        assert (margin <= bound).all(), f"{what}: layer {layer} would route tokens {moved.nonzero().flatten().tolist()} to other experts " \
-                                        f"than the float32 model; their top-{k} margins {margin.tolist()} exceed the bf16 error bound {bound:.3g}"
+        assert (margin <= bound).all(), (
+            f"{what}: layer {layer} would route tokens {moved.nonzero().flatten().tolist()} "
+            "to other experts than the float32 model; "
+            f"their top-{k} margins {margin.tolist()} exceed the bf16 error bound {bound:.3g}"
+        )
 
 
 def _explained_by_near_tie(dense, exact, want, got, what: str) -> None:
     """At the first step where `got` leaves the dense greedy ids `want`, the dense bf16 model's
     logits of the two tokens must be closer than twice its own error against float32 there:
     a near-tie that bf16 rounding may break either way (MoE routing included), not a wrong model."""
-    row, step = next((r, c) for r in range(want.shape[0]) for c in range(want.shape[1]) if want[r, c] != got[r, c])
+    row, step = next(
+        (r, c)
+        for r in range(want.shape[0])
+        for c in range(want.shape[1])
+        if want[r, c] != got[r, c]
+    )
     prefix = want[row : row + 1, :step]
     with torch.no_grad():
         logits = dense(prefix).logits[0, -1].float()
         truth = exact(prefix).logits[0, -1].float()
     bound = 2 * (logits - truth).abs().max().item()
     gap = (logits[want[row, step]] - logits[got[row, step]]).item()
-    # A negative gap: the dense model's own forward of the prefix (no KV cache) prefers the split model's token.
-    assert abs(gap) <= bound, f"{what}: greedy ids differ at row {row} position {step}: dense logit gap {gap:.3g} > bf16 error bound {bound:.3g}"
+    # A negative gap: the dense model's own forward of the prefix (no KV cache) prefers the
+    # split model's token.
+    assert abs(gap) <= bound, (
+        f"{what}: greedy ids differ at row {row} position {step}: "
+        f"dense logit gap {gap:.3g} > bf16 error bound {bound:.3g}"
+    )
 
 
 def compare_generation(dense, parallel, ids, what: str, exact=None) -> None:
@@ -238,7 +442,9 @@ def compare_generation(dense, parallel, ids, what: str, exact=None) -> None:
     assert want.shape[1] == ids.shape[1] + 20
     got_hf = parallel.generate(ids, max_new_tokens=20, do_sample=False)
     got = tpcore.hf.generate(parallel, ids, max_new_tokens=20)
-    assert torch.equal(got, got_hf), f"{what}: tpcore.hf.generate\n{got}\n!= model.generate\n{got_hf}"
+    assert torch.equal(got, got_hf), (
+        f"{what}: tpcore.hf.generate\n{got}\n!= model.generate\n{got_hf}"
+    )
     if exact is None or torch.equal(got, want):
         assert torch.equal(got, want), f"{what}: generated\n{got}\n!= dense\n{want}"
     else:
@@ -260,13 +466,22 @@ def _family_job(rank, world, name, path, dtype):
             tpcore.destroy_model_parallel()
             continue
         what = f"{name} {dtype} TP={tp}"
-        model = tpcore.hf.from_pretrained(path, dtype=dtype, tensor_parallel_size=tp, model_class=cls)
+        model = tpcore.hf.from_pretrained(
+            path, dtype=dtype, tensor_parallel_size=tp, model_class=cls
+        )
         assert next(model.parameters()).dtype == dtype
         compare_outputs(dense, model, ids, mask, what, exact)
         if name not in ENCODERS:
             compare_generation(dense, model, ids, what, exact)
         if tp == 2:  # the in-memory path gives the same model
-            compare_outputs(dense, tpcore.hf.parallelize(copy.deepcopy(dense)), ids, mask, what + " parallelize", exact)
+            compare_outputs(
+                dense,
+                tpcore.hf.parallelize(copy.deepcopy(dense)),
+                ids,
+                mask,
+                what + " parallelize",
+                exact,
+            )
         tpcore.destroy_model_parallel()
     return True
 
@@ -278,7 +493,10 @@ def _family_job(rank, world, name, path, dtype):
 BF16_UNCHECKED = {"cohere"}
 
 
-@pytest.mark.parametrize("name,dtype", [(n, d) for n in FAMILIES for d in DTYPES if not (d == "bf16" and n in BF16_UNCHECKED)])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(n, d) for n in FAMILIES for d in DTYPES if not (d == "bf16" and n in BF16_UNCHECKED)],
+)
 def test_family_matches_dense(cpu_ranks, tmp_path, name, dtype):
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_family_job, name, path, DTYPES[dtype]))
@@ -294,7 +512,8 @@ def _labels(name: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_job(rank, world, name, path):
-    """Loss and gradients of the split model equal the dense model's; one SGD step later so do the logits."""
+    """Loss and gradients of the split model equal the dense model's; one SGD step later so do
+    the logits."""
     import tpcore
     import tpcore.hf
 
@@ -314,25 +533,49 @@ def _backward_job(rank, world, name, path):
             loss.backward()
             losses.append(loss.detach())
         assert_close(losses[1], losses[0], f"{what} loss")
-        tpcore.hf.sum_replicated_kv_grads(model)  # earlier releases' call after backward: now a no-op
+        tpcore.hf.sum_replicated_kv_grads(
+            model
+        )  # earlier releases' call after backward: now a no-op
         dense_params = dict(dense.named_parameters())
-        replicated = [(n, p) for n, p in model.named_parameters() if p.shape == dense_params[n].shape]
-        assert any("norm" in n.lower() or "ln_" in n for n, _ in replicated), f"{what}: no replicated norm found"
+        replicated = [
+            (n, p) for n, p in model.named_parameters() if p.shape == dense_params[n].shape
+        ]
+        assert any("norm" in n.lower() or "ln_" in n for n, _ in replicated), (
+            f"{what}: no replicated norm found"
+        )
         for n, p in replicated:  # norms, position embeddings, row-parallel biases
             assert_close(p.grad, dense_params[n].grad, f"{what} grad of {n}")
-        for rep in model.tpcore_plan.replacements:  # norms split by heads, experts: this rank's slice of the dense gradient
+        for rep in (
+            model.tpcore_plan.replacements
+        ):  # norms split by heads, experts: this rank's slice of the dense gradient
             if rep.role in ("norm", "per_head", "experts", "shared"):
                 for attr, load in rep.loads.items():
                     dense_grad = dense_params[load.key].grad
-                    want = torch.cat([dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
-                    assert_close(getattr(model.get_submodule(rep.name), attr).grad, want, f"{what} grad of {rep.name}.{attr}")
-        if tp == 2:  # the same gradients from a model frozen while split, unfrozen, then given new parameters
+                    want = torch.cat(
+                        [dense_grad.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges],
+                        load.dim,
+                    )
+                    assert_close(
+                        getattr(model.get_submodule(rep.name), attr).grad,
+                        want,
+                        f"{what} grad of {rep.name}.{attr}",
+                    )
+        # the same gradients from a model frozen while split, unfrozen, then given new parameters
+        if tp == 2:
             other = load_dense(path, cls, torch.float32).requires_grad_(False)
             other = tpcore.hf.parallelize(other).requires_grad_(True)
-            hooked = other.tpcore_plan.head_norms + [r.name for r in other.tpcore_plan.replacements if r.kv_replicated]
-            hooked += [router for _, router, _ in other.tpcore_plan.moe_blocks] + other.tpcore_plan.moe_summed
-            for module in map(other.get_submodule, hooked):  # new Parameter objects (all: ties would break)
-                module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+            hooked = other.tpcore_plan.head_norms + [
+                r.name for r in other.tpcore_plan.replacements if r.kv_replicated
+            ]
+            hooked += [
+                router for _, router, _ in other.tpcore_plan.moe_blocks
+            ] + other.tpcore_plan.moe_summed
+            for module in map(
+                other.get_submodule, hooked
+            ):  # new Parameter objects (all: ties would break)
+                module.load_state_dict(
+                    {k: v.clone() for k, v in module.state_dict().items()}, assign=True
+                )
             other(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
                 assert_close(q.grad, p.grad, f"{what} frozen, unfrozen and reassigned: grad of {n}")
@@ -351,30 +594,60 @@ def _backward_job(rank, world, name, path):
                     p -= 0.5 * p.grad
             after = dense(input_ids=ids, attention_mask=mask).logits
             stepped = model(input_ids=ids, attention_mask=mask).logits
-        assert (after - before).abs().max() > 1e-2 * before.abs().max(), f"{what}: the step did not change the model"
+        assert (after - before).abs().max() > 1e-2 * before.abs().max(), (
+            f"{what}: the step did not change the model"
+        )
         assert_close(stepped, after, f"{what} logits after one SGD step")
-        assert bool(model.tpcore_plan.head_norms) == (name in ("qwen3", "gemma3_text", "qwen3_moe")), f"{what}: head norms {model.tpcore_plan.head_norms}"
-        assert bool(model.tpcore_plan.moe_blocks) == (name in MOE), f"{what}: MoE blocks {model.tpcore_plan.moe_blocks}"
+        assert bool(model.tpcore_plan.head_norms) == (
+            name in ("qwen3", "gemma3_text", "qwen3_moe")
+        ), f"{what}: head norms {model.tpcore_plan.head_norms}"
+        assert bool(model.tpcore_plan.moe_blocks) == (name in MOE), (
+            f"{what}: MoE blocks {model.tpcore_plan.moe_blocks}"
+        )
         tpcore.destroy_model_parallel()
     return True
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral",
-                                  "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt2",
+        "llama",
+        "bert",
+        "qwen3",
+        "gemma",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "cohere",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+    ],
+)
 def test_backward_matches_dense(cpu_ranks, tmp_path, name):
-    """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM (bert),
-    q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled embedding and one
-    KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused gate|up (phi3), q / k norms over
-    all heads, the k norm's KV heads replicated at TP=4 (olmo2), a weight row per head, replicated KV rows at TP=4
-    (cohere), sparse MoE blocks with the load-balancing loss: router, experts and the block's input
-    (mixtral; qwen2_moe with a gated shared expert; qwen3_moe beside a dense MLP layer; olmoe with split q / k norms)."""
+    """Fine-tuning: tied heads (gpt2), GQA with KV heads replicated at TP=4 (llama), padded MLM
+    (bert), q / k norms over each head (qwen3; gemma3_text with KV heads replicated), a scaled
+    embedding and one KV head (gemma), fused q|k|v with KV heads replicated at TP=4 and fused
+    gate|up (phi3), q / k norms over all heads, the k norm's KV heads replicated at TP=4
+    (olmo2), a weight row per head, replicated KV rows at TP=4 (cohere), sparse MoE blocks with
+    the load-balancing loss: router, experts and the block's input (mixtral; qwen2_moe with a
+    gated shared expert; qwen3_moe beside a dense MLP layer; olmoe with split q / k norms)."""
     path = save_family(name, tmp_path)
     assert all(cpu_ranks.run(_backward_job, name, path))
 
 
-def _warped_probs(scores: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-    """transformers' own warpers on full logits `[b, vocab]`, then softmax: the reference distribution."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def _warped_probs(
+    scores: torch.Tensor, temperature: float, top_k: int | None, top_p: float
+) -> torch.Tensor:
+    """transformers' own warpers on full logits `[b, vocab]`, then softmax: the reference
+    distribution."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     scores = TemperatureLogitsWarper(temperature)(None, scores.clone())
     if top_k is not None:
@@ -405,19 +678,29 @@ def _sampling_job(rank, world, path):
         logits, ids = candidates(local, tp_rank * rows, group, top_k)
         ids, probs = filtered_probs(logits, ids, temperature=temperature, top_k=top_k, top_p=top_p)
         got = torch.zeros(3, VOCAB).scatter_add_(1, ids.clamp(min=0), probs * (ids >= 0))
-        assert_close(got, _warped_probs(full, temperature, top_k, top_p), f"distribution t={temperature} k={top_k} p={top_p}")
+        assert_close(
+            got,
+            _warped_probs(full, temperature, top_k, top_p),
+            f"distribution t={temperature} k={top_k} p={top_p}",
+        )
     # Sampling from the split model: every drawn token lies in the dense model's warped support.
     model = tpcore.hf.from_pretrained(path)
     dense = load_dense(path, "LlamaForCausalLM", torch.float32)
     ids = prompt()
-    out = tpcore.hf.generate(model, ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=5, top_p=0.9, seed=7)
+    out = tpcore.hf.generate(
+        model, ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=5, top_p=0.9, seed=7
+    )
     with torch.no_grad():
-        step_logits = dense(out).logits[:, ids.shape[1] - 1 : -1]  # the logits each new token was drawn from
+        step_logits = dense(out).logits[
+            :, ids.shape[1] - 1 : -1
+        ]  # the logits each new token was drawn from
     for step in range(step_logits.shape[1]):
         probs = _warped_probs(step_logits[:, step], 0.8, 5, 0.9)
         chosen = probs.gather(1, out[:, ids.shape[1] + step, None])
         assert (chosen > 0).all(), f"step {step}: drew a token outside the dense top-k/top-p set"
-    other = tpcore.hf.generate(model, ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=5, top_p=0.9, seed=8)
+    other = tpcore.hf.generate(
+        model, ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=5, top_p=0.9, seed=8
+    )
     return out, other
 
 
@@ -427,11 +710,14 @@ def test_sampling_matches_transformers_warpers(cpu_ranks, tmp_path):
     first, other = results[0]
     for out, _ in results[1:]:
         assert torch.equal(out, first), "ranks drew different tokens"
-    assert first.shape == (2, 19) and not torch.equal(first, other), "another seed should draw other tokens"
+    assert first.shape == (2, 19) and not torch.equal(first, other), (
+        "another seed should draw other tokens"
+    )
 
 
 def _padding_eos_job(rank, world, name, path):
-    """Left-padded prompts and an eos id: tpcore.hf.generate stops and pads as transformers' generate."""
+    """Left-padded prompts and an eos id: tpcore.hf.generate stops and pads as transformers'
+    generate."""
     import tpcore
     import tpcore.hf
 
@@ -444,12 +730,23 @@ def _padding_eos_job(rank, world, name, path):
     mask[1, :3] = 0  # left padding
     mask[2, :5] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    want = dense.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = dense.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     got = tpcore.hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
     assert torch.equal(got, want), f"{name} left padding:\n{got}\n!= dense\n{want}"
     eos = int(want[0, ids.shape[1] + 3])  # row 0 emits it at its 4th new token
-    want = dense.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    got = tpcore.hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    want = dense.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    got = tpcore.hf.generate(
+        model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0
+    )
     assert torch.equal(got, want), f"{name} eos {eos}:\n{got}\n!= dense\n{want}"
     return True
 
@@ -472,7 +769,9 @@ def _frozen_job(rank, world, path):
     model = tpcore.hf.parallelize(dense)
     got = {n: p.requires_grad for n, p in model.named_parameters()}
     tpcore.destroy_model_parallel()
-    assert got == want, {n: (want.get(n), got.get(n)) for n in set(want) | set(got) if want.get(n) != got.get(n)}
+    assert got == want, {
+        n: (want.get(n), got.get(n)) for n in set(want) | set(got) if want.get(n) != got.get(n)
+    }
     assert not all(got.values()) and any(got.values())
 
 
@@ -491,7 +790,9 @@ def _different_weights_job(rank, world, paths):
     try:
         tpcore.hf.parallelize(dense)
     except ValueError as e:
-        assert "the ranks hold different weights" in str(e) and "model.embed_tokens.weight" in str(e), e
+        assert "the ranks hold different weights" in str(e) and "model.embed_tokens.weight" in str(
+            e
+        ), e
     else:
         return "accepted"
     # One rank with one more parameter: different sizes to gather; refused by count first.

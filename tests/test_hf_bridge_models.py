@@ -23,27 +23,69 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
 VOCAB, SEQ, BATCH, NEW_TOKENS = 97, 12, 2, 6
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (1, 2, 2)]  # (TP, PP, virtual chunks per rank) on 4 ranks
+LAYOUTS = [
+    (1, 1, 1),
+    (2, 1, 1),
+    (4, 1, 1),
+    (2, 2, 1),
+    (1, 2, 2),
+]  # (TP, PP, virtual chunks per rank) on 4 ranks
 
 
 def _hf_model(family: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+    )
     if family == "llama":
-        scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-        config = transformers.LlamaConfig(**common, rope_theta=5e5, rope_scaling=scaling, attention_bias=True)
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+        config = transformers.LlamaConfig(
+            **common, rope_theta=5e5, rope_scaling=scaling, attention_bias=True
+        )
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
     elif family == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)  # q / k norms, wider heads
+        config = transformers.Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=True
+        )  # q / k norms, wider heads
     elif family == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=32, head_dim=16)  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
-    elif family == "gemma":  # one KV head (Gemma 2B's), heads of 16 (not hidden / heads), tied head; sqrt(48) is no float
-        config = transformers.GemmaConfig(**{**common, "num_key_value_heads": 1, "hidden_size": 48}, head_dim=16, pad_token_id=0)
+        config = transformers.MistralConfig(
+            **common, sliding_window=32, head_dim=16
+        )  # Mistral-Nemo's heads: 8 x 16 in a 64-wide model
+    elif family == "gemma":
+        # one KV head (Gemma 2B's), heads of 16 (not hidden / heads), tied head; sqrt(48) is no
+        # float
+        config = transformers.GemmaConfig(
+            **{**common, "num_key_value_heads": 1, "hidden_size": 48}, head_dim=16, pad_token_id=0
+        )
     else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=8, n_positions=64, activation_function="gelu", tie_word_embeddings=False)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=4,
+            n_head=8,
+            n_positions=64,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+        )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # nothing left at its init's constants (zero biases, unit norms): every slice shows
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager"
+    ).eval()
+    with (
+        torch.no_grad()
+    ):  # nothing left at its init's constants (zero biases, unit norms): every slice shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
@@ -59,7 +101,13 @@ def family_case(request, tmp_path_factory):
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids)
-        greedy = model.generate(ids[:, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+        greedy = model.generate(
+            ids[:, :4],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     return family, str(folder), ids, out.logits, out.loss, greedy
 
 
@@ -80,10 +128,20 @@ def _run_stages(chunks, ids, tp_group, pp_group):
         if rank != owner:
             continue
         if stage > 0 and pp > 1:
-            x = p2p.batch_send_recv([], [(shape, (stage - 1) % pp, stage, "activation")], dtype=torch.float32, group=pp_group)[0]
+            x = p2p.batch_send_recv(
+                [],
+                [(shape, (stage - 1) % pp, stage, "activation")],
+                dtype=torch.float32,
+                group=pp_group,
+            )[0]
         x = chunk(ids if stage == 0 else x)
         if stage < stages - 1 and pp > 1:
-            p2p.batch_send_recv([(x.contiguous(), (stage + 1) % pp, stage + 1, "activation")], [], dtype=torch.float32, group=pp_group)
+            p2p.batch_send_recv(
+                [(x.contiguous(), (stage + 1) % pp, stage + 1, "activation")],
+                [],
+                dtype=torch.float32,
+                group=pp_group,
+            )
     if rank != (stages - 1) % pp:
         return None
     return comm.all_gather(x.contiguous(), -1, tp_group)
@@ -93,7 +151,7 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
     import torch.distributed as dist
 
     import tpcore
-    from tpcore.models import GPTConfig, GPTModel, generate, load_hf_weights
+    from tpcore.models import GPTConfig, generate, load_hf_weights
     from tpcore.pipeline_parallel import build_gpt_stages
 
     ok = []
@@ -110,7 +168,13 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
         with torch.no_grad():
             logits = _run_stages(chunks, ids, state.tensor_group, state.pipeline_group)
         if logits is not None:  # the last stage's ranks
-            torch.testing.assert_close(logits[..., :VOCAB], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} TP {tp} PP {pp} x {v}: {m}")
+            torch.testing.assert_close(
+                logits[..., :VOCAB],
+                expected,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m: f"{family} TP {tp} PP {pp} x {v}: {m}",
+            )
         if pp == 1:
             model = chunks[0]
             with torch.no_grad():
@@ -118,8 +182,12 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
                 target = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], 1)
                 torch.testing.assert_close(model(ids, target), loss, rtol=1e-5, atol=1e-6)
             tokens = generate(model, ids[:, :4], NEW_TOKENS, greedy=True)
-            assert torch.equal(tokens, greedy), f"{family} TP {tp}: greedy {tokens.tolist()} != transformers {greedy.tolist()}"
-            if config.sliding_window is not None:  # Mistral: a sequence past the window is refused, not miscomputed
+            assert torch.equal(tokens, greedy), (
+                f"{family} TP {tp}: greedy {tokens.tolist()} != transformers {greedy.tolist()}"
+            )
+            if (
+                config.sliding_window is not None
+            ):  # Mistral: a sequence past the window is refused, not miscomputed
                 long = torch.zeros(1, config.sliding_window + 1, dtype=torch.long)
                 try:
                     model(long)
@@ -157,7 +225,11 @@ def test_round_trip_is_bitwise(cpu_ranks, family_case, tmp_path):
     family, folder, ids, logits, _, _ = family_case
     out = str(tmp_path / "export")
     files = cpu_ranks.run(_round_trip_job, folder, out, timeout=300)[0]
-    assert "model.safetensors.index.json" in files and "config.json" in files and "generation_config.json" in files
+    assert (
+        "model.safetensors.index.json" in files
+        and "config.json" in files
+        and "generation_config.json" in files
+    )
     original = safetensors.load_file(os.path.join(folder, "model.safetensors"))
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
@@ -167,14 +239,20 @@ def test_round_trip_is_bitwise(cpu_ranks, family_case, tmp_path):
     assert exported.keys() == original.keys()
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    assert type(back).__name__ == json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager"
+    ).eval()
+    assert (
+        type(back).__name__
+        == json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+    )
     with torch.no_grad():
         assert torch.equal(back(ids).logits, logits)
 
 
 def _bad_folders(tmp_path, folder: str) -> list[tuple]:
     """(folder, error type, words its message holds[, folder whose config builds the model])."""
+
     def variant(name: str, **config_changes) -> str:
         path = str(tmp_path / name)
         shutil.copytree(folder, path)
@@ -192,23 +270,71 @@ def _bad_folders(tmp_path, folder: str) -> list[tuple]:
     wider = variant("wider", intermediate_size=128)  # the weights are 96 wide
     # A model built from that config.json meets weights that contradict it; a model built
     # from the good one meets a folder that does not describe it.
-    cases.append((wider, ValueError, [f"{wider}/config.json contradicts the weights", "gate_proj.weight", "[96, 64]", "[128, 64]"], wider))
-    cases.append((wider, ValueError, [f"{wider}/config.json does not describe this model", "ffn_hidden_size: folder 128, model 96"]))
-    gemma = variant("gemma", model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh")
-    # A Gemma folder differs from a Llama of the same shapes in its norm, activation and embedding scale.
-    cases.append((gemma, ValueError, [f"{gemma}/config.json does not describe this model", "norm: folder 'gemma_rmsnorm', model 'rmsnorm'",
-                                      "embedding_scale: folder 8.0, model None"]))
+    cases.append(
+        (
+            wider,
+            ValueError,
+            [
+                f"{wider}/config.json contradicts the weights",
+                "gate_proj.weight",
+                "[96, 64]",
+                "[128, 64]",
+            ],
+            wider,
+        )
+    )
+    cases.append(
+        (
+            wider,
+            ValueError,
+            [
+                f"{wider}/config.json does not describe this model",
+                "ffn_hidden_size: folder 128, model 96",
+            ],
+        )
+    )
+    gemma = variant(
+        "gemma",
+        model_type="gemma",
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",
+    )
+    # A Gemma folder differs from a Llama of the same shapes in its norm, activation and
+    # embedding scale.
+    cases.append(
+        (
+            gemma,
+            ValueError,
+            [
+                f"{gemma}/config.json does not describe this model",
+                "norm: folder 'gemma_rmsnorm', model 'rmsnorm'",
+                "embedding_scale: folder 8.0, model None",
+            ],
+        )
+    )
     sharded = variant("sharded")  # the model split over two files, the second one lost
     state = safetensors.load_file(os.path.join(sharded, "model.safetensors"))
     os.remove(os.path.join(sharded, "model.safetensors"))
     keys = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
     for name, part in halves.items():
-        safetensors.save_file({k: state[k] for k in part}, os.path.join(sharded, name), metadata={"format": "pt"})
-    json.dump({"metadata": {}, "weight_map": {k: n for n, part in halves.items() for k in part}}, open(os.path.join(sharded, "model.safetensors.index.json"), "w"))
+        safetensors.save_file(
+            {k: state[k] for k in part}, os.path.join(sharded, name), metadata={"format": "pt"}
+        )
+    json.dump(
+        {"metadata": {}, "weight_map": {k: n for n, part in halves.items() for k in part}},
+        open(os.path.join(sharded, "model.safetensors.index.json"), "w"),
+    )
     os.remove(os.path.join(sharded, "model-00002-of-00002.safetensors"))
-    cases.append((sharded, FileNotFoundError, ["model-00002-of-00002.safetensors", "which is not in"]))
-    cases.append((str(tmp_path / "missing"), FileNotFoundError, ["model folder", "missing does not exist"]))
+    cases.append(
+        (sharded, FileNotFoundError, ["model-00002-of-00002.safetensors", "which is not in"])
+    )
+    cases.append(
+        (str(tmp_path / "missing"), FileNotFoundError, ["model folder", "missing does not exist"])
+    )
     return cases
 
 
@@ -224,7 +350,9 @@ def _bad_folder_job(rank, world, good_folder, cases):
     messages = []
     for path, error, words, *config_from in cases:
         try:
-            chunks = build_gpt_stages(GPTConfig.from_hf(config_from[0]) if config_from else good, _init=False)
+            chunks = build_gpt_stages(
+                GPTConfig.from_hf(config_from[0]) if config_from else good, _init=False
+            )
             load_hf_weights(chunks, path)
         except error as e:
             assert all(w in str(e) for w in words), f"rank {rank}, {path}: expected {words} in: {e}"

@@ -1,5 +1,5 @@
-"""Continued pretraining of a Hugging Face Llama (and a Qwen3) with the real trainer (torchrun, TP 2 x PP 2
-on 4 CPU ranks), then out to transformers: `--load-hf` starts from the folder's
+"""Continued pretraining of a Hugging Face Llama (and a Qwen3) with the real trainer (torchrun,
+TP 2 x PP 2 on 4 CPU ranks), then out to transformers: `--load-hf` starts from the folder's
 architecture, weights and tokenizer (the data preprocessed with `--tokenizer FOLDER`), the
 first step's loss equals transformers' on the same batch, training lowers it; `--save-hf`
 and `tpcore-convert --to-hf` of the checkpoint both give a folder transformers loads with
@@ -31,7 +31,11 @@ SEQ, GLOBAL_BATCH, ITERS, SEED = 16, 4, 6, 1234
 
 def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    names = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     tensors = {}
     for name in names:
         tensors.update(safetensors.load_file(str(folder / name)))
@@ -42,19 +46,36 @@ def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def run(request, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("hf_train")
     corpus = work / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"the cat {i % 7} sat on the mat and the dog {i % 5} ran. " * 4}) + "\n" for i in range(60)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": f"the cat {i % 7} sat on the mat and the dog {i % 5} ran. " * 4})
+            + "\n"
+            for i in range(60)
+        )
+    )
     tokenizer = train_tokenizer([str(corpus)], str(work / "tokenizer.json"), vocab_size=300)
     vocab = json.loads(Path(tokenizer).read_text())["model"]["vocab"]
     # A random Llama whose embedding is padded past the tokenizer (as Qwen's and Llama's are);
     # or a Qwen3 (q / k norms, heads 32 wide in a 64-wide model).
     shape = dict(
-        vocab_size=len(vocab) + 5, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=64, eos_token_id=vocab["<|endoftext|>"], bos_token_id=None,
+        vocab_size=len(vocab) + 5,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        eos_token_id=vocab["<|endoftext|>"],
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     if request.param == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)).eval()
-    elif request.param == "gemma":  # (1 + weight) norms (drawn: they start at zero), GeGLU, scaled embeddings, tied head
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
+        ).eval()
+    elif (
+        request.param == "gemma"
+    ):  # (1 + weight) norms (drawn: they start at zero), GeGLU, scaled embeddings, tied head
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape, head_dim=16)).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -65,26 +86,72 @@ def run(request, tmp_path_factory) -> dict:
     folder = work / "llama"
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(Path(tokenizer).read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
+    )
     preprocess(str(corpus), str(work / "data" / "docs"), tokenizer=str(folder), append_eod=True)
-    proc = torchrun([
-        "-m", "tpcore.train",
-        "--load-hf", str(folder), "--data-path", str(work / "data" / "docs"), "--seq-length", str(SEQ), "--micro-batch-size", "2",
-        "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS), "--eval-iters", "0", "--lr", "3e-3", "--lr-warmup-iters", "0",
-        "--lr-decay-style", "constant", "--log-interval", "1", "--tensor-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--save", str(work / "ckpt"), "--save-hf", str(work / "exported"), "--device", "cpu", "--no-progress", "--seed", str(SEED),
-    ], 4, cwd=work, timeout=400)
-    assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    proc = torchrun(
+        [
+            "-m",
+            "tpcore.train",
+            "--load-hf",
+            str(folder),
+            "--data-path",
+            str(work / "data" / "docs"),
+            "--seq-length",
+            str(SEQ),
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            str(GLOBAL_BATCH),
+            "--train-iters",
+            str(ITERS),
+            "--eval-iters",
+            "0",
+            "--lr",
+            "3e-3",
+            "--lr-warmup-iters",
+            "0",
+            "--lr-decay-style",
+            "constant",
+            "--log-interval",
+            "1",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--save",
+            str(work / "ckpt"),
+            "--save-hf",
+            str(work / "exported"),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--seed",
+            str(SEED),
+        ],
+        4,
+        cwd=work,
+        timeout=400,
+    )
+    assert proc.returncode == 0, (
+        f"training failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
     return {"work": work, "folder": folder, "model": model}
 
 
 def test_first_step_loss_equals_transformers_and_training_lowers_it(run):
     work, model = run["work"], run["model"]
     indexed = IndexedDataset(str(work / "data" / "docs"))
-    dataset = GPTDataset(indexed, SEQ, ITERS * GLOBAL_BATCH, split="train", valid_fraction=0.05, seed=SEED)
-    rows = torch.stack([dataset[i] for i in range(GLOBAL_BATCH)])  # the first global batch, [4, SEQ + 1]
+    dataset = GPTDataset(
+        indexed, SEQ, ITERS * GLOBAL_BATCH, split="train", valid_fraction=0.05, seed=SEED
+    )
+    rows = torch.stack(
+        [dataset[i] for i in range(GLOBAL_BATCH)]
+    )  # the first global batch, [4, SEQ + 1]
     with torch.no_grad():
-        # transformers shifts the labels itself: positions 0..SEQ-1 predict tokens 1..SEQ, as the trainer's targets.
+        # transformers shifts the labels itself: positions 0..SEQ-1 predict tokens 1..SEQ, as the
+        # trainer's targets.
         expected = model(input_ids=rows, labels=rows).loss.item()
     losses = [row["loss"] for row in read_metrics(str(work / "ckpt" / "metrics.csv"))]
     assert len(losses) == ITERS
@@ -102,35 +169,64 @@ def _dense_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def test_save_hf_and_to_hf_give_the_checkpoints_logits(run, tmp_path):
     work = run["work"]
-    ids = torch.randint(0, run["model"].config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        0, run["model"].config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3)
+    )
     expected = _dense_logits(work / "ckpt", ids)
     converted = tmp_path / "converted"
     assert convert.main(["--load", str(work / "ckpt"), "--to-hf", str(converted)]) == 0
     saved = _all_tensors(work / "exported")
     assert saved.keys() == _all_tensors(converted).keys()
-    for key, tensor in _all_tensors(converted).items():  # the trainer's export and the converter's agree bit for bit
+    for key, tensor in _all_tensors(
+        converted
+    ).items():  # the trainer's export and the converter's agree bit for bit
         assert torch.equal(tensor, saved[key]), key
     for folder in (work / "exported", converted):
-        assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
+        assert {
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        } <= set(os.listdir(folder))
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         assert type(hf).__name__ == type(run["model"]).__name__
         with torch.no_grad():
             torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
     # The weights moved away from the starting point: the export is the trained model.
-    assert not torch.equal(saved["model.layers.0.mlp.up_proj.weight"], run["model"].state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        saved["model.layers.0.mlp.up_proj.weight"],
+        run["model"].state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
-    assert tokenizer.decode(tokenizer("the cat sat")["input_ids"]) .strip() == "the cat sat"
+    assert tokenizer.decode(tokenizer("the cat sat")["input_ids"]).strip() == "the cat sat"
 
 
 def test_to_hf_bfloat16(run, tmp_path):
     out = tmp_path / "bf16"
-    assert convert.main(["--load", str(run["work"] / "ckpt"), "--to-hf", str(out), "--dtype", "bfloat16"]) == 0
+    assert (
+        convert.main(
+            ["--load", str(run["work"] / "ckpt"), "--to-hf", str(out), "--dtype", "bfloat16"]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
-    assert config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == run["model"].config.eos_token_id
+    assert (
+        config["torch_dtype"] == "bfloat16"
+        and config["eos_token_id"] == run["model"].config.eos_token_id
+    )
     tensors = _all_tensors(out)
     fp32 = _all_tensors(run["work"] / "exported")
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     for key, tensor in tensors.items():
         assert torch.equal(tensor, fp32[key].to(torch.bfloat16)), key
     with pytest.raises(SystemExit):  # --dtype belongs to --to-hf
-        convert.main(["--load", str(run["work"] / "ckpt"), "--output", str(tmp_path / "x.safetensors"), "--dtype", "bfloat16"])
+        convert.main(
+            [
+                "--load",
+                str(run["work"] / "ckpt"),
+                "--output",
+                str(tmp_path / "x.safetensors"),
+                "--dtype",
+                "bfloat16",
+            ]
+        )

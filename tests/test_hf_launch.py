@@ -10,20 +10,29 @@ import time
 import pytest
 import torch
 import transformers
+from test_hf import save_family
 
 import tpcore.hf
 from checks import assert_close
-from test_hf import save_family
 
 TP = 2
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[str, int]:
-    """A Llama of ~74 MB (fp32, vocab 32000, untied head) saved with save_pretrained; (path, bytes)."""
+    """A Llama of ~74 MB (fp32, vocab 32000, untied head) saved with save_pretrained;
+    (path, bytes)."""
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, initializer_range=0.2,
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
@@ -47,7 +56,10 @@ def test_launch_matches_dense(saved, handle):
     got = handle(ids)
     assert_close(got.logits, want, "logits from the launched workers")
     assert got.past_key_values is None, "the KV cache should not travel back"
-    assert torch.equal(handle.generate(ids, max_new_tokens=10), dense.generate(ids, max_new_tokens=10, do_sample=False))
+    assert torch.equal(
+        handle.generate(ids, max_new_tokens=10),
+        dense.generate(ids, max_new_tokens=10, do_sample=False),
+    )
 
 
 def test_load_memory_per_rank_near_model_over_tp(saved, handle):
@@ -57,9 +69,15 @@ def test_load_memory_per_rank_near_model_over_tp(saved, handle):
     mib = 2**20
     for rank, stats in enumerate(handle.load_stats):
         grown = (stats["peak_rss_kib"] - stats["rss_before_kib"]) * 1024
-        assert grown > 0.4 * model_bytes / TP, f"rank {rank}: {grown / mib:.1f} MiB is less than its shard: not measured?"
-        assert grown < model_bytes / TP + 12 * mib, f"rank {rank}: peak {grown / mib:.1f} MiB > shard {model_bytes / TP / mib:.1f} MiB + 12"
-        assert grown < 0.75 * model_bytes, f"rank {rank}: peak {grown / mib:.1f} MiB is near the whole model"
+        assert grown > 0.4 * model_bytes / TP, (
+            f"rank {rank}: {grown / mib:.1f} MiB is less than its shard: not measured?"
+        )
+        assert grown < model_bytes / TP + 12 * mib, (
+            f"rank {rank}: peak {grown / mib:.1f} MiB > shard {model_bytes / TP / mib:.1f} MiB + 12"
+        )
+        assert grown < 0.75 * model_bytes, (
+            f"rank {rank}: peak {grown / mib:.1f} MiB is near the whole model"
+        )
 
 
 def _fail_on_rank(model, rank_to_fail):
@@ -107,14 +125,17 @@ if __name__ == "__main__":  # the spawned workers import this file too
 
 
 def test_workers_exit_when_the_caller_is_killed(saved, tmp_path):
-    """A caller killed without close() (SIGKILL, a notebook kernel restart) leaves no worker behind."""
+    """A caller killed without close() (SIGKILL, a notebook kernel restart) leaves no worker
+    behind."""
     import signal
     import subprocess
     import sys
 
     script = tmp_path / "caller.py"
     script.write_text(_ORPHAN_SCRIPT)
-    caller = subprocess.Popen([sys.executable, str(script), saved[0]], stdout=subprocess.PIPE, text=True)
+    caller = subprocess.Popen(
+        [sys.executable, str(script), saved[0]], stdout=subprocess.PIPE, text=True
+    )
     try:
         pids = [int(p) for p in caller.stdout.readline().split()]
     finally:
@@ -165,9 +186,12 @@ def test_launch_rejects_bad_arguments(tmp_path):
 
 
 def test_verify_console_script(tmp_path, capsys):
-    """tpcore-hf-verify on a GPT-2: every hidden state, logits and greedy ids match; exit status 0."""
+    """tpcore-hf-verify on a GPT-2: every hidden state, logits and greedy ids match; exit
+    status 0."""
     path = save_family("gpt2", tmp_path)
-    assert tpcore.hf.verify_main([path, "--tensor-parallel-size", "2", "--max-new-tokens", "6"]) == 0
+    assert (
+        tpcore.hf.verify_main([path, "--tensor-parallel-size", "2", "--max-new-tokens", "6"]) == 0
+    )
     printed = capsys.readouterr().out
     assert "hidden_states[2]" in printed and "logits" in printed and "OK" in printed
     assert "greedy ids (tpcore.hf.generate): identical" in printed
@@ -191,9 +215,13 @@ def test_verify_console_script_names_a_folder_it_cannot_load(tmp_path, capsys):
 def test_verify_names_first_divergence():
     from tpcore.hf.verify import _compare
 
-    base = {f"hidden_states[{i}]": torch.ones(2, 3, 4) for i in range(3)} | {"logits": torch.ones(2, 3, 5)}
+    base = {f"hidden_states[{i}]": torch.ones(2, 3, 4) for i in range(3)} | {
+        "logits": torch.ones(2, 3, 5)
+    }
     broken = {k: v.clone() for k, v in base.items()}
-    broken["hidden_states[1]"][0, 0, 0] += 0.5  # layer 0's output diverges, and so does everything after
+    broken["hidden_states[1]"][0, 0, 0] += (
+        0.5  # layer 0's output diverges, and so does everything after
+    )
     broken["hidden_states[2]"] += 0.5
     report = _compare(base, broken, 2, 1e-4, None)
     assert not report.ok and report.first_divergence == "hidden_states[1]"

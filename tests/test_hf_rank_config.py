@@ -20,7 +20,10 @@ def _view():
 def test_per_rank_fields_and_the_rest_of_the_config():
     config, view = _view()
     assert (view.num_attention_heads, view.num_key_value_heads) == (4, 1)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (8, 2)  # the model's own stays whole
+    assert (config.num_attention_heads, config.num_key_value_heads) == (
+        8,
+        2,
+    )  # the model's own stays whole
     assert view.hidden_size == 64 and view.rope_parameters == config.rope_parameters
     with pytest.raises(AttributeError):
         view.no_such_field
@@ -29,7 +32,9 @@ def test_per_rank_fields_and_the_rest_of_the_config():
 def test_writes_reach_the_models_config_and_per_rank_fields_refuse_them():
     config, view = _view()
     config._attn_implementation = "eager"
-    assert view._attn_implementation == "eager"  # a later change of the model's config reaches the view
+    assert (
+        view._attn_implementation == "eager"
+    )  # a later change of the model's config reaches the view
     view.sliding_window = 7
     assert config.sliding_window == 7
     with pytest.raises(AttributeError, match="this rank's share"):

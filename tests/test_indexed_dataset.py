@@ -24,7 +24,9 @@ def _spec_write(prefix, sequences, doc_idx, dtype_code, dtype, version=1, magic=
     with open(prefix + ".idx", "wb") as f:
         f.write(magic + struct.pack("<Q", version) + struct.pack("<B", dtype_code))
         f.write(struct.pack("<Q", len(data)) + struct.pack("<Q", len(doc_idx)))
-        f.write(sizes.tobytes() + pointers.tobytes() + np.asarray(doc_idx, dtype=np.int64).tobytes())
+        f.write(
+            sizes.tobytes() + pointers.tobytes() + np.asarray(doc_idx, dtype=np.int64).tobytes()
+        )
 
 
 def _spec_read(prefix):
@@ -113,7 +115,13 @@ def test_truncated_files(tmp_path):
 
 def test_failed_build_leaves_nothing(tmp_path):
     prefix = str(tmp_path / "f")
-    with pytest.raises(ValueError, match=r"token id 70000 is outside the range of uint16 \[0, 65535\] \(a larger vocabulary needs dtype=np.int32"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"token id 70000 is outside the range of uint16 \[0, 65535\] "
+            r"\(a larger vocabulary needs dtype=np.int32"
+        ),
+    ):
         with IndexedDatasetBuilder(prefix, np.uint16) as b:
             b.add_document([1, 2])
             b.add_document([70000])
@@ -133,7 +141,8 @@ def _build(prefix, docs, dtype=np.uint16):
 
 
 def _patch_idx(prefix, offset, value_bytes):
-    """Overwrite bytes of `prefix.idx` at `offset` (the header is 34 bytes, then sizes, pointers, doc index)."""
+    """Overwrite bytes of `prefix.idx` at `offset` (the header is 34 bytes, then sizes,
+    pointers, doc index)."""
     with open(prefix + ".idx", "r+b") as f:
         f.seek(offset)
         f.write(value_bytes)
@@ -153,7 +162,10 @@ def test_index_must_describe_the_bin_exactly(tmp_path):
     # The dtype byte of a uint16 dataset changed to uint8 (code 1): pointers are in bytes of uint16.
     prefix = _build(str(tmp_path / "dt"), DOCS)
     _patch_idx(prefix, 9 + 8, struct.pack("<B", 1))
-    with pytest.raises(ValueError, match=r"dt\.idx: sequence 1 starts at byte 6 but the sequences before it end at byte 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"dt\.idx: sequence 1 starts at byte 6 but the sequences before it end at byte 3",
+    ):
         IndexedDataset(prefix)
     # One sequence, dtype changed from uint16 to int32: the only check left is the size.
     prefix = _build(str(tmp_path / "one"), [[1, 2, 3, 4]])
@@ -166,8 +178,18 @@ def test_index_must_describe_the_bin_exactly(tmp_path):
     "field, index, value, match",
     [
         ("sizes", 0, -1, r"sequence 0 has a negative size -1"),
-        ("pointers", 0, 2, r"sequence 0 starts at byte 2 but the sequences before it end at byte 0"),
-        ("pointers", 2, 0, r"sequence 2 starts at byte 0 but the sequences before it end at byte 6"),
+        (
+            "pointers",
+            0,
+            2,
+            r"sequence 0 starts at byte 2 but the sequences before it end at byte 0",
+        ),
+        (
+            "pointers",
+            2,
+            0,
+            r"sequence 2 starts at byte 0 but the sequences before it end at byte 6",
+        ),
         ("doc_idx", 1, 7, r"document index entry 1 is 7, outside \[0, 4\]"),
         ("doc_idx", 3, 1, r"document index is not sorted \(entry 3 is 1 after 2\)"),
         ("doc_idx", 0, 1, r"document index must start at 0, got 1"),
@@ -176,7 +198,11 @@ def test_index_must_describe_the_bin_exactly(tmp_path):
 def test_index_arrays_are_checked(tmp_path, field, index, value, match):
     prefix = _build(str(tmp_path / "ds"), DOCS)
     n = len(DOCS)
-    offset, fmt = {"sizes": (34, "<i"), "pointers": (34 + 4 * n, "<q"), "doc_idx": (34 + 12 * n, "<q")}[field]
+    offset, fmt = {
+        "sizes": (34, "<i"),
+        "pointers": (34 + 4 * n, "<q"),
+        "doc_idx": (34 + 12 * n, "<q"),
+    }[field]
     size = struct.calcsize(fmt)
     _patch_idx(prefix, offset + index * size, struct.pack(fmt, value))
     with pytest.raises(ValueError, match=match) as err:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcore
-from conftest import DEVICES, pool_for
 from checks import assert_close, expect_error, setup_tp
+from conftest import DEVICES, pool_for
 
 IN, OUT = 16, 24  # divisible by every TP size tested
 SHAPES = [(10,), (8, 3)]  # 2-D and 3-D inputs ([tokens, in], [seq, batch, in])
@@ -33,7 +33,9 @@ def _reference(dense, x, grad):
 
 
 def _check_column(tp_rank, tp, dtype, device, shape, bias, gather_output, skip_bias_add, sp):
-    what = f"column shape={shape} bias={bias} gather={gather_output} skip_bias={skip_bias_add} sp={sp}"
+    what = (
+        f"column shape={shape} bias={bias} gather={gather_output} skip_bias={skip_bias_add} sp={sp}"
+    )
     mine = lambda t, dim: t.chunk(tp, dim)[tp_rank]  # noqa: E731
     torch.manual_seed(0)
     dense = nn.Linear(IN, OUT, bias=bias, dtype=dtype, device=device)
@@ -60,7 +62,10 @@ def _check_column(tp_rank, tp, dtype, device, shape, bias, gather_output, skip_b
 
 
 def _check_row(tp_rank, tp, dtype, device, shape, bias, input_is_parallel, skip_bias_add, sp):
-    what = f"row shape={shape} bias={bias} input_is_parallel={input_is_parallel} skip_bias={skip_bias_add} sp={sp}"
+    what = (
+        f"row shape={shape} bias={bias} input_is_parallel={input_is_parallel} "
+        f"skip_bias={skip_bias_add} sp={sp}"
+    )
     mine = lambda t, dim: t.chunk(tp, dim)[tp_rank]  # noqa: E731
     torch.manual_seed(0)
     dense = nn.Linear(IN, OUT, bias=bias, dtype=dtype, device=device)
@@ -68,7 +73,10 @@ def _check_row(tp_rank, tp, dtype, device, shape, bias, input_is_parallel, skip_
     y_ref, gx_ref = _reference(dense, x, grad)
 
     layer = tpcore.RowParallelLinear.from_dense(
-        dense, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, sequence_parallel=sp
+        dense,
+        input_is_parallel=input_is_parallel,
+        skip_bias_add=skip_bias_add,
+        sequence_parallel=sp,
     )
     out_layout = (lambda t: mine(t, 0)) if sp else (lambda t: t)
     xin = (mine(x, -1) if input_is_parallel else x).clone().requires_grad_(True)
@@ -91,7 +99,9 @@ def _check_row(tp_rank, tp, dtype, device, shape, bias, input_is_parallel, skip_
 
 def _linear_layers(rank, world, tp, dtype, device):
     tp_rank, tp = setup_tp(tp)
-    flags = list(itertools.product(SHAPES, (True, False), (False, True), (False, True), (False, True)))
+    flags = list(
+        itertools.product(SHAPES, (True, False), (False, True), (False, True), (False, True))
+    )
     for shape, bias, flag, skip_bias_add, sp in flags:
         if sp and len(shape) < 2:
             continue  # sequence parallelism needs [seq, batch, hidden]
@@ -121,7 +131,9 @@ def _mlp(rank, world, tp, dtype, sp, device):
     y_ref.square().sum().backward()
 
     tp_up = tpcore.ColumnParallelLinear.from_dense(up, sequence_parallel=sp)
-    tp_down = tpcore.RowParallelLinear.from_dense(down, input_is_parallel=True, sequence_parallel=sp)
+    tp_down = tpcore.RowParallelLinear.from_dense(
+        down, input_is_parallel=True, sequence_parallel=sp
+    )
     layout = (lambda t: mine(t, 0)) if sp else (lambda t: t)
     xin = layout(x).clone().requires_grad_(True)
     y = tp_down(F.gelu(tp_up(xin)))
@@ -152,7 +164,9 @@ def _init_is_tp_invariant(rank, world, tp):
         torch.manual_seed(7)
         dense = nn.Linear(IN, OUT)
         assert torch.equal(layer.weight, mine(dense.weight, dim)), f"{cls.__name__} dense init"
-        assert torch.equal(layer.bias, mine(dense.bias, 0) if dim == 0 else dense.bias), f"{cls.__name__} dense bias init"
+        assert torch.equal(layer.bias, mine(dense.bias, 0) if dim == 0 else dense.bias), (
+            f"{cls.__name__} dense bias init"
+        )
         # A custom init_method sees the full master weight; the bias starts at zero.
         torch.manual_seed(7)
         layer = cls(IN, OUT, init_method=partial(nn.init.normal_, std=0.02))
@@ -163,7 +177,9 @@ def _init_is_tp_invariant(rank, world, tp):
         back = layer.to_dense()
         assert torch.equal(back.weight, master) and not back.bias.any(), f"{cls.__name__}.to_dense"
         round_trip = cls.from_dense(dense).to_dense()
-        assert torch.equal(round_trip.weight, dense.weight) and torch.equal(round_trip.bias, dense.bias)
+        assert torch.equal(round_trip.weight, dense.weight) and torch.equal(
+            round_trip.bias, dense.bias
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -173,24 +189,65 @@ def test_init_is_tp_invariant_and_dense_round_trips(cpu_ranks, tp):
 
 def _bad_input(rank, world):
     setup_tp(4)
-    col, row = tpcore.ColumnParallelLinear(IN, OUT), tpcore.RowParallelLinear(IN, OUT, input_is_parallel=True)
+    col, row = (
+        tpcore.ColumnParallelLinear(IN, OUT),
+        tpcore.RowParallelLinear(IN, OUT, input_is_parallel=True),
+    )
     row_full = tpcore.RowParallelLinear(IN, OUT)
-    expect_error(ValueError, "out_features (30) is not divisible by the tensor-parallel size (4)", tpcore.ColumnParallelLinear, IN, 30)
-    expect_error(ValueError, "in_features (30) is not divisible by the tensor-parallel size (4)", tpcore.RowParallelLinear, 30, OUT)
+    expect_error(
+        ValueError,
+        "out_features (30) is not divisible by the tensor-parallel size (4)",
+        tpcore.ColumnParallelLinear,
+        IN,
+        30,
+    )
+    expect_error(
+        ValueError,
+        "in_features (30) is not divisible by the tensor-parallel size (4)",
+        tpcore.RowParallelLinear,
+        30,
+        OUT,
+    )
     expect_error(ValueError, "positive int", tpcore.ColumnParallelLinear, 0, OUT)
     expect_error(ValueError, "input has last dim 15", col, torch.randn(3, 15))
     expect_error(ValueError, "input has last dim 16", row, torch.randn(3, IN))  # expects in/tp = 4
-    expect_error(ValueError, "input has last dim 4 but in_features is 16", row_full, torch.randn(3, IN // 4))
-    expect_error(TypeError, "does not match weight dtype", col, torch.randn(3, IN, dtype=torch.bfloat16))
+    expect_error(
+        ValueError, "input has last dim 4 but in_features is 16", row_full, torch.randn(3, IN // 4)
+    )
+    expect_error(
+        TypeError, "does not match weight dtype", col, torch.randn(3, IN, dtype=torch.bfloat16)
+    )
     expect_error(TypeError, "floating-point", col, torch.ones(3, IN, dtype=torch.long))
     expect_error(ValueError, "input is on meta", col, torch.randn(3, IN, device="meta"))
-    expect_error(ValueError, "gather_output=True cannot", tpcore.ColumnParallelLinear, IN, OUT, gather_output=True, sequence_parallel=True)
-    expect_error(ValueError, "needs input_is_parallel=True", tpcore.RowParallelLinear, IN, OUT, sequence_parallel=True)
+    expect_error(
+        ValueError,
+        "gather_output=True cannot",
+        tpcore.ColumnParallelLinear,
+        IN,
+        OUT,
+        gather_output=True,
+        sequence_parallel=True,
+    )
+    expect_error(
+        ValueError,
+        "needs input_is_parallel=True",
+        tpcore.RowParallelLinear,
+        IN,
+        OUT,
+        sequence_parallel=True,
+    )
     row_sp = tpcore.RowParallelLinear(IN, OUT, input_is_parallel=True, sequence_parallel=True)
-    expect_error(ValueError, "must be divisible by the tensor-parallel size 4", row_sp, torch.randn(6, 2, IN // 4))
+    expect_error(
+        ValueError,
+        "must be divisible by the tensor-parallel size 4",
+        row_sp,
+        torch.randn(6, 2, IN // 4),
+    )
     expect_error(TypeError, "ProcessGroup", tpcore.ColumnParallelLinear, IN, OUT, group="tp")
     # Nothing above ran a collective: the group still works for a real step on every rank.
-    assert_close(col(torch.ones(2, IN)).sum(), col(torch.ones(2, IN)).sum(), "layer usable after errors")
+    assert_close(
+        col(torch.ones(2, IN)).sum(), col(torch.ones(2, IN)).sum(), "layer usable after errors"
+    )
 
 
 def test_bad_input_raises_clear_errors_on_every_rank(cpu_ranks):

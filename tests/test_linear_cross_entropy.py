@@ -24,9 +24,14 @@ def _fused(rank, world, tp, dtype, device):
     weight = torch.zeros(padded, HIDDEN)
     weight[:VOCAB] = torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5
     weight = weight.to(device, dtype)
-    combos = itertools.product([(13,), (3, 7)], ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-2], [4, 1000])
+    combos = itertools.product(
+        [(13,), (3, 7)], ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-2], [4, 1000]
+    )
     for shape, reduction, smoothing, z_loss, chunk in combos:
-        what = f"shape={shape} reduction={reduction} smoothing={smoothing} z_loss={z_loss} chunk={chunk}"
+        what = (
+            f"shape={shape} reduction={reduction} "
+            f"smoothing={smoothing} z_loss={z_loss} chunk={chunk}"
+        )
         hidden = torch.randn(*shape, HIDDEN, generator=g).to(device, dtype)
         target = torch.randint(0, VOCAB, shape, generator=g).to(device)
         target.view(-1)[0] = IGNORE
@@ -41,8 +46,15 @@ def _fused(rank, world, tp, dtype, device):
         h = hidden.clone().requires_grad_(True)
         w = weight.chunk(tp, 0)[tp_rank].clone().requires_grad_(True)
         loss = tpcore.vocab_parallel_linear_cross_entropy(
-            h, w, target, chunk_size=chunk, vocab_size=VOCAB, label_smoothing=smoothing,
-            ignore_index=IGNORE, reduction=reduction, z_loss=z_loss,
+            h,
+            w,
+            target,
+            chunk_size=chunk,
+            vocab_size=VOCAB,
+            label_smoothing=smoothing,
+            ignore_index=IGNORE,
+            reduction=reduction,
+            z_loss=z_loss,
         )
         assert_close(loss, ref.detach(), f"{what}: loss")
         (loss * upstream).sum().backward()
@@ -68,12 +80,18 @@ def _tied(rank, world, tp):
     h_ref = torch.tanh(dense(ids))
     ref = F.cross_entropy(F.linear(h_ref, dense.weight).reshape(-1, VOCAB), target.reshape(-1))
     ref.backward()
-    loss = tpcore.vocab_parallel_linear_cross_entropy(torch.tanh(emb(ids)), emb.weight, target, vocab_size=VOCAB, chunk_size=5)
+    loss = tpcore.vocab_parallel_linear_cross_entropy(
+        torch.tanh(emb(ids)), emb.weight, target, vocab_size=VOCAB, chunk_size=5
+    )
     assert_close(loss, ref.detach(), "tied loss")
     loss.backward()
     rows = emb.weight.shape[0]
     real = max(0, min(rows, VOCAB - tp_rank * rows))
-    assert_close(emb.weight.grad[:real], dense.weight.grad[tp_rank * rows : tp_rank * rows + real], "tied grad")
+    assert_close(
+        emb.weight.grad[:real],
+        dense.weight.grad[tp_rank * rows : tp_rank * rows + real],
+        "tied grad",
+    )
     assert not emb.weight.grad[real:].any()
 
 

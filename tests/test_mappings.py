@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tpcore
-from conftest import DEVICES, pool_for
 from checks import assert_close, per_rank_tensor, setup_tp
+from conftest import DEVICES, pool_for
 
 
 def _run(fn, x, grad_out):
@@ -36,10 +36,16 @@ def _mappings(rank, world, tp, dtype, device):
     y, gx = _run(tpcore.reduce_from_tensor_parallel, x, shared)
     assert_close(y, summed(xs), "g forward")
     assert_close(gx, shared, "g backward")
+
     # scatter / gather along the last dim.
     # Each rank's slice of the others' gradients, concatenated: what an all-gather returns.
-    gathered_own_chunks = lambda dim: torch.cat([gr.chunk(tp, dim)[r] for r, gr in enumerate(gs)], dim)  # noqa: E731
-    big_gs = [per_rank_tensor((tp * shape[0],) + shape[1:], base + r, dtype, seed=3).to(device) for r in range(tp)]
+    def gathered_own_chunks(dim):
+        return torch.cat([gr.chunk(tp, dim)[r] for r, gr in enumerate(gs)], dim)
+
+    big_gs = [
+        per_rank_tensor((tp * shape[0],) + shape[1:], base + r, dtype, seed=3).to(device)
+        for r in range(tp)
+    ]
 
     # scatter / gather along the last dim.
     y, gx = _run(tpcore.scatter_to_tensor_parallel, shared, mine(g, -1))

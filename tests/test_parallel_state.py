@@ -8,10 +8,20 @@ import pytest
 import torch.distributed as dist
 
 import tpcore
-from tpcore.parallel_state import rank_layout
 from checks import expect_error
+from tpcore.parallel_state import rank_layout
 
-LAYOUTS = [(1, 1, 1), (4, 1, 1), (4, 4, 1), (8, 2, 2), (8, 2, 1), (16, 2, 4), (16, 4, 2), (12, 3, 2), (6, 1, 3)]
+LAYOUTS = [
+    (1, 1, 1),
+    (4, 1, 1),
+    (4, 4, 1),
+    (8, 2, 2),
+    (8, 2, 1),
+    (16, 2, 4),
+    (16, 4, 2),
+    (12, 3, 2),
+    (6, 1, 3),
+]
 
 
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS)
@@ -19,16 +29,23 @@ def test_rank_layout_matches_megatron_order(world, tp, pp):
     layout = rank_layout(world, tp, pp)
     dp = world // (tp * pp)
     # Reference: enumerate (pp, dp, tp) coordinates; global = pp*dp*tp + dp_rank*tp + tp_rank.
-    coords = {p * dp * tp + d * tp + t: (p, d, t) for p, d, t in itertools.product(range(pp), range(dp), range(tp))}
+    coords = {
+        p * dp * tp + d * tp + t: (p, d, t)
+        for p, d, t in itertools.product(range(pp), range(dp), range(tp))
+    }
     assert sorted(coords) == list(range(world))
     for kind, fixed in (("tensor", (0, 1)), ("data", (0, 2)), ("pipeline", (1, 2))):
         groups = getattr(layout, kind)
-        assert sorted(r for g in groups for r in g) == list(range(world)), f"{kind} groups do not partition the ranks"
+        assert sorted(r for g in groups for r in g) == list(range(world)), (
+            f"{kind} groups do not partition the ranks"
+        )
         for g in groups:
             keys = {tuple(coords[r][i] for i in fixed) for r in g}
             assert len(keys) == 1, f"{kind} group {g} mixes coordinates"
             varying = 2 if kind == "tensor" else 1 if kind == "data" else 0
-            assert [coords[r][varying] for r in g] == list(range(len(g))), f"{kind} group {g} out of order"
+            assert [coords[r][varying] for r in g] == list(range(len(g))), (
+                f"{kind} group {g} out of order"
+            )
     assert [len(g) for g in layout.tensor] == [tp] * (world // tp)
     assert [len(g) for g in layout.data] == [dp] * (world // dp)
     assert [len(g) for g in layout.pipeline] == [pp] * (world // pp)
@@ -42,7 +59,15 @@ def test_rank_layout_tp_groups_are_adjacent():
 
 @pytest.mark.parametrize(
     "world,tp,pp,match",
-    [(4, 3, 1, "not divisible"), (1, 2, 1, "one process: launch one per rank, e.g. torchrun"), (6, 4, 1, "not divisible"), (8, 2, 3, "not divisible"), (4, 0, 1, ">= 1"), (4, 1, -1, ">= 1"), (0, 1, 1, ">= 1")],
+    [
+        (4, 3, 1, "not divisible"),
+        (1, 2, 1, "one process: launch one per rank, e.g. torchrun"),
+        (6, 4, 1, "not divisible"),
+        (8, 2, 3, "not divisible"),
+        (4, 0, 1, ">= 1"),
+        (4, 1, -1, ">= 1"),
+        (0, 1, 1, ">= 1"),
+    ],
 )
 def test_rank_layout_rejects_bad_sizes(world, tp, pp, match):
     with pytest.raises(ValueError, match=match):
@@ -103,7 +128,11 @@ def _bad_sizes(rank, world):
     assert not tpcore.is_initialized()
     # Nothing was left half-made: a correct call still works afterwards.
     tpcore.initialize_model_parallel(2)
-    expect_error(RuntimeError, "not initialized", lambda: tpcore.destroy_model_parallel() or tpcore.ColumnParallelLinear(4, 4))
+    expect_error(
+        RuntimeError,
+        "not initialized",
+        lambda: tpcore.destroy_model_parallel() or tpcore.ColumnParallelLinear(4, 4),
+    )
 
 
 def test_live_bad_sizes_raise_on_every_rank(cpu_ranks):
@@ -115,8 +144,12 @@ def _disagreeing_ranks(rank, world):
 
     # Different sizes (both fit the world): without the check the ranks made different
     # groups and waited on each other until the store's timeout (300 s), naming nothing.
-    expect_error(ValueError, "disagree on tensor_parallel_size (2 on ranks [0]; 1 on ranks [1, 2, 3])",
-                 tpcore.initialize_model_parallel, 2 if rank == 0 else 1)
+    expect_error(
+        ValueError,
+        "disagree on tensor_parallel_size (2 on ranks [0]; 1 on ranks [1, 2, 3])",
+        tpcore.initialize_model_parallel,
+        2 if rank == 0 else 1,
+    )
     # The environment that picks backends and segment layouts, set on one rank only.
     for key, value in (("TPCORE_SHM_SLOT_BYTES", "65536"), ("TPCORE_CPU_BACKEND", "gloo")):
         if rank == 1:
@@ -127,7 +160,12 @@ def _disagreeing_ranks(rank, world):
             os.environ.pop(key, None)
     # Sizes that do not fit the world on one rank only: every rank raises (the others used
     # to wait in the first group's creation); the same for one rank already initialized.
-    expect_error(ValueError, "disagree on tensor_parallel_size", tpcore.initialize_model_parallel, 3 if rank == 0 else 2)
+    expect_error(
+        ValueError,
+        "disagree on tensor_parallel_size",
+        tpcore.initialize_model_parallel,
+        3 if rank == 0 else 2,
+    )
     assert not tpcore.is_initialized()
     tpcore.initialize_model_parallel(2)  # agreeing ranks still get their groups
     if rank != 0:
@@ -140,8 +178,9 @@ def test_ranks_that_disagree_raise_on_every_rank_before_any_group(cpu_ranks):
 
 
 def _group_timeouts(rank, world, backend):
-    import torch
     from datetime import timedelta
+
+    import torch
 
     def timeout_of(group):
         return group._get_backend(torch.device("cpu")).options._timeout
@@ -150,7 +189,10 @@ def _group_timeouts(rank, world, backend):
     state = tpcore.initialize_model_parallel(2, backend=backend)
     assert state.tensor_group is not None
     # torch gives a group made without a timeout 30 minutes; tpcore's take the default group's.
-    assert [timeout_of(g) for g in (state.tensor_group, state.data_group)] == [default] * 2, (default, timeout_of(state.tensor_group))
+    assert [timeout_of(g) for g in (state.tensor_group, state.data_group)] == [default] * 2, (
+        default,
+        timeout_of(state.tensor_group),
+    )
     tpcore.destroy_model_parallel()
     state = tpcore.initialize_model_parallel(2, timeout=timedelta(seconds=7), backend=backend)
     assert timeout_of(state.tensor_group) == timedelta(seconds=7)
@@ -171,9 +213,12 @@ def _stale_layer(rank, world, store_dir, results):
 
     torch.set_num_threads(1)
     try:
+
         def start(name):
             store = dist.FileStore(os.path.join(store_dir, name), world)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+            )
 
         start("first")
         tpcore.initialize_model_parallel(2)

@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
 import tpcore
 from checks import GPT_VARIANTS as VARIANTS
 from checks import assert_close, expect_error, per_rank_tensor
@@ -53,19 +54,43 @@ def _exchanges(rank, world, dtype):
             assert g.dtype == dtype and torch.equal(g, w)
         # The fused pairs of 1F1B's steady state, then the single messages.
         if r % 2 == 0:
-            assert torch.equal(p2p.send_forward_recv_backward(act(r), check_shapes=check), grad(r + 1))
+            assert torch.equal(
+                p2p.send_forward_recv_backward(act(r), check_shapes=check), grad(r + 1)
+            )
             p2p.send_forward(act(r) * 2, check_shapes=check)
-            assert torch.equal(p2p.recv_backward(SHAPE, dtype=dtype, check_shapes=check), grad(r + 1) * 2)
+            assert torch.equal(
+                p2p.recv_backward(SHAPE, dtype=dtype, check_shapes=check), grad(r + 1) * 2
+            )
         else:
-            assert torch.equal(p2p.send_backward_recv_forward(grad(r), check_shapes=check), act(r - 1))
-            assert torch.equal(p2p.recv_forward(SHAPE, dtype=dtype, check_shapes=check), act(r - 1) * 2)
+            assert torch.equal(
+                p2p.send_backward_recv_forward(grad(r), check_shapes=check), act(r - 1)
+            )
+            assert torch.equal(
+                p2p.recv_forward(SHAPE, dtype=dtype, check_shapes=check), act(r - 1) * 2
+            )
             p2p.send_backward(grad(r) * 2, check_shapes=check)
     if r == 3:
-        expect_error(ValueError, "pipeline stage 3 of 4 has no next stage", p2p.send_forward, act(r))
+        expect_error(
+            ValueError, "pipeline stage 3 of 4 has no next stage", p2p.send_forward, act(r)
+        )
     if r == 0:
         expect_error(ValueError, "has no previous stage", p2p.recv_forward, SHAPE, dtype=dtype)
-    expect_error(ValueError, "is not another rank of the pipeline group", p2p.batch_send_recv, [(act(r), r, 1, "act")], [], dtype=dtype)
-    expect_error(ValueError, "tag 70000 is outside", p2p.batch_send_recv, [], [(SHAPE, (r + 1) % 4, 70000, "act")], dtype=dtype)
+    expect_error(
+        ValueError,
+        "is not another rank of the pipeline group",
+        p2p.batch_send_recv,
+        [(act(r), r, 1, "act")],
+        [],
+        dtype=dtype,
+    )
+    expect_error(
+        ValueError,
+        "tag 70000 is outside",
+        p2p.batch_send_recv,
+        [],
+        [(SHAPE, (r + 1) % 4, 70000, "act")],
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,16 +103,37 @@ def _mismatch(rank, world):
     group = parallel_state.get_pipeline_model_parallel_group()
     r = dist.get_rank(group)
     cases = [
-        (torch.zeros(8, 2, 8), [4, 2, 8], torch.float32, "expected [4, 2, 8] float32 but pipeline rank 0 sent [8, 2, 8] float32"),
-        (torch.zeros(2, 4, 8), [4, 2, 8], torch.float32, "expected [4, 2, 8] float32 but pipeline rank 0 sent [2, 4, 8] float32"),  # same size
-        (torch.zeros(4, 2, 8, dtype=torch.bfloat16), [4, 2, 8], torch.float32, "expected [4, 2, 8] float32 but pipeline rank 0 sent [4, 2, 8] bfloat16"),
+        (
+            torch.zeros(8, 2, 8),
+            [4, 2, 8],
+            torch.float32,
+            "expected [4, 2, 8] float32 but pipeline rank 0 sent [8, 2, 8] float32",
+        ),
+        (
+            torch.zeros(2, 4, 8),
+            [4, 2, 8],
+            torch.float32,
+            "expected [4, 2, 8] float32 but pipeline rank 0 sent [2, 4, 8] float32",
+        ),  # same size
+        (
+            torch.zeros(4, 2, 8, dtype=torch.bfloat16),
+            [4, 2, 8],
+            torch.float32,
+            "expected [4, 2, 8] float32 but pipeline rank 0 sent [4, 2, 8] bfloat16",
+        ),
     ]
     for sent, expected, dtype, message in cases:
         if r == 0:
             p2p.send_forward(sent)
         else:
-            expect_error(ValueError, "pipeline rank 1: the activation of micro-batch 5: " + message, p2p.batch_send_recv,
-                         [], [(expected, 0, p2p.FORWARD_TAG, "the activation of micro-batch 5")], dtype=dtype)
+            expect_error(
+                ValueError,
+                "pipeline rank 1: the activation of micro-batch 5: " + message,
+                p2p.batch_send_recv,
+                [],
+                [(expected, 0, p2p.FORWARD_TAG, "the activation of micro-batch 5")],
+                dtype=dtype,
+            )
             # The sender still waits on its payload: take it (unchecked) so the pair can go on.
             p2p.recv_forward(list(sent.shape), dtype=sent.dtype, check_shapes=False)
 
@@ -125,23 +171,77 @@ def _bad_pipeline_input(rank, world):
     config = VARIANTS["gpt2"]  # 2 layers: fewer than 4 stages
     expect_error(ValueError, "2 layers cannot fill 4 stages", build_gpt_stages, config)
     deep = type(config)(**{**config.__dict__, "num_layers": 8})
-    expect_error(ValueError, "layer 3 is placed 2 times", build_gpt_stages, deep, layers_per_stage=[[0, 1, 2, 3], [3, 4], [5, 6], [7]])
-    expect_error(ValueError, "sum to num_layers=8", build_gpt_stages, deep, layers_per_stage=[2, 2, 2, 1])
-    expect_error(ValueError, "layers [4, 5, 6, 7] are placed on no stage", build_gpt_stages, deep, layers_per_stage=[[0], [1], [2], [3]])
-    expect_error(ValueError, "stage 2 has no layers", build_gpt_stages, deep, layers_per_stage=[[0], [1, 2, 3, 4, 5, 6, 7], [], []])
+    expect_error(
+        ValueError,
+        "layer 3 is placed 2 times",
+        build_gpt_stages,
+        deep,
+        layers_per_stage=[[0, 1, 2, 3], [3, 4], [5, 6], [7]],
+    )
+    expect_error(
+        ValueError, "sum to num_layers=8", build_gpt_stages, deep, layers_per_stage=[2, 2, 2, 1]
+    )
+    expect_error(
+        ValueError,
+        "layers [4, 5, 6, 7] are placed on no stage",
+        build_gpt_stages,
+        deep,
+        layers_per_stage=[[0], [1], [2], [3]],
+    )
+    expect_error(
+        ValueError,
+        "stage 2 has no layers",
+        build_gpt_stages,
+        deep,
+        layers_per_stage=[[0], [1, 2, 3, 4, 5, 6, 7], [], []],
+    )
     expect_error(ValueError, "not consecutive indices", tpcore.models.GPTModel, deep, layers=[0, 2])
     torch.manual_seed(0)
     chunks = build_gpt_stages(deep, _init=False)
     shape = activation_shape(deep, 2, 8)
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))] * 4
     step = gpt_forward_step(chunks, batches)
-    expect_error(ValueError, "num_micro_batches must be a positive int", forward_backward, step, num_micro_batches=0, tensor_shape=shape, dtype=torch.float32)
-    expect_error(ValueError, "micro-batches (6) to be a multiple of the pipeline size (4)", forward_backward, step,
-                 num_micro_batches=6, tensor_shape=shape, dtype=torch.float32, schedule="interleaved", num_model_chunks=2)
-    expect_error(ValueError, "tensor_shape must be positive ints", forward_backward, step, num_micro_batches=4, tensor_shape=[8, 0, 32], dtype=torch.float32)
+    expect_error(
+        ValueError,
+        "num_micro_batches must be a positive int",
+        forward_backward,
+        step,
+        num_micro_batches=0,
+        tensor_shape=shape,
+        dtype=torch.float32,
+    )
+    expect_error(
+        ValueError,
+        "micro-batches (6) to be a multiple of the pipeline size (4)",
+        forward_backward,
+        step,
+        num_micro_batches=6,
+        tensor_shape=shape,
+        dtype=torch.float32,
+        schedule="interleaved",
+        num_model_chunks=2,
+    )
+    expect_error(
+        ValueError,
+        "tensor_shape must be positive ints",
+        forward_backward,
+        step,
+        num_micro_batches=4,
+        tensor_shape=[8, 0, 32],
+        dtype=torch.float32,
+    )
     bad = batches[:3] + [(torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long))]
-    expect_error(ValueError, "micro-batch 3 of [batch, seq] = [2, 6] makes activations [6, 2, 32], but the pipeline sends [8, 2, 32]",
-                 gpt_forward_step, chunks, bad, tensor_shape=shape)
+    expect_error(
+        ValueError,
+        (
+            "micro-batch 3 of [batch, seq] = [2, 6] makes activations [6, 2, 32], "
+            "but the pipeline sends [8, 2, 32]"
+        ),
+        gpt_forward_step,
+        chunks,
+        bad,
+        tensor_shape=shape,
+    )
     return "raised"
 
 
@@ -155,16 +255,32 @@ def _disagreeing_pipeline_ranks(rank, world):
     torch.manual_seed(0)
     chunks = build_gpt_stages(config)
     batches = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))] * 8
-    args = dict(num_micro_batches=4, tensor_shape=activation_shape(config, 2, 8), dtype=torch.float32)
+    args = dict(
+        num_micro_batches=4, tensor_shape=activation_shape(config, 2, 8), dtype=torch.float32
+    )
     # One rank differs; without the check: a wait on a message that never comes, or (one
     # rank forward-only) unread gradients left in the links and a silent return.
-    for name, value in (("num_micro_batches", 8), ("forward_only", True), ("loss_scale", 2.0), ("check_shapes", False),
-                        ("tensor_shape", [float(d) for d in args["tensor_shape"]])):
+    for name, value in (
+        ("num_micro_batches", 8),
+        ("forward_only", True),
+        ("loss_scale", 2.0),
+        ("check_shapes", False),
+        ("tensor_shape", [float(d) for d in args["tensor_shape"]]),
+    ):
         mine = {**args, name: value} if rank == 1 else args
-        expect_error(ValueError, f"disagree on {name}", forward_backward, gpt_forward_step(chunks, batches), **mine)
+        expect_error(
+            ValueError,
+            f"disagree on {name}",
+            forward_backward,
+            gpt_forward_step(chunks, batches),
+            **mine,
+        )
     # A list and a tuple, an int and a float agree; the pipeline still runs.
     shape = list(args["tensor_shape"]) if rank % 2 else tuple(args["tensor_shape"])
-    loss = forward_backward(gpt_forward_step(chunks, batches), **{**args, "tensor_shape": shape, "loss_scale": 1 if rank else 1.0})
+    loss = forward_backward(
+        gpt_forward_step(chunks, batches),
+        **{**args, "tensor_shape": shape, "loss_scale": 1 if rank else 1.0},
+    )
     return float(loss)
 
 
@@ -183,8 +299,16 @@ GROUP_TIMEOUT_S = 15
 def _dying_rank(rank, world, store_path, results):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    tpcore.initialize_model_parallel(pipeline_parallel_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    tpcore.initialize_model_parallel(
+        pipeline_parallel_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
+    )
     config = type(VARIANTS["gpt2"])(**{**VARIANTS["gpt2"].__dict__, "num_layers": world})
     torch.manual_seed(0)
     chunks = build_gpt_stages(config, _init=False)
@@ -200,7 +324,12 @@ def _dying_rank(rank, world, store_path, results):
 
     start = time.monotonic()
     try:
-        forward_backward(step, num_micro_batches=8, tensor_shape=activation_shape(config, 2, 8), dtype=torch.float32)
+        forward_backward(
+            step,
+            num_micro_batches=8,
+            tensor_shape=activation_shape(config, 2, 8),
+            dtype=torch.float32,
+        )
         results.put((rank, "finished", "", time.monotonic() - start))
     except Exception as e:  # noqa: BLE001 - what matters is that it raises, and how fast
         results.put((rank, type(e).__name__, str(e), time.monotonic() - start))
@@ -211,11 +340,20 @@ def test_a_rank_dying_mid_schedule_fails_every_other_rank_within_the_timeout():
     ctx = warm_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_dying_rank, args=(r, world, os.path.join(tmp, "store"), results), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_dying_rank,
+                args=(r, world, os.path.join(tmp, "store"), results),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         got = {}
-        deadline = time.monotonic() + 120 + 2 * GROUP_TIMEOUT_S  # spawning and importing torch take most of it
+        deadline = (
+            time.monotonic() + 120 + 2 * GROUP_TIMEOUT_S
+        )  # spawning and importing torch take most of it
         try:
             while len(got) < world - 1 and time.monotonic() < deadline:
                 try:
@@ -229,7 +367,9 @@ def test_a_rank_dying_mid_schedule_fails_every_other_rank_within_the_timeout():
                 if p.is_alive():
                     p.kill()
     assert procs[2].exitcode == 7
-    assert sorted(got) == [0, 1, 3], f"ranks that never reported (hung): {sorted(set(range(world)) - {2} - set(got))}"
+    assert sorted(got) == [0, 1, 3], (
+        f"ranks that never reported (hung): {sorted(set(range(world)) - {2} - set(got))}"
+    )
     for rank, (kind, message, elapsed) in got.items():
         assert kind == "RuntimeError", (rank, kind, message)
         assert f"tpcore: pipeline rank {rank}:" in message, message
@@ -252,26 +392,51 @@ def test_embedding_groups_join_the_first_and_last_stage():
 
 def _live_embedding_group(rank, world):
     state = tpcore.initialize_model_parallel(pipeline_parallel_size=4)
-    assert parallel_state.is_pipeline_first_stage() == (rank == 0) and parallel_state.is_pipeline_last_stage() == (rank == 3)
+    assert parallel_state.is_pipeline_first_stage() == (
+        rank == 0
+    ) and parallel_state.is_pipeline_last_stage() == (rank == 3)
     if rank in (0, 3):
         assert dist.get_process_group_ranks(parallel_state.get_embedding_group()) == [0, 3]
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t, group=state.embedding_group)
         assert t.item() == 5.0
     else:
-        expect_error(RuntimeError, f"pipeline stage {rank} is neither the first nor the last", parallel_state.get_embedding_group)
+        expect_error(
+            RuntimeError,
+            f"pipeline stage {rank} is neither the first nor the last",
+            parallel_state.get_embedding_group,
+        )
     config = type(VARIANTS["gpt2"])(**{**VARIANTS["gpt2"].__dict__, "num_layers": 8})
     torch.manual_seed(0)
     (chunk,) = build_gpt_stages(config, _init=False)
     names = [n for n, _ in chunk.named_parameters()]
-    assert all(n.startswith(f"layers.{2 * rank}.") or n.startswith(f"layers.{2 * rank + 1}.") for n in names if n.startswith("layers."))
-    assert ("embedding.word.weight" in names) == (rank in (0, 3))  # tied: the last stage holds a copy
-    assert ("embedding.position.weight" in names) == (rank == 0) and ("final_norm.weight" in names) == (rank == 3)
+    assert all(
+        n.startswith(f"layers.{2 * rank}.") or n.startswith(f"layers.{2 * rank + 1}.")
+        for n in names
+        if n.startswith("layers.")
+    )
+    assert ("embedding.word.weight" in names) == (
+        rank in (0, 3)
+    )  # tied: the last stage holds a copy
+    assert ("embedding.position.weight" in names) == (rank == 0) and (
+        "final_norm.weight" in names
+    ) == (rank == 3)
     assert set(names) <= {n for n, _ in ReferenceGPT(config, device="meta").named_parameters()}
     expect_error(ValueError, "this is one pipeline stage", chunk.to_dense)
     if rank == 1:
-        expect_error(ValueError, "this pipeline stage takes hidden states", chunk, torch.zeros(2, 8, dtype=torch.long))
-        expect_error(ValueError, "has no LM head", chunk, torch.zeros(8, 2, 32), torch.zeros(2, 8, dtype=torch.long))
+        expect_error(
+            ValueError,
+            "this pipeline stage takes hidden states",
+            chunk,
+            torch.zeros(2, 8, dtype=torch.long),
+        )
+        expect_error(
+            ValueError,
+            "has no LM head",
+            chunk,
+            torch.zeros(8, 2, 32),
+            torch.zeros(2, 8, dtype=torch.long),
+        )
 
 
 def test_live_embedding_group_and_gpt_stages(cpu_ranks):

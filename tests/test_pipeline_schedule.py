@@ -9,7 +9,14 @@ import itertools
 import pytest
 
 from tpcore.pipeline_parallel import SCHEDULES, schedule_table, split_layers
-from tpcore.pipeline_parallel.schedule_table import Action, check_schedule, rank_actions, rank_units, simulate, warmup_count
+from tpcore.pipeline_parallel.schedule_table import (
+    Action,
+    check_schedule,
+    rank_actions,
+    rank_units,
+    simulate,
+    warmup_count,
+)
 
 
 def _valid(schedule, p, m, v):
@@ -22,17 +29,23 @@ def _valid(schedule, p, m, v):
 
 CASES = [
     (s, p, m, v)
-    for s, p, m, v in itertools.product(SCHEDULES, (1, 2, 3, 4, 8), (1, 2, 3, 4, 5, 8, 12, 16), (1, 2, 3, 4))
+    for s, p, m, v in itertools.product(
+        SCHEDULES, (1, 2, 3, 4, 8), (1, 2, 3, 4, 5, 8, 12, 16), (1, 2, 3, 4)
+    )
     if _valid(s, p, m, v)
 ]
 
 
 @pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
-def test_every_schedule_places_each_pass_once_without_deadlock_and_with_the_formula_bubble(forward_only):
+def test_every_schedule_places_each_pass_once_without_deadlock_and_with_the_formula_bubble(
+    forward_only,
+):
     assert len(CASES) > 60
     for schedule, p, m, v in CASES:
         what = f"{schedule} p={p} m={m} v={v}"
-        table = schedule_table(p, m, v, schedule, forward_only=forward_only)  # raises if it could deadlock
+        table = schedule_table(
+            p, m, v, schedule, forward_only=forward_only
+        )  # raises if it could deadlock
         for rank, acts in enumerate(table.actions):
             fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
             bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
@@ -40,34 +53,88 @@ def test_every_schedule_places_each_pass_once_without_deadlock_and_with_the_form
             assert sorted(fwd) == everything, what
             assert sorted(bwd) == ([] if forward_only else everything), what
             for key in bwd:
-                assert acts.index(Action("F", *key)) < acts.index(Action("B", *key)), f"{what}: B before F of {key}"
+                assert acts.index(Action("F", *key)) < acts.index(Action("B", *key)), (
+                    f"{what}: B before F of {key}"
+                )
         assert table.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-12), what
-        assert table.tagless_order_matches, f"{what}: a link's messages arrive in another order than sent (NCCL would mismatch them)"
+        assert table.tagless_order_matches, (
+            f"{what}: a link's messages arrive in another order than sent "
+            "(NCCL would mismatch them)"
+        )
 
 
 def test_bubble_does_not_depend_on_the_backward_cost():
-    for schedule, p, m, v in [("1f1b", 4, 8, 1), ("gpipe", 4, 3, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)]:
+    for schedule, p, m, v in [
+        ("1f1b", 4, 8, 1),
+        ("gpipe", 4, 3, 1),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 2, 4, 3),
+    ]:
         for bwd in (1.0, 2.0, 3.0):
-            assert schedule_table(p, m, v, schedule, backward_time=bwd).bubble_fraction == pytest.approx((p - 1) / (v * m))
+            assert schedule_table(
+                p, m, v, schedule, backward_time=bwd
+            ).bubble_fraction == pytest.approx((p - 1) / (v * m))
 
 
 def test_hand_written_orders():
     # 1F1B, p=2, m=3 (PipeDream-flush): rank 0 warms up with one forward, rank 1 with none.
-    assert [str(a.label(1)) for a in rank_actions("1f1b", 2, 3, 1, 0)] == ["F0", "F1", "B0", "F2", "B1", "B2"]
-    assert [a.label(1) for a in rank_actions("1f1b", 2, 3, 1, 1)] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+    assert [str(a.label(1)) for a in rank_actions("1f1b", 2, 3, 1, 0)] == [
+        "F0",
+        "F1",
+        "B0",
+        "F2",
+        "B1",
+        "B2",
+    ]
+    assert [a.label(1) for a in rank_actions("1f1b", 2, 3, 1, 1)] == [
+        "F0",
+        "B0",
+        "F1",
+        "B1",
+        "F2",
+        "B2",
+    ]
     assert [a.label(1) for a in rank_actions("gpipe", 2, 2, 1, 1)] == ["F0", "F1", "B0", "B1"]
     # Interleaved, p=2, v=2, m=2: micro-batches go through chunk 0 then chunk 1 in groups of p;
     # the last rank starts its backward after (v - 1) p = 2 forwards, the first after 2 more.
-    assert [a.label(2) for a in rank_actions("interleaved", 2, 2, 2, 1)] == ["F0.0", "F1.0", "F0.1", "B0.1", "F1.1", "B1.1", "B0.0", "B1.0"]
-    assert [a.label(2) for a in rank_actions("interleaved", 2, 2, 2, 0)] == ["F0.0", "F1.0", "F0.1", "F1.1", "B0.1", "B1.1", "B0.0", "B1.0"]
+    assert [a.label(2) for a in rank_actions("interleaved", 2, 2, 2, 1)] == [
+        "F0.0",
+        "F1.0",
+        "F0.1",
+        "B0.1",
+        "F1.1",
+        "B1.1",
+        "B0.0",
+        "B1.0",
+    ]
+    assert [a.label(2) for a in rank_actions("interleaved", 2, 2, 2, 0)] == [
+        "F0.0",
+        "F1.0",
+        "F0.1",
+        "F1.1",
+        "B0.1",
+        "B1.1",
+        "B0.0",
+        "B1.0",
+    ]
     # The steady state of the interleaved schedule batches a forward and a backward together.
     assert [len(u) for u in rank_units("interleaved", 2, 4, 2, 1)] == [1, 1, 2, 2, 2, 2, 2, 2, 1, 1]
 
 
 def test_megatron_warmup_counts():
     assert [warmup_count("1f1b", 4, 8, 1, r) for r in range(4)] == [3, 2, 1, 0]
-    assert [warmup_count("1f1b", 4, 2, 1, r) for r in range(4)] == [2, 2, 1, 0]  # m < p: capped at m
-    assert [warmup_count("interleaved", 4, 8, 2, r) for r in range(4)] == [10, 8, 6, 4]  # 2 (p - r - 1) + (v - 1) p
+    assert [warmup_count("1f1b", 4, 2, 1, r) for r in range(4)] == [
+        2,
+        2,
+        1,
+        0,
+    ]  # m < p: capped at m
+    assert [warmup_count("interleaved", 4, 8, 2, r) for r in range(4)] == [
+        10,
+        8,
+        6,
+        4,
+    ]  # 2 (p - r - 1) + (v - 1) p
     assert [warmup_count("interleaved", 2, 2, 2, r) for r in range(2)] == [4, 2]  # capped at m v
 
 
@@ -85,7 +152,10 @@ def test_simulation_catches_a_deadlocking_order():
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(units, 2, 2)
     # Both ranks running GPipe's order but rank 1 doing backwards in reverse cannot finish.
-    units = [[[a] for a in rank_actions("gpipe", 2, 2, 1, 0)], [[a] for a in rank_actions("gpipe", 2, 2, 1, 1)]]
+    units = [
+        [[a] for a in rank_actions("gpipe", 2, 2, 1, 0)],
+        [[a] for a in rank_actions("gpipe", 2, 2, 1, 1)],
+    ]
     units[1][2:] = units[1][2:][::-1]
     with pytest.raises(RuntimeError, match="different orders"):
         simulate(units, 2, 1)
@@ -96,7 +166,9 @@ def test_table_prints_one_row_per_rank():
     lines = text.splitlines()
     assert lines[0].startswith("1f1b: p=4 m=8 v=1, bubble 0.375")
     assert [line.split(" |")[0] for line in lines[1:]] == [f"rank {r}" for r in range(4)]
-    assert lines[4].startswith("rank 3 | ............F0  B0      F1")  # the last rank idles 3 forwards, then alternates
+    assert lines[4].startswith(
+        "rank 3 | ............F0  B0      F1"
+    )  # the last rank idles 3 forwards, then alternates
     assert "F3.1" in str(schedule_table(2, 4, 2))
 
 
@@ -120,10 +192,16 @@ def test_bad_schedules_raise(schedule, p, m, v, match):
 
 def test_split_layers():
     assert split_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert split_layers(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]  # uneven: the first stages get one more
+    assert split_layers(7, 3) == [
+        [0, 1, 2],
+        [3, 4],
+        [5, 6],
+    ]  # uneven: the first stages get one more
     assert split_layers(5, 2, [1, 4]) == [[0], [1, 2, 3, 4]]
     assert split_layers(4, 2, [[0, 1, 2], [3]]) == [[0, 1, 2], [3]]
-    assert sorted(i for s in split_layers(30, 4) for i in s) == list(range(30))  # every layer placed once
+    assert sorted(i for s in split_layers(30, 4) for i in s) == list(
+        range(30)
+    )  # every layer placed once
 
 
 @pytest.mark.parametrize(

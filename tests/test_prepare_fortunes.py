@@ -1,4 +1,5 @@
-"""examples/prepare_fortunes.py: fortune files to JSON lines, skipped files, bad bytes, missing source."""
+"""examples/prepare_fortunes.py: fortune files to JSON lines, skipped files, bad bytes,
+missing source."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def test_fortunes_to_jsonl(tmp_path, capsys):
     src.mkdir()
     # "zoo" sorts after "animals": files are read in name order, not creation order.
     (src / "zoo").write_bytes(b"Caf\xe9 latin-1 here.\n%\n  last one  \n")
-    (src / "animals").write_bytes(b"A cat.\n\t\t-- Someone\n%\n\n%\n  \n%\nTwo\n\nparagraphs\n%\n%x is not a separator\n%\n")
+    (src / "animals").write_bytes(
+        b"A cat.\n\t\t-- Someone\n%\n\n%\n  \n%\nTwo\n\nparagraphs\n%\n%x is not a separator\n%\n"
+    )
     (src / "animals.dat").write_bytes(b"\x00\x00\x00\x02binary index")
     os.symlink("animals", src / "animals.u8")
     os.symlink("zoo", src / "link")
@@ -30,9 +33,17 @@ def test_fortunes_to_jsonl(tmp_path, capsys):
     (src / "off" / "rude").write_text("skipped\n%\n")
     out = tmp_path / "out" / "f.jsonl"
     assert _script().main(["--source-dir", str(src), "--output", str(out)]) == 0
-    expected = ["A cat.\n\t\t-- Someone", "Two\n\nparagraphs", "%x is not a separator", "Caf\ufffd latin-1 here.", "last one"]
+    expected = [
+        "A cat.\n\t\t-- Someone",
+        "Two\n\nparagraphs",
+        "%x is not a separator",
+        "Caf\ufffd latin-1 here.",
+        "last one",
+    ]
     data = out.read_bytes()
-    assert data == b"".join(json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in expected)
+    assert data == b"".join(
+        json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in expected
+    )
     assert [json.loads(line)["text"] for line in data.decode().splitlines()] == expected
     assert f"{len(expected)} documents, {len(data)} bytes" in capsys.readouterr().out
     assert os.listdir(out.parent) == ["f.jsonl"], "no temporary file may be left behind"

@@ -15,12 +15,16 @@ TEXTS = ["Hello, world.", "Ünïcödé works too", "a" * 3000, "last one"]
 
 
 def _jsonl(path, lines):
-    path.write_bytes(b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines))
+    path.write_bytes(
+        b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines)
+    )
     return str(path)
 
 
 def test_jsonl_round_trip_with_eod(tmp_path):
-    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t, "id": i}) for i, t in enumerate(TEXTS)])
+    src = _jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"text": t, "id": i}) for i, t in enumerate(TEXTS)]
+    )
     prefix = str(tmp_path / "out" / "ds")
     assert main(["--input", src, "--output-prefix", prefix, "--append-eod", "--quiet"]) == 0
     ds, tok = IndexedDataset(prefix), ByteTokenizer()
@@ -31,18 +35,44 @@ def test_jsonl_round_trip_with_eod(tmp_path):
 
 
 def test_malformed_lines_skipped_and_counted(tmp_path, capsys):
-    lines = [json.dumps({"text": "good"}), "{not json", json.dumps({"body": "x"}), json.dumps({"text": 5}), b"\xff\xfe", "", json.dumps({"text": "also good"})]
+    lines = [
+        json.dumps({"text": "good"}),
+        "{not json",
+        json.dumps({"body": "x"}),
+        json.dumps({"text": 5}),
+        b"\xff\xfe",
+        "",
+        json.dumps({"text": "also good"}),
+    ]
     src = _jsonl(tmp_path / "in.jsonl", lines)
     prefix = str(tmp_path / "ds")
     assert main(["--input", src, "--output-prefix", prefix, "--quiet"]) == 0
     assert "2 documents" in capsys.readouterr().out and len(IndexedDataset(prefix)) == 2
-    assert main(["--input", src, "--output-prefix", str(tmp_path / "strict"), "--on-error", "fail", "--quiet"]) == 1
+    assert (
+        main(
+            [
+                "--input",
+                src,
+                "--output-prefix",
+                str(tmp_path / "strict"),
+                "--on-error",
+                "fail",
+                "--quiet",
+            ]
+        )
+        == 1
+    )
     assert "line 2" in capsys.readouterr().err
-    assert not any(n.startswith("strict") for n in os.listdir(tmp_path)), "a failed run must leave no output"
+    assert not any(n.startswith("strict") for n in os.listdir(tmp_path)), (
+        "a failed run must leave no output"
+    )
 
 
 def test_workers_give_the_same_dataset(tmp_path):
-    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": f"document {i} " * (i % 7 + 1)}) for i in range(2000)])
+    src = _jsonl(
+        tmp_path / "in.jsonl",
+        [json.dumps({"text": f"document {i} " * (i % 7 + 1)}) for i in range(2000)],
+    )
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     assert main(["--input", src, "--output-prefix", one, "--quiet"]) == 0
     assert main(["--input", src, "--output-prefix", two, "--workers", "2", "--quiet"]) == 0
@@ -55,9 +85,25 @@ def test_plain_text_and_custom_key(tmp_path):
     txt.write_text("first line\n\n  \nsecond line\n")
     prefix = str(tmp_path / "t")
     assert main(["--input", str(txt), "--output-prefix", prefix, "--quiet"]) == 0
-    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(prefix)] == ["first line", "second line"]
+    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(prefix)] == [
+        "first line",
+        "second line",
+    ]
     src = _jsonl(tmp_path / "k.jsonl", [json.dumps({"content": "x y"})])
-    assert main(["--input", src, "--output-prefix", str(tmp_path / "k"), "--json-key", "content", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                src,
+                "--output-prefix",
+                str(tmp_path / "k"),
+                "--json-key",
+                "content",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert len(IndexedDataset(str(tmp_path / "k"))) == 1
 
 
@@ -70,16 +116,32 @@ def test_utf8_byte_order_mark_keeps_the_first_document(tmp_path, capsys):
     prefix = str(tmp_path / "bom")
     assert main(["--input", str(src), "--output-prefix", prefix, "--quiet"]) == 0
     assert "0 malformed lines skipped" in capsys.readouterr().out
-    expected = [json.loads(line)["text"] for line in src.read_text(encoding="utf-8-sig").splitlines()]
+    expected = [
+        json.loads(line)["text"] for line in src.read_text(encoding="utf-8-sig").splitlines()
+    ]
     assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(prefix)] == expected == TEXTS
     txt = tmp_path / "bom.txt"
     txt.write_bytes(bom + b"first line\nsecond line\n")
     assert main(["--input", str(txt), "--output-prefix", str(tmp_path / "t"), "--quiet"]) == 0
-    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(str(tmp_path / "t"))] == ["first line", "second line"]
+    assert [ByteTokenizer().decode(d.tolist()) for d in IndexedDataset(str(tmp_path / "t"))] == [
+        "first line",
+        "second line",
+    ]
 
 
 def test_missing_input(tmp_path, capsys):
-    assert main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "x"), "--quiet"]) == 1
+    assert (
+        main(
+            [
+                "--input",
+                str(tmp_path / "nope.jsonl"),
+                "--output-prefix",
+                str(tmp_path / "x"),
+                "--quiet",
+            ]
+        )
+        == 1
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -112,8 +174,12 @@ class _FullDisk:
         self.close()
 
 
-@pytest.mark.parametrize("ext, room, at_close", [(".bin", 100, False), (".bin", 100, True), (".idx", 10, False)])
-def test_full_disk_names_enospc_and_leaves_nothing(tmp_path, monkeypatch, capsys, ext, room, at_close):
+@pytest.mark.parametrize(
+    "ext, room, at_close", [(".bin", 100, False), (".bin", 100, True), (".idx", 10, False)]
+)
+def test_full_disk_names_enospc_and_leaves_nothing(
+    tmp_path, monkeypatch, capsys, ext, room, at_close
+):
     """A full disk while writing the tokens (at the write or at the flush on close) or the index:
     exit 1 with ENOSPC and the file named, no temporary `PREFIX.tmpPID.*` and no output left."""
     import builtins
@@ -136,23 +202,41 @@ def test_full_disk_names_enospc_and_leaves_nothing(tmp_path, monkeypatch, capsys
 def test_json_key_absent_everywhere_fails_naming_key_and_file(tmp_path, capsys):
     """A wrong --json-key made an empty dataset and exit 0; now it names the key, the file
     and the keys the lines do have, and leaves no output."""
-    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"body": t, "id": i}) for i, t in enumerate(TEXTS)])
+    src = _jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"body": t, "id": i}) for i, t in enumerate(TEXTS)]
+    )
     out = tmp_path / "out"
     assert main(["--input", src, "--output-prefix", str(out / "ds"), "--quiet"]) == 1
     err = capsys.readouterr().err
-    assert "'text'" in err and src in err and "--json-key" in err and "'body'" in err and "4 lines" in err, err
+    assert (
+        "'text'" in err
+        and src in err
+        and "--json-key" in err
+        and "'body'" in err
+        and "4 lines" in err
+    ), err
     assert not out.exists() or os.listdir(out) == []
     with pytest.raises(ValueError, match="no line of .* has a string field 'text'"):
         preprocess(src, str(out / "api"))
 
 
 def test_json_key_absent_from_some_lines_is_reported(tmp_path, capsys):
-    lines = [json.dumps({"text": "a"}), json.dumps({"body": "b"}), json.dumps({"text": 7}), json.dumps({"body": "c"}), "{bad"]
+    lines = [
+        json.dumps({"text": "a"}),
+        json.dumps({"body": "b"}),
+        json.dumps({"text": 7}),
+        json.dumps({"body": "c"}),
+        "{bad",
+    ]
     src = _jsonl(tmp_path / "in.jsonl", lines)
     prefix = str(tmp_path / "ds")
     assert main(["--input", src, "--output-prefix", prefix, "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "1 documents" in out and "4 malformed lines skipped" in out and "2 without the key 'text'" in out, out
+    assert (
+        "1 documents" in out
+        and "4 malformed lines skipped" in out
+        and "2 without the key 'text'" in out
+    ), out
     counts = preprocess(src, str(tmp_path / "api"))
     assert (counts["documents"], counts["skipped"], counts["missing_key"]) == (1, 4, 2)
 
@@ -164,7 +248,9 @@ def test_no_document_at_all_fails_and_names_the_first_bad_line(tmp_path, capsys)
     out = tmp_path / "out"
     assert main(["--input", str(src), "--output-prefix", str(out / "ds"), "--quiet"]) == 1
     err = capsys.readouterr().err
-    assert "no line of" in err and "2 malformed lines" in err and "line 1" in err and "--format" in err, err
+    assert (
+        "no line of" in err and "2 malformed lines" in err and "line 1" in err and "--format" in err
+    ), err
     assert not out.exists() or os.listdir(out) == []
     src.write_text("\n  \n")  # empty but for blank lines
     assert main(["--input", str(src), "--output-prefix", str(out / "ds"), "--quiet"]) == 1
@@ -179,7 +265,11 @@ def test_an_output_folder_that_cannot_be_made_is_named(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     assert main(["--input", src, "--output-prefix", str(tmp_path / "afile" / "ds"), "--quiet"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("tpcore: writing") and "afile" in err and ("EEXIST" in err or "ENOTDIR" in err), err
+    assert (
+        err.startswith("tpcore: writing")
+        and "afile" in err
+        and ("EEXIST" in err or "ENOTDIR" in err)
+    ), err
 
 
 def test_builder_names_a_file_it_cannot_create(tmp_path):
@@ -196,7 +286,20 @@ def test_module_entry_point_runs_without_runpy_warning(tmp_path):
     import sys
 
     src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "x"})])
-    run = subprocess.run([sys.executable, "-m", "tpcore.data.preprocess", "--input", src, "--output-prefix", str(tmp_path / "ds"), "--quiet"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpcore.data.preprocess",
+            "--input",
+            src,
+            "--output-prefix",
+            str(tmp_path / "ds"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and "Warning" not in run.stderr, run.stderr
     assert len(IndexedDataset(str(tmp_path / "ds"))) == 1

@@ -39,7 +39,9 @@ def test_checkpoint_recomputes_under_the_forward_autocast_state():
     assert torch.equal(y0, y1)
     assert torch.equal(gx0, gx1), "input gradient of the recomputed forward differs"
     for name in g0:
-        assert torch.equal(g0[name], g1[name]), f"{name}: recompute ran without the forward's autocast"
+        assert torch.equal(g0[name], g1[name]), (
+            f"{name}: recompute ran without the forward's autocast"
+        )
 
 
 def test_checkpoint_gives_parameters_gradients_when_the_input_needs_none():
@@ -67,9 +69,14 @@ class _FakeCuda:
 
     def patches(self) -> dict:
         return dict(
-            is_available=lambda: True, is_initialized=lambda: self.initialized, get_rng_state=self.get,
-            set_rng_state=self.set, manual_seed=self.seed, manual_seed_all=self.seed_all,
-            current_device=lambda: self.current, is_current_stream_capturing=lambda: False,
+            is_available=lambda: True,
+            is_initialized=lambda: self.initialized,
+            get_rng_state=self.get,
+            set_rng_state=self.set,
+            manual_seed=self.seed,
+            manual_seed_all=self.seed_all,
+            current_device=lambda: self.current,
+            is_current_stream_capturing=lambda: False,
         )
 
     def seed(self, seed: int) -> None:
@@ -85,7 +92,9 @@ class _FakeCuda:
         self.states = [int(seed)] * len(self.states)
 
     def get(self, device="cuda") -> torch.Tensor:
-        assert self.initialized, "the RNG tracker read a CUDA state before CUDA was initialised (creates a context)"
+        assert self.initialized, (
+            "the RNG tracker read a CUDA state before CUDA was initialised (creates a context)"
+        )
         return torch.tensor([self.states[self.current]])
 
     def set(self, state: torch.Tensor, device="cuda") -> None:
@@ -152,7 +161,9 @@ def _tracker_on_two_gpus(rank, world):
             assert cuda.states == [7 + 2718 + tp_rank, 7], cuda.states
         assert cuda.states == [7, 7], cuda.states
     expected = torch.Generator().manual_seed(7).get_state()
-    assert torch.equal(torch.get_rng_state(), expected), "the default CPU generator keeps the common seed"
+    assert torch.equal(torch.get_rng_state(), expected), (
+        "the default CPU generator keeps the common seed"
+    )
 
 
 def _tracker_on_two_gpus_unseeded(rank, world):

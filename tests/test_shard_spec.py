@@ -44,7 +44,14 @@ def test_spec_round_trips_through_json_and_counts_copies_once():
     assert vocab.at(2, 1).ranges() == (0, [(0, 8, 2)])
 
 
-def _check_specs(module: nn.Module, dense: dict[str, torch.Tensor], tp: int, what: str, transposed=(), every: bool = True) -> None:
+def _check_specs(
+    module: nn.Module,
+    dense: dict[str, torch.Tensor],
+    tp: int,
+    what: str,
+    transposed=(),
+    every: bool = True,
+) -> None:
     """Each parameter's spec rebuilds `dense[name]`; with `every`, each carries one (else
     those without are the dense model's own, replicated, modules)."""
     for name, p in module.named_parameters():
@@ -53,8 +60,12 @@ def _check_specs(module: nn.Module, dense: dict[str, torch.Tensor], tp: int, wha
         spec = spec or ShardSpec(tuple(p.shape))
         assert spec.kind == "replicated" or spec.tp_size == tp, f"{what}: {name}"
         want = dense[name].t() if name in transposed else dense[name]
-        assert tuple(p.shape) == spec.local_shape and spec.global_shape == tuple(want.shape), f"{what}: {name}"
-        assert torch.equal(unshard(p.detach(), spec, spec.group), want), f"{what}: {name} does not rebuild the dense tensor"
+        assert tuple(p.shape) == spec.local_shape and spec.global_shape == tuple(want.shape), (
+            f"{what}: {name}"
+        )
+        assert torch.equal(unshard(p.detach(), spec, spec.group), want), (
+            f"{what}: {name} does not rebuild the dense tensor"
+        )
 
 
 def _layers_and_gpt(rank, world, tp):
@@ -64,7 +75,9 @@ def _layers_and_gpt(rank, world, tp):
     layers = {
         "col": tpcore.ColumnParallelLinear.from_dense(dense["col"]),
         "row": tpcore.RowParallelLinear.from_dense(dense["row"], input_is_parallel=True),
-        "emb": tpcore.VocabParallelEmbedding.from_dense(dense["emb"], make_vocab_size_divisible_by=4),
+        "emb": tpcore.VocabParallelEmbedding.from_dense(
+            dense["emb"], make_vocab_size_divisible_by=4
+        ),
     }
     for key, layer in layers.items():
         _check_specs(layer, dict(dense[key].named_parameters()), tp, key)
@@ -77,8 +90,13 @@ def _layers_and_gpt(rank, world, tp):
             model = GPTModel(config)
             _check_specs(model, state, tp, f"{variant} sp={sp}")
             for name, p in model.named_parameters():  # and the tests' own slicing of the layout
-                assert torch.equal(p.detach(), slice_piece(state[name], gpt_rule(name, config), tp_rank, tp, config)), f"{variant}: {name}"
-                assert p.shard_spec.partial_grad == (sp and getattr(p, "sequence_parallel", False)), f"{variant}: {name}"
+                assert torch.equal(
+                    p.detach(),
+                    slice_piece(state[name], gpt_rule(name, config), tp_rank, tp, config),
+                ), f"{variant}: {name}"
+                assert p.shard_spec.partial_grad == (
+                    sp and getattr(p, "sequence_parallel", False)
+                ), f"{variant}: {name}"
             assert sp == any(p.shard_spec.partial_grad for p in model.parameters()), variant
     config = GQA_VARIANTS["gemma"]  # a middle and a last pipeline stage (the tied head's copy)
     torch.manual_seed(0)
@@ -96,9 +114,8 @@ def test_every_parameter_carries_a_spec_that_rebuilds_it(cpu_ranks, tp):
 
 
 def _hf_specs(rank, world, tp, family):
-    from test_hf import FAMILIES
-
     import transformers
+    from test_hf import FAMILIES
 
     setup_tp(tp)
     cls, make_config = FAMILIES[family]
@@ -106,11 +123,30 @@ def _hf_specs(rank, world, tp, family):
     dense = getattr(transformers, cls)(make_config()).eval()
     state = {name: p.detach().clone() for name, p in dense.named_parameters()}
     model = tpcore.hf.parallelize(dense)
-    conv1d = {name for name, m in model.named_modules() for name in [f"{name}.weight"] if type(m).__name__ == "ColumnParallelLinear" and family == "gpt2"}
-    conv1d |= {name for name, m in model.named_modules() for name in [f"{name}.weight"] if type(m).__name__ == "RowParallelLinear" and family == "gpt2"}
+    conv1d = {
+        name
+        for name, m in model.named_modules()
+        for name in [f"{name}.weight"]
+        if type(m).__name__ == "ColumnParallelLinear" and family == "gpt2"
+    }
+    conv1d |= {
+        name
+        for name, m in model.named_modules()
+        for name in [f"{name}.weight"]
+        if type(m).__name__ == "RowParallelLinear" and family == "gpt2"
+    }
     _check_specs(model, state, tp, family, transposed=conv1d, every=False)
-    replaced = [m for m in model.modules() if isinstance(m, (tpcore.ColumnParallelLinear, tpcore.RowParallelLinear, tpcore.VocabParallelEmbedding))]
-    assert replaced and all(hasattr(p, "shard_spec") for m in replaced for p in m.parameters()), family
+    replaced = [
+        m
+        for m in model.modules()
+        if isinstance(
+            m,
+            (tpcore.ColumnParallelLinear, tpcore.RowParallelLinear, tpcore.VocabParallelEmbedding),
+        )
+    ]
+    assert replaced and all(hasattr(p, "shard_spec") for m in replaced for p in m.parameters()), (
+        family
+    )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "phi3", "olmo2", "cohere", "mixtral"])

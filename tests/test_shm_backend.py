@@ -58,7 +58,9 @@ def _groups(rank: int, world: int, stream_bytes: str = "0") -> dict[int, dist.Pr
         for k in range(1, world + 1):
             g = dist.new_group(list(range(k)), backend="tpcore")
             if rank < k:
-                assert tpcore.shm.shm_backend_of(g) is not None, "a one-host group must use shared memory"
+                assert tpcore.shm.shm_backend_of(g) is not None, (
+                    "a one-host group must use shared memory"
+                )
                 groups[k] = g
     return groups
 
@@ -86,13 +88,17 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     if want.dtype.is_floating_point:
         scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1.0)
         tol = TOL[want.dtype]
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}"
+        )
     else:
         assert torch.equal(got, want), f"{what}: {got} != {want}"
 
 
 def _digest(digests: list, t: torch.Tensor) -> None:
-    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))  # stride 1 even for one element
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(
+        t.reshape(-1)
+    )  # stride 1 even for one element
     digests.append(hashlib.sha1(flat.view(torch.uint8).numpy().tobytes()).hexdigest())
 
 
@@ -134,9 +140,15 @@ def _every_op(rank, world, stream_bytes):
                     outs = [_as_input(torch.zeros(n, dtype=dtype), contiguous) for _ in range(k)]
                     dist.all_gather(outs, xs[rank], group=group)
                     _check(torch.cat(outs), torch.cat(xs), f"all_gather {what}")
-                    # reduce_scatter: rank r's input is k chunks of n; it keeps the sum of chunk `rank`
-                    ins = [torch.cat([_contribution(r * 10 + c, n, dtype, seed) for c in range(k)]) for r in range(k)]
-                    want = torch.stack([x.double() if dtype.is_floating_point else x.long() for x in ins]).sum(0)
+                    # reduce_scatter: rank r's input is k chunks of n; it keeps the sum of
+                    # chunk `rank`
+                    ins = [
+                        torch.cat([_contribution(r * 10 + c, n, dtype, seed) for c in range(k)])
+                        for r in range(k)
+                    ]
+                    want = torch.stack(
+                        [x.double() if dtype.is_floating_point else x.long() for x in ins]
+                    ).sum(0)
                     want = want.view(k, n)[rank].to(dtype)
                     got = _as_input(torch.zeros(n, dtype=dtype), contiguous)
                     dist.reduce_scatter_tensor(got, _as_input(ins[rank], contiguous), group=group)
@@ -147,13 +159,23 @@ def _every_op(rank, world, stream_bytes):
                     if contiguous:  # in place, as Megatron's distributed optimizer calls them
                         buffer = ins[rank].clone()
                         dist.reduce_scatter_tensor(buffer.view(k, n)[rank], buffer, group=group)
-                        _check(buffer.view(k, n)[rank], want, f"reduce_scatter_tensor into its own input {what}")
+                        _check(
+                            buffer.view(k, n)[rank],
+                            want,
+                            f"reduce_scatter_tensor into its own input {what}",
+                        )
                         # Same arithmetic in the same order whether or not the output is an input.
-                        assert torch.equal(buffer.view(k, n)[rank], got), f"in-place reduce_scatter differs in bits {what}"
+                        assert torch.equal(buffer.view(k, n)[rank], got), (
+                            f"in-place reduce_scatter differs in bits {what}"
+                        )
                         buffer = torch.zeros(k * n, dtype=dtype)
                         buffer.view(k, n)[rank] = xs[rank]
                         dist.all_gather_into_tensor(buffer, buffer.view(k, n)[rank], group=group)
-                        _check(buffer, torch.cat(xs), f"all_gather_into_tensor from its own output {what}")
+                        _check(
+                            buffer,
+                            torch.cat(xs),
+                            f"all_gather_into_tensor from its own output {what}",
+                        )
                     # broadcast from every root
                     for root in range(k):
                         t = _as_input(xs[rank], contiguous)
@@ -163,7 +185,11 @@ def _every_op(rank, world, stream_bytes):
                     a2a_in = [_contribution(r * 10 + 5, k * n, dtype, seed) for r in range(k)]
                     got = torch.empty(k * n, dtype=dtype)
                     dist.all_to_all_single(got, a2a_in[rank], group=group)
-                    _check(got, torch.cat([a2a_in[r].view(k, n)[rank] for r in range(k)]), f"all_to_all {what}")
+                    _check(
+                        got,
+                        torch.cat([a2a_in[r].view(k, n)[rank] for r in range(k)]),
+                        f"all_to_all {what}",
+                    )
         dist.barrier(group=group)
         backend = tpcore.shm.shm_backend_of(group)
         assert backend.fallback_ops == 0, "every op above has a shared-memory path"
@@ -187,12 +213,18 @@ def _streaming_matches_plain(rank, world):
         for dtype in FLOATS + INTS[:1]:
             n = 3 * SLOT_BYTES // torch.empty(0, dtype=dtype).element_size() + 5
             x = _contribution(rank, k * n + 1, dtype, seed=k)[1:]
-            ops = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX) if dtype.is_floating_point else (dist.ReduceOp.SUM,)
+            ops = (
+                (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX)
+                if dtype.is_floating_point
+                else (dist.ReduceOp.SUM,)
+            )
             for op in ops:
                 got = [torch.zeros(n + 1, dtype=dtype)[1:] for _ in range(2)]
                 for out, group in zip(got, (plain[k], streaming[k])):
                     dist.reduce_scatter_tensor(out, x, op=op, group=group)
-                assert torch.equal(got[0], got[1]), f"reduce_scatter k={k} {dtype} {op}: streaming changes the bits"
+                assert torch.equal(got[0], got[1]), (
+                    f"reduce_scatter k={k} {dtype} {op}: streaming changes the bits"
+                )
     return True
 
 
@@ -218,12 +250,26 @@ def _fallback_and_errors(rank, world):
     # Mismatched calls: a clear error on every rank, and the group stays usable.
     n = 10 if rank == 0 else 12
     expect_error(ValueError, "mismatched collectives", dist.all_reduce, torch.ones(n), group=group)
-    expect_error(ValueError, "mismatched collectives", dist.broadcast, torch.ones(3), src=rank % 2, group=group)
+    expect_error(
+        ValueError,
+        "mismatched collectives",
+        dist.broadcast,
+        torch.ones(3),
+        src=rank % 2,
+        group=group,
+    )
     x = torch.ones(5)
     dist.all_reduce(x, group=group)
     assert x.tolist() == [float(world)] * 5
     # Bad shapes raise before anything is exchanged.
-    expect_error(ValueError, "elements", dist.all_gather_into_tensor, torch.empty(3), torch.ones(2), group=group)
+    expect_error(
+        ValueError,
+        "elements",
+        dist.all_gather_into_tensor,
+        torch.empty(3),
+        torch.ones(2),
+        group=group,
+    )
     return True
 
 
@@ -233,7 +279,9 @@ def test_fallback_to_gloo_and_clear_errors(cpu_ranks):
 
 def _threads_and_async(rank, world):
     # Two groups over the same ranks, driven from two threads at once.
-    pair = [dist.new_group([0, 1], backend="tpcore") for _ in range(2)] + [dist.new_group([2, 3], backend="tpcore") for _ in range(2)]
+    pair = [dist.new_group([0, 1], backend="tpcore") for _ in range(2)] + [
+        dist.new_group([2, 3], backend="tpcore") for _ in range(2)
+    ]
     mine = pair[:2] if rank < 2 else pair[2:]
     errors, results = [], {}
 
@@ -300,7 +348,10 @@ def _p2p(rank, world):
     rng = random.Random(rank)
     for it in range(40):
         n = (1, 100, 5000, 50_000)[it % 4]
-        big, small = torch.arange(n, dtype=torch.float32) + rank + it, torch.arange(7) * (rank + 1) + it
+        big, small = (
+            torch.arange(n, dtype=torch.float32) + rank + it,
+            torch.arange(7) * (rank + 1) + it,
+        )
         got_big, got_small = torch.empty(n), torch.empty(7, dtype=torch.int64)
         ops = [
             dist.P2POp(dist.isend, big, nxt, group=group, tag=1),
@@ -327,7 +378,15 @@ def _p2p(rank, world):
         dist.recv(five, 0, group=group, tag=5)
         w7.wait()
         assert five.tolist() == [5.0] * 3 and seven.tolist() == [7.0] * 3
-        expect_error(ValueError, "expected a message of 20 bytes", dist.recv, torch.zeros(5), 0, group=group, tag=9)
+        expect_error(
+            ValueError,
+            "expected a message of 20 bytes",
+            dist.recv,
+            torch.zeros(5),
+            0,
+            group=group,
+            tag=9,
+        )
     # The links are still in step after the size error.
     x = torch.full((2,), float(rank))
     dist.all_reduce(x, group=group)
@@ -356,11 +415,17 @@ def _hosts_and_opt_out(rank, world):
         tpcore.destroy_model_parallel()
     with _env(TPCORE_CPU_BACKEND="gloo"):
         tpcore.initialize_model_parallel(tensor_parallel_size=2)
-        assert tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group()) is None
+        assert (
+            tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
+            is None
+        )
         tpcore.destroy_model_parallel()
     with _env(TPCORE_CPU_BACKEND="tpcore"):
         tpcore.initialize_model_parallel(tensor_parallel_size=4)
-    assert tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group()) is not None
+    assert (
+        tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
+        is not None
+    )
     return True
 
 
@@ -377,7 +442,11 @@ def test_bad_opt_out_value_is_named(monkeypatch):
 def test_bad_tuning_values_are_named(monkeypatch):
     monkeypatch.setenv("TPCORE_SHM_STREAM_BYTES", "0")  # 0 means never stream: allowed
     assert tpcore.shm._env_int("TPCORE_SHM_STREAM_BYTES", -1, minimum=0) == 0
-    for name, value, minimum in (("TPCORE_SHM_STREAM_BYTES", "-5", 0), ("TPCORE_SHM_SLOT_BYTES", "0", 1), ("TPCORE_SHM_CELLS", "4k", 1)):
+    for name, value, minimum in (
+        ("TPCORE_SHM_STREAM_BYTES", "-5", 0),
+        ("TPCORE_SHM_SLOT_BYTES", "0", 1),
+        ("TPCORE_SHM_CELLS", "4k", 1),
+    ):
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=name):
             tpcore.shm._env_int(name, 1, minimum=minimum)

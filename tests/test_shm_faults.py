@@ -14,6 +14,7 @@ import traceback
 from datetime import timedelta
 
 import pytest
+
 from launch import warm_context
 
 WORLD = 3
@@ -24,11 +25,15 @@ def _rank(rank: int, store_path: str, fault: str, timeout_s: float, results) -> 
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
+
     import tpcore  # noqa: F401 - registers the backend
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "tpcore", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
+        "tpcore",
+        store=dist.FileStore(store_path, WORLD),
+        rank=rank,
+        world_size=WORLD,
         timeout=timedelta(seconds=timeout_s),
     )
     x = torch.ones(256)
@@ -53,7 +58,10 @@ def test_dead_or_stopped_rank_fails_every_other_rank(fault):
     ctx = warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shm-faults-"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, store, fault, timeout_s, results), daemon=True) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, store, fault, timeout_s, results), daemon=True)
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -90,10 +98,13 @@ def test_dead_or_stopped_rank_fails_every_other_rank(fault):
 def _mismatched_layout(rank: int, world: int, store_dir: str, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
+
     import tpcore  # noqa: F401 - registers the backend
 
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     if rank == 1:  # another slot size: this rank cannot use the segment rank 0 made
         os.environ["TPCORE_SHM_SLOT_BYTES"] = "65536"
     start = time.monotonic()

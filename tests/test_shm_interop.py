@@ -17,11 +17,18 @@ def _mlp(seed: int) -> nn.Module:
 
 def _dtensor_and_ddp(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ranks = list(range(world))
-    groups = {"tpcore": dist.new_group(ranks, backend="tpcore"), "gloo": dist.new_group(ranks, backend="gloo")}
+    groups = {
+        "tpcore": dist.new_group(ranks, backend="tpcore"),
+        "gloo": dist.new_group(ranks, backend="gloo"),
+    }
     assert tpcore.shm.shm_backend_of(groups["tpcore"]) is not None
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))  # same on every rank
     dense = _mlp(0)
@@ -50,9 +57,13 @@ def _dtensor_and_ddp(rank, world):
     per_rank = []
     for r in range(world):
         m = _mlp(0)
-        m(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + r))).pow(2).sum().backward()
+        m(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + r))).pow(
+            2
+        ).sum().backward()
         per_rank.append(m[2].weight.grad)
-    torch.testing.assert_close(grads["tpcore ddp"], torch.stack(per_rank).mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        grads["tpcore ddp"], torch.stack(per_rank).mean(0), rtol=1e-5, atol=1e-6
+    )
     assert tpcore.shm.shm_backend_of(groups["tpcore"]).fast_ops > 0
     return True
 

@@ -29,8 +29,19 @@ import torch.distributed as dist
 
 import tpcore
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
-SMALL = {  # many steps at small sizes; two-step all-reduce from 64 float32 elements; streaming stores
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+]
+SMALL = {
+    # many steps at small sizes; two-step all-reduce from 64 float32 elements; streaming stores
     "TPCORE_SHM_SLOT_BYTES": "1024",
     "TPCORE_SHM_TWO_STEP_BYTES": "256",
     "TPCORE_SHM_STREAM_BYTES": "1",
@@ -63,7 +74,9 @@ def boundaries(op: str, k: int, es: int, slot_bytes: int, two_step_bytes: int) -
     return sorted({p + d for p in points for d in range(-7, 8) if p + d >= 0})
 
 
-def _inputs(r: int, n: int, dtype: torch.dtype, seed: int, exact: bool, reduce_op: str) -> torch.Tensor:
+def _inputs(
+    r: int, n: int, dtype: torch.dtype, seed: int, exact: bool, reduce_op: str
+) -> torch.Tensor:
     """Rank r's input: small integers (exact in every order and dtype), or random floats."""
     g = torch.Generator().manual_seed(seed * 1000 + r)
     if exact or not dtype.is_floating_point:
@@ -91,8 +104,11 @@ class _env:
                 os.environ[key] = value
 
 
-def _cases(layout: tuple[int, ...], slot_name: str, env: dict[str, str], seed: int, draws: int) -> list[tuple]:
-    """The cases one group runs, drawn the same way on every rank: (op, reduce op, dtype, n, exact, seed)."""
+def _cases(
+    layout: tuple[int, ...], slot_name: str, env: dict[str, str], seed: int, draws: int
+) -> list[tuple]:
+    """The cases one group runs, drawn the same way on every rank:
+    (op, reduce op, dtype, n, exact, seed)."""
     rng = random.Random(f"{seed}/{layout}/{slot_name}")
     k = len(layout)
     slot_bytes, two_step_bytes = _settings(env)
@@ -104,7 +120,9 @@ def _cases(layout: tuple[int, ...], slot_name: str, env: dict[str, str], seed: i
             for n in rng.sample(sizes, min(draws, len(sizes))):
                 reduce_op = "sum"
                 if op in ("all_reduce", "reduce_scatter"):
-                    reduce_op = rng.choice(REDUCE_OPS if dtype.is_floating_point else REDUCE_OPS[:4])
+                    reduce_op = rng.choice(
+                        REDUCE_OPS if dtype.is_floating_point else REDUCE_OPS[:4]
+                    )
                 exact = rng.random() < 0.5
                 cases.append((op, reduce_op, dtype, n, exact, rng.randrange(1 << 30)))
     return cases
@@ -120,7 +138,9 @@ def _run_shm(case: tuple, me: int, k: int, group) -> torch.Tensor:
         return t
     if op == "reduce_scatter":
         out = torch.empty(n, dtype=dtype)
-        dist.reduce_scatter_tensor(out, _inputs(me, k * n, dtype, seed, exact, reduce_op), op=reduce, group=group)
+        dist.reduce_scatter_tensor(
+            out, _inputs(me, k * n, dtype, seed, exact, reduce_op), op=reduce, group=group
+        )
         return out
     if op == "all_gather":
         out = torch.empty(k * n, dtype=dtype)
@@ -145,14 +165,22 @@ def _reference(cases: list[tuple], me: int, k: int, gloo) -> list[torch.Tensor]:
     """gloo's results for `cases` (all of one dtype and reduce op), in one or two calls:
     all_reduce and reduce_scatter from one all_reduce of every input laid end to end, the
     rest from one all_gather."""
-    reduced, gathered = [c for c in cases if c[0] in ("all_reduce", "reduce_scatter")], [c for c in cases if c[0] not in ("all_reduce", "reduce_scatter")]
+    reduced, gathered = (
+        [c for c in cases if c[0] in ("all_reduce", "reduce_scatter")],
+        [c for c in cases if c[0] not in ("all_reduce", "reduce_scatter")],
+    )
     results = {}
     if reduced:
         reduce_op = reduced[0][1]
-        parts = [_inputs(me, n if op == "all_reduce" else k * n, dtype, seed, exact, reduce_op) for op, _, dtype, n, exact, seed in reduced]
+        parts = [
+            _inputs(me, n if op == "all_reduce" else k * n, dtype, seed, exact, reduce_op)
+            for op, _, dtype, n, exact, seed in reduced
+        ]
         flat = _gloo_dtype(torch.cat(parts))
         # gloo has no AVG: its sum in float64 (exact for these inputs), divided by k
-        gloo_op = dist.ReduceOp.SUM if reduce_op == "avg" else getattr(dist.ReduceOp, reduce_op.upper())
+        gloo_op = (
+            dist.ReduceOp.SUM if reduce_op == "avg" else getattr(dist.ReduceOp, reduce_op.upper())
+        )
         if reduce_op == "avg":
             flat = flat.double()
         dist.all_reduce(flat, op=gloo_op, group=gloo)
@@ -166,7 +194,9 @@ def _reference(cases: list[tuple], me: int, k: int, gloo) -> list[torch.Tensor]:
     if gathered:
         parts = []
         for op, reduce_op, dtype, n, exact, seed in gathered:
-            parts.append(_inputs(me, n if op != "all_to_all" else k * n, dtype, seed, exact, reduce_op))
+            parts.append(
+                _inputs(me, n if op != "all_to_all" else k * n, dtype, seed, exact, reduce_op)
+            )
         flat = _gloo_dtype(torch.cat(parts))
         every = torch.empty(k * flat.numel(), dtype=flat.dtype)
         dist.all_gather_into_tensor(every, flat, group=gloo)
@@ -197,12 +227,18 @@ def _compare(got: torch.Tensor, want: torch.Tensor, case: tuple, where: str) -> 
     if moves_only or not dtype.is_floating_point or (exact and reduce_op != "avg"):
         if not torch.equal(got, want):
             bad = (got != want).nonzero().flatten()
-            raise AssertionError(f"{what}: {bad.numel()} of {got.numel()} elements differ from gloo's, first at {bad[:8].tolist()}: {got[bad[:4]].tolist()} != {want[bad[:4]].tolist()}")
+            raise AssertionError(
+                f"{what}: {bad.numel()} of {got.numel()} elements differ from gloo's, "
+                f"first at {bad[:8].tolist()}: "
+                f"{got[bad[:4]].tolist()} != {want[bad[:4]].tolist()}"
+            )
         return
     # Random floats summed in another order: within a few roundings of the dtype, relative to
     # the largest partial sum (a product of k randn values stays below ~50).
     scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1.0)
-    torch.testing.assert_close(got, want, rtol=4 * TOL[dtype], atol=4 * TOL[dtype] * scale, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got, want, rtol=4 * TOL[dtype], atol=4 * TOL[dtype] * scale, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -251,7 +287,18 @@ def _sweep(rank: int, world: int, seed: int, draws: int) -> list:
                 if rank not in layout:
                     continue
                 assert tpcore.shm.shm_backend_of(shm) is not None
-                args = (layout, slot_name, env, seed, draws, layout.index(rank), shm, gloo, digests, failures)
+                args = (
+                    layout,
+                    slot_name,
+                    env,
+                    seed,
+                    draws,
+                    layout.index(rank),
+                    shm,
+                    gloo,
+                    digests,
+                    failures,
+                )
                 threads.append(threading.Thread(target=_sweep_group, args=args))
             for t in threads:
                 t.start()
@@ -270,10 +317,14 @@ def _check_ranks_agree(results: list) -> None:
     for rank, digests in enumerate(results):
         for layout, slot_name, case, digest in digests:
             if case[0] in ("all_gather", "all_to_all", "reduce_scatter"):
-                continue  # each rank's output differs by design (all_gather's is compared to gloo's)
+                # each rank's output differs by design (all_gather's is compared to gloo's)
+                continue
             key = (layout, slot_name, case)
             first = seen.setdefault(key, (rank, digest))
-            assert first[1] == digest, f"group {list(layout)} {slot_name} slot {case}: rank {rank}'s result differs from rank {first[0]}'s"
+            assert first[1] == digest, (
+                f"group {list(layout)} {slot_name} slot {case}: "
+                f"rank {rank}'s result differs from rank {first[0]}'s"
+            )
 
 
 def test_sizes_around_every_boundary_match_gloo(cpu_ranks, long_tests):
@@ -294,7 +345,9 @@ def eight_ranks(long_tests):
 def test_sizes_at_more_ranks_than_cores(eight_ranks, long_tests):
     """Groups of 5 ranks (up to 8 with --long) on a 2-core machine: the same search."""
     seed = int(os.environ.get("TPCORE_TEST_SEED", "44"))
-    results = eight_ranks.run(_sweep_wide, seed, DRAWS[long_tests] // 2, timeout=1800 if long_tests else 240)
+    results = eight_ranks.run(
+        _sweep_wide, seed, DRAWS[long_tests] // 2, timeout=1800 if long_tests else 240
+    )
     _check_ranks_agree(results)
 
 
@@ -307,7 +360,9 @@ def _sweep_wide(rank: int, world: int, seed: int, draws: int) -> list:
                 shm = dist.new_group(list(layout), backend="tpcore")
             gloo = dist.new_group(list(layout), backend="gloo")
             if rank in layout:
-                _sweep_group(layout, slot_name, env, seed, draws, rank, shm, gloo, digests, failures)
+                _sweep_group(
+                    layout, slot_name, env, seed, draws, rank, shm, gloo, digests, failures
+                )
             dist.destroy_process_group(shm)
             dist.destroy_process_group(gloo)
     assert not failures, "\n".join(failures[:10])

@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 import tpcore
 from launch import warm_context
 from rank_pool import run_fresh_processes
@@ -48,7 +49,10 @@ def _any_source(rank, world):
         dist.barrier()  # rank 2 sends after this
         w1.wait()
         w2.wait()
-        assert specific.tolist() == [1.0, 1.0] and any_rank.tolist() == [2.0, 2.0], (specific, any_rank)
+        assert specific.tolist() == [1.0, 1.0] and any_rank.tolist() == [2.0, 2.0], (
+            specific,
+            any_rank,
+        )
         assert w2._source_rank() == 2
     else:
         dist.send(torch.full((5,), float(rank)), dst=0, group=g)
@@ -92,7 +96,10 @@ def test_monitored_barrier_names_the_late_rank_within_its_timeout(cpu_ranks):
         for rank, (outcome, elapsed) in enumerate(answers):
             assert outcome.startswith("DistBackendError") and want in outcome, (rank, outcome)
             if rank:  # gloo's words, which torch's own tests match
-                assert f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0" in outcome, outcome
+                assert (
+                    f"Rank {rank} successfully reached monitoredBarrier, "
+                    "but received errors while waiting for send/recv from rank 0"
+                ) in outcome, outcome
             # rank 0 gives up after the barrier's 0.5 s; the others raise as soon as it does
             # (the late ranks as soon as they arrive)
             assert elapsed < 1.8, (rank, elapsed, outcome)
@@ -119,6 +126,7 @@ def test_monitored_barrier_with_no_time_left_names_rank_0(cpu_ranks):
 def _one_rank_subgroups(rank, world):
     """torch's test_new_subgroups_with_group_param: one-rank subgroups made apart by the two
     halves get the same name (torch counts groups), so they share a store prefix."""
+
     def meet(*args):  # the other half's rank list may be in the shared keys (a race)
         raise AssertionError("a one-rank group met other ranks through its store")
 
@@ -148,12 +156,16 @@ def _sequence_numbers(rank, world):
     before = g._get_sequence_number_for_group()
     dist.all_reduce(torch.ones(3), group=g)
     dist.broadcast(torch.ones(3), src=0, group=g)
-    dist.scatter(torch.zeros(2), [torch.ones(2)] * world if rank == 0 else None, src=0, group=g)  # gloo's
+    dist.scatter(
+        torch.zeros(2), [torch.ones(2)] * world if rank == 0 else None, src=0, group=g
+    )  # gloo's
     dist.barrier(group=g)
     after = g._get_sequence_number_for_group()
     numbers = [None] * world
     dist.all_gather_object(numbers, (before, after))
-    assert all(n == numbers[0] for n in numbers), f"sequence numbers differ between ranks: {numbers}"
+    assert all(n == numbers[0] for n in numbers), (
+        f"sequence numbers differ between ranks: {numbers}"
+    )
     assert after - before == 4, (before, after)
     # object collectives on a subgroup use them
     pair = dist.new_group([0, 1], backend="tpcore")
@@ -173,12 +185,21 @@ def _fallback_ops_then_destroy(rank, world, repeats):
     for i in range(repeats):
         g = dist.new_group(list(range(world)), backend="tpcore")
         t = torch.zeros(3)
-        dist.scatter(t, [torch.full((3,), float(r + i)) for r in range(world)] if rank == 0 else None, src=0, group=g)
+        dist.scatter(
+            t,
+            [torch.full((3,), float(r + i)) for r in range(world)] if rank == 0 else None,
+            src=0,
+            group=g,
+        )
         assert t.tolist() == [float(rank + i)] * 3
-        dist.gather(t, [torch.zeros(3) for _ in range(world)] if rank == 0 else None, dst=0, group=g)
+        dist.gather(
+            t, [torch.zeros(3) for _ in range(world)] if rank == 0 else None, dst=0, group=g
+        )
         ins, outs = [1 + r for r in range(world)], [1 + rank] * world
         out = torch.zeros(sum(outs))
-        dist.all_to_all_single(out, torch.full((sum(ins),), float(rank)), outs, ins, group=g)  # uneven: gloo's
+        dist.all_to_all_single(
+            out, torch.full((sum(ins),), float(rank)), outs, ins, group=g
+        )  # uneven: gloo's
         assert out.tolist() == [float(r) for r in range(world) for _ in range(1 + rank)]
         assert tpcore.shm.shm_backend_of(g).fallback_ops >= 3
         dist.destroy_process_group(g)  # hung in gloo's destructor, which waited for the GIL
@@ -191,9 +212,16 @@ def test_ending_a_group_after_gloo_fallback_operations(cpu_ranks):
 def _mixed_backends(rank, store_path, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
+
     import tpcore  # noqa: F401 - registers the backend
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, 2),
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
     start = time.monotonic()
     try:
         dist.new_group([0, 1], backend="tpcore" if rank == 0 else "gloo")
@@ -211,13 +239,17 @@ def test_ranks_that_disagree_on_the_backend_get_a_clear_error():
     ctx = warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-mixed-"), "store")
-    procs = [ctx.Process(target=_mixed_backends, args=(r, store, results), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_mixed_backends, args=(r, store, results), daemon=True) for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
         rank, outcome, elapsed = results.get(timeout=120)
         assert rank == 0, (rank, outcome)
-        assert outcome.startswith("ValueError") and "rank(s) [1] made it with 'gloo'" in outcome, outcome
+        assert outcome.startswith("ValueError") and "rank(s) [1] made it with 'gloo'" in outcome, (
+            outcome
+        )
         assert elapsed < 10, elapsed
     finally:
         for p in procs:
@@ -273,32 +305,57 @@ def test_calls_that_do_not_match_fail_on_every_rank(cpu_ranks):
     for rank in (0, 1):
         out = answers[rank]
         for case in ("shm vs gloo", "reduce vs all_reduce"):
-            assert out[case].startswith("ValueError") and "mismatched collectives" in out[case], (rank, case, out[case])
+            assert out[case].startswith("ValueError") and "mismatched collectives" in out[case], (
+                rank,
+                case,
+                out[case],
+            )
         assert "through gloo" in out["shm vs gloo"] and "reduce" in out["reduce vs all_reduce"], out
         assert out["usable after"] == [2.0, 2.0, 2.0], out
         assert out["late"].startswith("DistBackendError"), (rank, out["late"])
     assert "Timed out" in answers[0]["late"], answers[0]["late"]
     assert "gave up" in answers[1]["late"], answers[1]["late"]
-    assert answers[1]["dtype"].startswith("ValueError") and "Float" in answers[1]["dtype"] and "Int" in answers[1]["dtype"], answers[1]
+    assert (
+        answers[1]["dtype"].startswith("ValueError")
+        and "Float" in answers[1]["dtype"]
+        and "Int" in answers[1]["dtype"]
+    ), answers[1]
 
 
 def _group_made_differently(rank, world, store_path, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
+
     import tpcore  # noqa: F401 - registers the backend
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     answers = {}
     # Different rank lists in one new_group call
     start = time.monotonic()
-    answers["ranks"] = (_catch(lambda: dist.new_group([0, 1] if rank == 0 else [0, 1, 2], backend="tpcore", timeout=timedelta(seconds=20))), time.monotonic() - start)
+    answers["ranks"] = (
+        _catch(
+            lambda: dist.new_group(
+                [0, 1] if rank == 0 else [0, 1, 2], backend="tpcore", timeout=timedelta(seconds=20)
+            )
+        ),
+        time.monotonic() - start,
+    )
     dist.barrier()
     # A rank that reaches new_group after the others gave up (its timeout): it fails at once,
     # not after the store's own timeout (300 s)
     if rank == 1:
         time.sleep(3)
     start = time.monotonic()
-    answers["late"] = (_catch(lambda: dist.new_group([0, 1], backend="tpcore", timeout=timedelta(seconds=1))), time.monotonic() - start)
+    answers["late"] = (
+        _catch(lambda: dist.new_group([0, 1], backend="tpcore", timeout=timedelta(seconds=1))),
+        time.monotonic() - start,
+    )
     results.put((rank, answers))
     results.close()
     results.join_thread()

@@ -16,6 +16,7 @@ import time
 import traceback
 
 import pytest
+
 from launch import warm_context
 
 WORLD = 2
@@ -34,7 +35,9 @@ def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
             import tpcore  # imports torch.distributed.nn before any group exists
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
+        )
         world = weakref.ref(dist.group.WORLD)
         # torch imports torch.distributed.nn lazily here (as GPTModel does); imported now,
         # its functions' default arguments capture the default group
@@ -51,7 +54,9 @@ def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
         grads.finish_grad_sync()
         grads_ref = weakref.ref(grads)
         del model, grads, state
-        dist.all_reduce(torch.ones(8))  # a last collective right before the end, as a trainer's log has
+        dist.all_reduce(
+            torch.ones(8)
+        )  # a last collective right before the end, as a trainer's log has
         if how == "shutdown":
             tpcore.shutdown()
         else:
@@ -61,25 +66,39 @@ def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
             gc.collect()
             if how == "destroy_process_group, then the exit hook":
                 tpcore.exit_hook.release_at_exit()  # what atexit runs last
-        threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-        results.put((rank, threads, world() is None, data_group() is None, grads_ref() is None, None))
+        threads = [
+            open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
+        ]
+        results.put(
+            (rank, threads, world() is None, data_group() is None, grads_ref() is None, None)
+        )
     except BaseException:  # noqa: BLE001 - reported to the test
         results.put((rank, [], False, False, False, traceback.format_exc()))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
-@pytest.mark.parametrize("how,imported", [
-    ("shutdown", "early"), ("destroy_process_group", "early"),
-    # tpcore imported after init_process_group: torch.distributed.nn holds the default group
-    # (a plain destroy_process_group cannot free it; tpcore's shutdown and exit hook must)
-    ("shutdown", "late"), ("destroy_process_group, then the exit hook", "late"),
-])
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)"
+)
+@pytest.mark.parametrize(
+    "how,imported",
+    [
+        ("shutdown", "early"),
+        ("destroy_process_group", "early"),
+        # tpcore imported after init_process_group: torch.distributed.nn holds the default group
+        # (a plain destroy_process_group cannot free it; tpcore's shutdown and exit hook must)
+        ("shutdown", "late"),
+        ("destroy_process_group, then the exit hook", "late"),
+    ],
+)
 def test_ending_a_run_frees_every_group_and_its_threads(how, imported):
     # tpcore imported late must not be imported yet: a spawned process; else a warm one
     ctx = mp.get_context("spawn") if imported == "late" else warm_context()
     results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shutdown-"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, store, how, imported, results), daemon=True) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, store, how, imported, results), daemon=True)
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -90,11 +109,17 @@ def test_ending_a_run_frees_every_group_and_its_threads(how, imported):
         for p in procs:
             if p.is_alive():
                 p.kill()
-    for rank, threads, world_freed, group_freed, grads_freed, error in sorted(answers, key=lambda a: a[0]):
+    for rank, threads, world_freed, group_freed, grads_freed, error in sorted(
+        answers, key=lambda a: a[0]
+    ):
         assert error is None, f"rank {rank}:\n{error}"
-        assert not [t for t in threads if "gloo" in t], f"rank {rank}: gloo threads outlived the groups: {threads}"
+        assert not [t for t in threads if "gloo" in t], (
+            f"rank {rank}: gloo threads outlived the groups: {threads}"
+        )
         assert world_freed, f"rank {rank}: the default group is still referenced after the end"
-        assert group_freed, f"rank {rank}: tpcore's data-parallel group is still referenced after the end"
+        assert group_freed, (
+            f"rank {rank}: tpcore's data-parallel group is still referenced after the end"
+        )
         assert grads_freed, f"rank {rank}: DataParallelGrads is kept alive by its gradient hooks"
     assert [p.exitcode for p in procs] == [0] * WORLD
 
@@ -135,8 +160,13 @@ _EXIT_PATHS = textwrap.dedent("""
 
 def _start(script: str, rank: int, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", script, str(rank), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(rank), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_a_program_ending_right_after_a_collective_exits_cleanly():
@@ -149,7 +179,9 @@ def test_a_program_ending_right_after_a_collective_exits_cleanly():
             for p in procs:
                 p.kill()
         for rank, (p, out) in enumerate(zip(procs, outputs)):
-            assert p.returncode == 0 and "terminate called" not in out, f"run {attempt}, rank {rank}: exit status {p.returncode}\n{out}"
+            assert p.returncode == 0 and "terminate called" not in out, (
+                f"run {attempt}, rank {rank}: exit status {p.returncode}\n{out}"
+            )
 
 
 def test_exit_handlers_and_pending_collectives_at_exit():
@@ -160,11 +192,15 @@ def test_exit_handlers_and_pending_collectives_at_exit():
         start = time.monotonic()
         out = procs[1].communicate(timeout=60)[0]
         took = time.monotonic() - start
-        assert procs[1].returncode == 3 and "handler saw 2" in out, f"exit status {procs[1].returncode}\n{out}"
+        assert procs[1].returncode == 3 and "handler saw 2" in out, (
+            f"exit status {procs[1].returncode}\n{out}"
+        )
         assert took < 30, f"rank 1 took {took:.1f} s to exit"
         open(release, "w").close()
         out0 = procs[0].communicate(timeout=60)[0]
-        assert procs[0].returncode == 0 and "handler saw 2" in out0, f"rank 0: exit status {procs[0].returncode}\n{out0}"
+        assert procs[0].returncode == 0 and "handler saw 2" in out0, (
+            f"rank 0: exit status {procs[0].returncode}\n{out0}"
+        )
     finally:
         for p in procs:
             p.kill()

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
+from checks import expect_error
 from tpcore.data import IndexedDataset, IndexedDatasetBuilder
 from tpcore.data.indexed_dataset import stats_path
-from checks import expect_error
 
 DOCS = [[5, 6, 7], [], [1], list(range(1000, 1300)), [42] * 50]
 
@@ -32,7 +32,10 @@ def test_builder_records_the_token_range(tmp_path):
     for start, stop in [(0, 3), (3, 4), (4, 100), (100, every.size), (7, 7)]:
         want = (every[start:stop].min(), every[start:stop].max()) if stop > start else (0, -1)
         assert ds.token_range(start, stop, chunk=17) == want, (start, stop)
-    assert IndexedDataset(_write(str(tmp_path / "empty"), [[], []])).recorded_token_range() == (0, -1)
+    assert IndexedDataset(_write(str(tmp_path / "empty"), [[], []])).recorded_token_range() == (
+        0,
+        -1,
+    )
 
 
 def test_stale_or_missing_sidecar_is_not_trusted(tmp_path):
@@ -73,13 +76,22 @@ def test_every_rank_raises_naming_the_file(cpu_ranks, tmp_path):
     # The bad id is the very last token: only the last rank reads it when there is no sidecar.
     prefix = _write(str(tmp_path / "bad"), DOCS + [[7] * 100 + [300]])
     n = IndexedDataset(prefix).num_tokens
-    recorded = f"{prefix}.bin holds token id 1299 (recorded in {prefix}.stats.json), outside the tokenizer's vocabulary of 1200"
-    assert cpu_ranks.run(_check, prefix, 1200, recorded) == [[]] * 4, "with a sidecar no rank reads .bin"
+    recorded = (
+        f"{prefix}.bin holds token id 1299 (recorded in {prefix}.stats.json), "
+        "outside the tokenizer's vocabulary of 1200"
+    )
+    assert cpu_ranks.run(_check, prefix, 1200, recorded) == [[]] * 4, (
+        "with a sidecar no rank reads .bin"
+    )
     assert cpu_ranks.run(_check, prefix, 1300, None) == [[]] * 4
     os.remove(stats_path(prefix))
     scanned = cpu_ranks.run(_check, prefix, 1300, None)
-    assert scanned == [[(n * r // 4, n * (r + 1) // 4)] for r in range(4)], "each rank reads a quarter"
-    assert cpu_ranks.run(_check, prefix, 1000, "holds token id 1299 (read from the file)") == scanned
+    assert scanned == [[(n * r // 4, n * (r + 1) // 4)] for r in range(4)], (
+        "each rank reads a quarter"
+    )
+    assert (
+        cpu_ranks.run(_check, prefix, 1000, "holds token id 1299 (read from the file)") == scanned
+    )
     prefix = _write(str(tmp_path / "negative"), [[3, 4], [5, -2, 6]], dtype=np.int32)
     cpu_ranks.run(_check, prefix, 10, f"{prefix}.bin holds token id -2 (recorded in")
     os.remove(stats_path(prefix))

@@ -24,10 +24,34 @@ from tpcore.train import export_safetensors, load_dense_gpt, read_metrics
 
 ITERS = 150
 FLAGS = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "3e-3",
-    "--lr-warmup-iters", "5", "--eval-interval", "50", "--eval-iters", "2", "--log-interval", "50",
-    "--device", "cpu", "--seed", "7",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    str(ITERS),
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "5",
+    "--eval-interval",
+    "50",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "50",
+    "--device",
+    "cpu",
+    "--seed",
+    "7",
 ]
 COMPARED = ("loss", "lr", "grad_norm", "valid_loss")
 RUN_TIMEOUT_S = 240
@@ -42,7 +66,16 @@ def workdir(tmp_path_factory):
     with open(root / "corpus.jsonl", "w") as f:
         for _ in range(300):
             n = int(torch.randint(5, 40, (), generator=g))
-            f.write(json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "text": " ".join(
+                            words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g)
+                        )
+                    }
+                )
+                + "\n"
+            )
     preprocess(str(root / "corpus.jsonl"), str(root / "corpus"), append_eod=True)
     return root
 
@@ -52,7 +85,18 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt
 
 def _command(nproc: int, flags: list[str]) -> list[str]:
     """The real launch command (torchrun for several ranks)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
     return launcher + [SCRIPT] + flags
 
 
@@ -61,7 +105,9 @@ def _train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str
     out = workdir / name
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--log-dir", str(out), *extra]
     proc = torchrun([SCRIPT, *flags], nproc, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return read_metrics(str(out / "metrics.csv")), proc.stdout
 
 
@@ -86,18 +132,35 @@ def _descendants(pid: int) -> list[int]:
 def _assert_same_curves(a: list[dict], b: list[dict], exact: bool) -> None:
     assert len(a) == len(b) and a, (len(a), len(b))
     for key in COMPARED:
-        x, y = torch.tensor([r[key] for r in a], dtype=torch.float64), torch.tensor([r[key] for r in b], dtype=torch.float64)
+        x, y = (
+            torch.tensor([r[key] for r in a], dtype=torch.float64),
+            torch.tensor([r[key] for r in b], dtype=torch.float64),
+        )
         if exact:
             assert torch.equal(x.nan_to_num(-1), y.nan_to_num(-1)), f"{key} differs: {x} vs {y}"
         else:  # same math, another reduction order: fp32 rounding only
             both = ~(x.isnan() | y.isnan())  # a run cut short also evaluates at its last step
-            torch.testing.assert_close(x[both], y[both], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                x[both], y[both], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}"
+            )
 
 
 @pytest.fixture(scope="module")
 def tp2_run(workdir):
     """The uninterrupted reference: TP=2, checkpoints every 10 steps, a sample at the end."""
-    return _train(workdir, "tp2", 2, "--tensor-parallel-size", "2", "--save", str(workdir / "tp2"), "--save-interval", "10", "--sample-tokens", "20")
+    return _train(
+        workdir,
+        "tp2",
+        2,
+        "--tensor-parallel-size",
+        "2",
+        "--save",
+        str(workdir / "tp2"),
+        "--save-interval",
+        "10",
+        "--sample-tokens",
+        "20",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +178,19 @@ def test_training_lowers_loss_and_writes_outputs(workdir, tp2_run):
     ckpt = workdir / "tp2"
     assert (ckpt / "latest").read_text().strip() == f"iter_{ITERS:07d}"
     names = sorted(os.listdir(ckpt / f"iter_{ITERS:07d}"))
-    assert names == ["metadata.json", "model_tp00_pp00.pt", "model_tp01_pp00.pt", "rng_rank00000.pt", "rng_rank00001.pt"], names
+    assert names == [
+        "metadata.json",
+        "model_tp00_pp00.pt",
+        "model_tp01_pp00.pt",
+        "rng_rank00000.pt",
+        "rng_rank00001.pt",
+    ], names
     meta = json.loads((ckpt / f"iter_{ITERS:07d}" / "metadata.json").read_text())
-    assert meta["iteration"] == ITERS and meta["consumed_samples"] == ITERS * 4 and meta["tensor_parallel_size"] == 2
+    assert (
+        meta["iteration"] == ITERS
+        and meta["consumed_samples"] == ITERS * 4
+        and meta["tensor_parallel_size"] == 2
+    )
     assert (ckpt / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tpcore: sample" in stdout
 
@@ -136,8 +209,18 @@ def test_dp2_equals_dp1_with_the_same_global_batch(workdir, tp1_run):
 def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
     """Start a run that saves every 10 steps, SIGKILL it and its workers as soon as the
     first checkpoint is in place; returns the iteration of the newest complete checkpoint."""
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--save", str(save), "--save-interval", "10", *extra]
-    proc = subprocess.Popen(_command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flags = FLAGS + [
+        "--data-path",
+        str(workdir / "corpus"),
+        "--save",
+        str(save),
+        "--save-interval",
+        "10",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        _command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (save / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -154,15 +237,37 @@ def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
     killed_at = _kill_after_first_save(workdir, 2, save, "--tensor-parallel-size", "2")
     assert 10 <= killed_at < ITERS, killed_at
 
-    rows, stdout = _train(workdir, "killed", 2, "--tensor-parallel-size", "2", "--save", str(save), "--load", str(save), "--save-interval", "10")
+    rows, stdout = _train(
+        workdir,
+        "killed",
+        2,
+        "--tensor-parallel-size",
+        "2",
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "10",
+    )
     assert f"at iteration {killed_at}" in stdout
     _assert_same_curves(rows, tp2_run[0], exact=True)  # rows 1..killed_at come from the killed run
 
 
 def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
-    rows, stdout = _train(workdir, "reshard", 1, "--load", str(workdir / "tp2" / "iter_0000020"), "--exit-interval", "5")
+    rows, stdout = _train(
+        workdir,
+        "reshard",
+        1,
+        "--load",
+        str(workdir / "tp2" / "iter_0000020"),
+        "--exit-interval",
+        "5",
+    )
     assert "at iteration 20" in stdout
-    _assert_same_curves(rows[-5:], tp2_run[0][20:25], exact=False)  # weights and AdamW state resharded
+    _assert_same_curves(
+        rows[-5:], tp2_run[0][20:25], exact=False
+    )  # weights and AdamW state resharded
 
 
 def _fails_on_both_ranks(workdir, message: str, *extra: str) -> None:
@@ -174,18 +279,43 @@ def _fails_on_both_ranks(workdir, message: str, *extra: str) -> None:
 
 
 def test_resuming_with_another_global_batch_is_refused(workdir, tp2_run):
-    """The data position is step x global batch: a changed global batch would skip or repeat samples."""
-    _fails_on_both_ranks(workdir, "resume with that --global-batch-size, not 8", "--global-batch-size", "8",
-                         "--load", str(workdir / "tp2" / "iter_0000020"), "--log-dir", str(workdir / "regrouped"))
+    """The data position is step x global batch: a changed global batch would skip or repeat
+    samples."""
+    _fails_on_both_ranks(
+        workdir,
+        "resume with that --global-batch-size, not 8",
+        "--global-batch-size",
+        "8",
+        "--load",
+        str(workdir / "tp2" / "iter_0000020"),
+        "--log-dir",
+        str(workdir / "regrouped"),
+    )
 
 
 def test_bad_arguments_fail_fast_on_every_rank(workdir):
-    _fails_on_both_ranks(workdir, "hidden_size 32 is not divisible by num_attention_heads 3", "--num-attention-heads", "3")
+    _fails_on_both_ranks(
+        workdir,
+        "hidden_size 32 is not divisible by num_attention_heads 3",
+        "--num-attention-heads",
+        "3",
+    )
 
 
 def test_autocast_bf16_run_trains_alongside_fp32(workdir, tp2_run):
-    """--autocast bf16 (fp32 weights, bf16 compute) follows the fp32 run's curve at bf16 precision."""
-    rows, stdout = _train(workdir, "autocast", 2, "--tensor-parallel-size", "2", "--autocast", "bf16", "--exit-interval", "40")
+    """--autocast bf16 (fp32 weights, bf16 compute) follows the fp32 run's curve at bf16
+    precision."""
+    rows, stdout = _train(
+        workdir,
+        "autocast",
+        2,
+        "--tensor-parallel-size",
+        "2",
+        "--autocast",
+        "bf16",
+        "--exit-interval",
+        "40",
+    )
     assert "float32 autocast bf16" in stdout
     loss = torch.tensor([r["loss"] for r in rows], dtype=torch.float64)
     fp32 = torch.tensor([r["loss"] for r in tp2_run[0][:40]], dtype=torch.float64)
@@ -202,12 +332,27 @@ PP_ITERS = 30
 def pp2_run(workdir):
     """Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global
     batch, checkpoints every 10 steps, a sample at the end."""
-    return _train(workdir, "pp2", 2, *PP2, "--exit-interval", str(PP_ITERS), "--save", str(workdir / "pp2"), "--save-interval", "10", "--sample-tokens", "10")
+    return _train(
+        workdir,
+        "pp2",
+        2,
+        *PP2,
+        "--exit-interval",
+        str(PP_ITERS),
+        "--save",
+        str(workdir / "pp2"),
+        "--save-interval",
+        "10",
+        "--sample-tokens",
+        "10",
+    )
 
 
 def test_pp2_gives_the_same_curve_as_pp1(pp2_run, tp1_run):
     rows, stdout = pp2_run
-    assert "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout, stdout[:2000]
+    assert (
+        "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout
+    ), stdout[:2000]
     assert "tpcore: sample" in stdout  # generated on the first stage from the gathered model
     _assert_same_curves(rows[: len(tp1_run[0])], tp1_run[0], exact=False)
 
@@ -217,14 +362,39 @@ def test_killed_pp2_run_resumes_on_the_same_curve(workdir, pp2_run):
     killed_at = _kill_after_first_save(workdir, 2, save, *PP2)
     assert 10 <= killed_at < PP_ITERS, killed_at
     names = sorted(os.listdir(save / f"iter_{killed_at:07d}"))
-    assert names == ["metadata.json", "model_tp00_pp00.pt", "model_tp00_pp01.pt", "rng_rank00000.pt", "rng_rank00001.pt"], names
-    rows, stdout = _train(workdir, "pp2_killed", 2, *PP2, "--save", str(save), "--load", str(save), "--exit-interval", str(PP_ITERS - killed_at))
+    assert names == [
+        "metadata.json",
+        "model_tp00_pp00.pt",
+        "model_tp00_pp01.pt",
+        "rng_rank00000.pt",
+        "rng_rank00001.pt",
+    ], names
+    rows, stdout = _train(
+        workdir,
+        "pp2_killed",
+        2,
+        *PP2,
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--exit-interval",
+        str(PP_ITERS - killed_at),
+    )
     assert f"at iteration {killed_at}" in stdout
     _assert_same_curves(rows, pp2_run[0], exact=True)
 
 
 def test_pp2_checkpoint_continues_at_pp1(workdir, pp2_run):
-    rows, stdout = _train(workdir, "pp2_to_pp1", 1, "--load", str(workdir / "pp2" / "iter_0000010"), "--exit-interval", "5")
+    rows, stdout = _train(
+        workdir,
+        "pp2_to_pp1",
+        1,
+        "--load",
+        str(workdir / "pp2" / "iter_0000010"),
+        "--exit-interval",
+        "5",
+    )
     assert "at iteration 10" in stdout
     _assert_same_curves(rows[-5:], pp2_run[0][10:15], exact=False)
 
@@ -232,12 +402,33 @@ def test_pp2_checkpoint_continues_at_pp1(workdir, pp2_run):
 @pytest.fixture(scope="module")
 def tp2_pp2_run(workdir):
     """4 ranks: TP=2 inside each pair, 2 pipeline stages; 15 steps, checkpoints at 10 and 15."""
-    return _train(workdir, "tp2pp2", 4, "--tensor-parallel-size", "2", *PP2, "--exit-interval", "15", "--save", str(workdir / "tp2pp2"), "--save-interval", "10")
+    return _train(
+        workdir,
+        "tp2pp2",
+        4,
+        "--tensor-parallel-size",
+        "2",
+        *PP2,
+        "--exit-interval",
+        "15",
+        "--save",
+        str(workdir / "tp2pp2"),
+        "--save-interval",
+        "10",
+    )
 
 
 def test_tp2_pp2_checkpoint_continues_at_tp1_pp1(workdir, tp2_pp2_run, tp1_run):
     _assert_same_curves(tp2_pp2_run[0], tp1_run[0][:15], exact=False)
-    rows, stdout = _train(workdir, "tp2pp2_to_tp1", 1, "--load", str(workdir / "tp2pp2" / "iter_0000010"), "--exit-interval", "5")
+    rows, stdout = _train(
+        workdir,
+        "tp2pp2_to_tp1",
+        1,
+        "--load",
+        str(workdir / "tp2pp2" / "iter_0000010"),
+        "--exit-interval",
+        "5",
+    )
     assert "at iteration 10" in stdout
     _assert_same_curves(rows[-5:], tp2_pp2_run[0][10:15], exact=False)
 
@@ -246,15 +437,43 @@ def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tm
     pytest.importorskip("safetensors")  # tpcore-convert's optional dependency
     ckpt = workdir / "tp2pp2" / "iter_0000015"
     model, meta = load_dense_gpt(export_safetensors(str(ckpt), str(tmp_path / "gpt.safetensors")))
-    files = {(t, p): torch.load(ckpt / f"model_tp{t:02d}_pp{p:02d}.pt", weights_only=True)["model"] for t in (0, 1) for p in (0, 1)}
+    files = {
+        (t, p): torch.load(ckpt / f"model_tp{t:02d}_pp{p:02d}.pt", weights_only=True)["model"]
+        for t in (0, 1)
+        for p in (0, 1)
+    }
     assert meta["iteration"] == "15"
-    for name, got in model.state_dict().items():  # the dense model is the shards merged, each from the one stage storing it
+    for (
+        name,
+        got,
+    ) in (
+        model.state_dict().items()
+    ):  # the dense model is the shards merged, each from the one stage storing it
         (stage,) = [p for p in (0, 1) if name in files[0, p]]
-        assert torch.equal(got, merge_pieces([files[t, stage][name] for t in (0, 1)], gpt_rule(name, model.config), model.config)), name
+        assert torch.equal(
+            got,
+            merge_pieces(
+                [files[t, stage][name] for t in (0, 1)], gpt_rule(name, model.config), model.config
+            ),
+        ), name
     tokenizer = load_tokenizer("byte")
-    expected = generate(model, torch.tensor([tokenizer.encode("the ")]), 12, greedy=True, eod=tokenizer.eod)
+    expected = generate(
+        model, torch.tensor([tokenizer.encode("the ")]), 12, greedy=True, eod=tokenizer.eod
+    )
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
-    flags = ["--load", str(ckpt), "--prompt", "the ", "--max-new-tokens", "12", "--greedy", "--device", "cpu"]
-    proc = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    flags = [
+        "--load",
+        str(ckpt),
+        "--prompt",
+        "the ",
+        "--max-new-tokens",
+        "12",
+        "--greedy",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.run(
+        [sys.executable, script, *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == tokenizer.decode(expected[0].tolist()) + "\n"

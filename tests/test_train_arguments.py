@@ -43,12 +43,21 @@ def test_config_file_that_is_a_folder_or_upper_case_yaml(tmp_path):
         (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
         (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0, got -1.0"),
-        (["--initial-loss-scale", "inf"], "--initial-loss-scale must be a finite number > 0, got inf"),
+        (
+            ["--initial-loss-scale", "inf"],
+            "--initial-loss-scale must be a finite number > 0, got inf",
+        ),
         (["--valid-fraction", "1"], "--valid-fraction must be in [0, 1), got 1.0"),
         (["--seed", "-1"], "--seed must be an int in [0, 4294967294], got -1"),
         (["--seed", str(2**32)], "--seed must be an int in [0, 4294967294], got 4294967296"),
-        (["--max-position-embeddings", "0"], "--max-position-embeddings must be an int >= 1, got 0"),
-        (["--max-position-embeddings", "64"], "--max-position-embeddings 64 is shorter than --seq-length 128"),
+        (
+            ["--max-position-embeddings", "0"],
+            "--max-position-embeddings must be an int >= 1, got 0",
+        ),
+        (
+            ["--max-position-embeddings", "64"],
+            "--max-position-embeddings 64 is shorter than --seq-length 128",
+        ),
     ],
 )
 def test_bad_numeric_flags_name_the_flag(argv, match):
@@ -70,10 +79,15 @@ def test_every_numeric_flag_is_range_checked():
             try:
                 TrainArgs(**{name: value})
             except ValueError as e:
-                assert f"--{name.replace('_', '-')}" in str(e) or f"{name} must" in str(e), f"{name}={value}: {e}"
+                assert f"--{name.replace('_', '-')}" in str(e) or f"{name} must" in str(e), (
+                    f"{name}={value}: {e}"
+                )
             else:
                 raise AssertionError(f"--{name.replace('_', '-')} {value} was accepted")
-    assert TrainArgs(adam_beta1=0.0, adam_beta2=0.999, seed=0, lr=0.0, clip_grad=0.0).adam_beta2 == 0.999
+    assert (
+        TrainArgs(adam_beta1=0.0, adam_beta2=0.999, seed=0, lr=0.0, clip_grad=0.0).adam_beta2
+        == 0.999
+    )
 
 
 def test_defaults_pass_their_own_ranges():
@@ -104,7 +118,10 @@ def test_malformed_config_file_is_named(tmp_path, name, text, cause):
     "argv, match",
     [
         (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
-        (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (
+            ["--overlap-param-gather", "--overlap-grad-reduce"],
+            "--overlap-param-gather needs --use-distributed-optimizer",
+        ),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be an int >= 1"),
     ],
 )
@@ -113,18 +130,47 @@ def test_bad_data_parallel_flags_name_the_flag(argv, match):
 
 
 def test_data_parallel_flags_parse():
-    args = parse_args(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000",
-                       "--grad-reduce-in-bf16"])
+    args = parse_args(
+        [
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--ddp-bucket-size",
+            "5000",
+            "--grad-reduce-in-bf16",
+        ]
+    )
     options = args.data_parallel_options()
-    assert (options.use_distributed_optimizer, options.overlap_grad_reduce, options.overlap_param_gather, options.bucket_size,
-            options.grad_reduce_in_bf16) == (True, True, True, 5000, True)
+    assert (
+        options.use_distributed_optimizer,
+        options.overlap_grad_reduce,
+        options.overlap_param_gather,
+        options.bucket_size,
+        options.grad_reduce_in_bf16,
+    ) == (True, True, True, 5000, True)
     assert not parse_args([]).data_parallel_options().use_distributed_optimizer
 
 
 def test_kv_channels_and_qk_layernorm_reach_the_model():
-    """--kv-channels and --qk-layernorm (Megatron's flags) set the head width and Qwen3's q / k norms."""
-    config = parse_args(["--kv-channels", "16", "--hidden-size", "64", "--num-attention-heads", "8", "--qk-layernorm"]).model_config(50)
+    """--kv-channels and --qk-layernorm (Megatron's flags) set the head width and Qwen3's
+    q / k norms."""
+    config = parse_args(
+        [
+            "--kv-channels",
+            "16",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "8",
+            "--qk-layernorm",
+        ]
+    ).model_config(50)
     assert config.kv_channels == config.head_dim == 16 and config.qk_norm
     default = parse_args([]).model_config(50)
     assert default.kv_channels is None and not default.qk_norm
-    expect_error(ValueError, "even head dim, got 5", parse_args, ["--kv-channels", "5", "--position-embedding", "rotary"])
+    expect_error(
+        ValueError,
+        "even head dim, got 5",
+        parse_args,
+        ["--kv-channels", "5", "--position-embedding", "rotary"],
+    )

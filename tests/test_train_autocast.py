@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcore.models import GPTModel, ReferenceGPT
-from tpcore.train.arguments import parse_args
-from tpcore.pipeline_parallel import gpt_forward_step
-from tpcore.train.trainer import precision
 from checks import GPT_VARIANTS, RTOL, gpt_rule, setup_tp, slice_piece
+from tpcore.models import GPTModel, ReferenceGPT
+from tpcore.pipeline_parallel import gpt_forward_step
+from tpcore.train.arguments import parse_args
+from tpcore.train.trainer import precision
 
 
 def test_autocast_flag_and_its_conflicts():
@@ -26,7 +26,9 @@ def _close(actual, expected, what):
     assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} vs {expected.dtype}"
     scale = expected.abs().max().item()
     rtol = RTOL[torch.bfloat16]
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-6), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-6), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _autocast_gpt(rank, world, tp, variant):

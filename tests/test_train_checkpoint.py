@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import GPT_VARIANTS as VARIANTS, expect_error, setup_tp
-from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
+from checks import GPT_VARIANTS as VARIANTS
+from checks import expect_error, param_specs, setup_tp
 from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.tensor_parallel.shard_spec import unshard
-from checks import param_specs
 from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
+from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints (rank pool: world 4 = TP 2 x DP 2)
@@ -61,10 +61,23 @@ def _ckpt_save_and_errors(rank, world, root):
     save = os.path.join(root, "save")
     model, opt = _make(config, 0)
     _train_steps(model, opt, 2)
-    path = save_checkpoint(save, 2, model, opt, consumed_samples=8, tp_group=tp_group, dp_group=dp_group, extra={"note": "unit"})
+    path = save_checkpoint(
+        save,
+        2,
+        model,
+        opt,
+        consumed_samples=8,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        extra={"note": "unit"},
+    )
     assert path == os.path.join(save, "iter_0000002")
     if rank == 0:
-        assert sorted(os.listdir(path)) == ["metadata.json", "model_tp00_pp00.pt", "model_tp01_pp00.pt"] + [f"rng_rank{r:05d}.pt" for r in range(4)]
+        assert sorted(os.listdir(path)) == [
+            "metadata.json",
+            "model_tp00_pp00.pt",
+            "model_tp01_pp00.pt",
+        ] + [f"rng_rank{r:05d}.pt" for r in range(4)]
         ref = {"model": {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}}
     else:
         model.to_dense()  # a collective
@@ -77,15 +90,25 @@ def _ckpt_save_and_errors(rank, world, root):
 
     # Round trip into a freshly initialised model and optimizer.
     model2, opt2 = _make(config, 1)
-    assert not torch.equal(model2.layers[0].attention.qkv.weight, model.layers[0].attention.qkv.weight)
+    assert not torch.equal(
+        model2.layers[0].attention.qkv.weight, model.layers[0].attention.qkv.weight
+    )
     meta = load_checkpoint(save, model2, opt2, tp_group=tp_group)
-    assert (meta["iteration"], meta["consumed_samples"], meta["note"], meta["tensor_parallel_size"]) == (2, 8, "unit", 2)
+    assert (
+        meta["iteration"],
+        meta["consumed_samples"],
+        meta["note"],
+        meta["tensor_parallel_size"],
+    ) == (2, 8, "unit", 2)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, saved_model[k]), k
     loaded = opt2.state_dict()["params"]
     assert set(loaded) == set(saved_opt["params"])
     for name, entry in saved_opt["params"].items():
-        assert set(loaded[name]) == set(entry) == {"exp_avg", "exp_avg_sq", "step"}, (name, set(loaded[name]))
+        assert set(loaded[name]) == set(entry) == {"exp_avg", "exp_avg_sq", "step"}, (
+            name,
+            set(loaded[name]),
+        )
         for key, value in entry.items():
             assert torch.equal(loaded[name][key], value), (name, key)
     _train_steps(model, opt, 1, first=2)  # the restored state continues identically
@@ -120,8 +143,18 @@ def _ckpt_save_and_errors(rank, world, root):
             f.write("iter_0000042\n")
 
     _barrier_after(rank, make_dangling)
-    expect_error(CheckpointError, "not a complete checkpoint", load_checkpoint, dangling, model3, opt3, tp_group=tp_group)
-    expect_error(CheckpointError, "no checkpoint in", load_checkpoint, empty, model3, opt3, tp_group=tp_group)
+    expect_error(
+        CheckpointError,
+        "not a complete checkpoint",
+        load_checkpoint,
+        dangling,
+        model3,
+        opt3,
+        tp_group=tp_group,
+    )
+    expect_error(
+        CheckpointError, "no checkpoint in", load_checkpoint, empty, model3, opt3, tp_group=tp_group
+    )
 
     # A truncated shard: every rank reads it (TP rank 1 for the replicated parameters) and names it.
     corrupt = os.path.join(root, "corrupt")
@@ -134,13 +167,37 @@ def _ckpt_save_and_errors(rank, world, root):
             f.truncate(size // 2)
 
     _barrier_after(rank, make_corrupt)
-    expect_error(CheckpointError, f"{bad_file} is corrupt", load_checkpoint, corrupt, model3, opt3, tp_group=tp_group)
+    expect_error(
+        CheckpointError,
+        f"{bad_file} is corrupt",
+        load_checkpoint,
+        corrupt,
+        model3,
+        opt3,
+        tp_group=tp_group,
+    )
 
     # Another model shape: every differing field is listed.
     narrow = GPTModel(dataclasses.replace(config, hidden_size=32))
-    expect_error(CheckpointError, "hidden_size: checkpoint 64, model 32", load_checkpoint, path, narrow, tp_group=tp_group)
-    scaled = GPTModel(dataclasses.replace(config, embedding_scale=8.0))  # the same shapes, another function
-    expect_error(CheckpointError, "embedding_scale: checkpoint None, model 8.0", load_checkpoint, path, scaled, tp_group=tp_group)
+    expect_error(
+        CheckpointError,
+        "hidden_size: checkpoint 64, model 32",
+        load_checkpoint,
+        path,
+        narrow,
+        tp_group=tp_group,
+    )
+    scaled = GPTModel(
+        dataclasses.replace(config, embedding_scale=8.0)
+    )  # the same shapes, another function
+    expect_error(
+        CheckpointError,
+        "embedding_scale: checkpoint None, model 8.0",
+        load_checkpoint,
+        path,
+        scaled,
+        tp_group=tp_group,
+    )
     dist.barrier()
 
 
@@ -160,7 +217,9 @@ def _ckpt_reshard(rank, world, root, tp):
     tp_group, _ = tp_dp_groups()
     config = CKPT_CONFIG
     model, opt = _make(config, 3)
-    meta = load_checkpoint(os.path.join(root, "save", "iter_0000002"), model, opt, tp_group=tp_group)
+    meta = load_checkpoint(
+        os.path.join(root, "save", "iter_0000002"), model, opt, tp_group=tp_group
+    )
     assert meta["tensor_parallel_size"] == 2 and meta["iteration"] == 2
     ref = torch.load(os.path.join(root, "dense_ref.pt"))
     dense = dict(model.to_dense().named_parameters())
@@ -188,8 +247,6 @@ def test_load_dense_state_dict(tp2_checkpoint):
     ReferenceGPT(config).load_state_dict(state)  # the names and shapes of the dense model
 
 
-
-
 def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):
     """bf16 weights loaded from a checkpoint without optimizer state: the fp32 masters must
     follow them, or the next step writes the old masters back over the loaded weights."""
@@ -199,7 +256,9 @@ def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):
     torch.manual_seed(0)
     saved_model = GPTModel(config, dtype=torch.bfloat16)
     save = os.path.join(root, "weights_only")
-    save_checkpoint(save, 1, saved_model, None, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    save_checkpoint(
+        save, 1, saved_model, None, consumed_samples=0, tp_group=tp_group, dp_group=dp_group
+    )
     torch.manual_seed(1)
     model = GPTModel(config, dtype=torch.bfloat16)
     opt = make_adamw(model, config)
@@ -210,7 +269,9 @@ def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):
     model(ids, target).backward()
     opt.step(0.0, CLIP)  # lr 0, no weight decay effect: the weights must stay as loaded
     for (name, got), want in zip(model.named_parameters(), saved_model.parameters()):
-        assert torch.equal(got.detach(), want.detach()), f"{name} moved away from the loaded weights"
+        assert torch.equal(got.detach(), want.detach()), (
+            f"{name} moved away from the loaded weights"
+        )
 
 
 def test_weights_only_checkpoint_restarts_the_optimizer(cpu_ranks, tmp_path):
@@ -227,17 +288,29 @@ def _save_failure_and_missing_rng_fail_every_rank(rank, world, root):
         open(blocked, "w").close()
     dist.barrier()
     start = time.monotonic()
-    error = f"creating {blocked} failed: EEXIST" if rank == 0 else "preparing failed on rank(s) [0]: rank 0:"
+    error = (
+        f"creating {blocked} failed: EEXIST"
+        if rank == 0
+        else "preparing failed on rank(s) [0]: rank 0:"
+    )
     try:
-        save_checkpoint(blocked, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+        save_checkpoint(
+            blocked, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group
+        )
     except CheckpointError as e:  # every rank names the path and the cause
-        assert error in str(e) and f"{blocked} failed: EEXIST (File exists): a file stands where a folder should be" in str(e), e
+        assert (
+            error in str(e)
+            and f"{blocked} failed: EEXIST (File exists): a file stands where a folder should be"
+            in str(e)
+        ), e
     else:
         raise AssertionError("saving into a file did not raise")
     assert time.monotonic() - start < 20, "the other ranks waited for the failed one"
     # A missing RNG file of one rank: every rank raises, none goes on into training.
     save = os.path.join(root, "ok")
-    path = save_checkpoint(save, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group)
+    path = save_checkpoint(
+        save, 1, model, opt, consumed_samples=0, tp_group=tp_group, dp_group=dp_group
+    )
     _barrier_after(rank, lambda: os.remove(os.path.join(path, "rng_rank00003.pt")))
     error = "rng_rank00003.pt is missing" if rank == 3 else "failed on rank(s) [3]"
     expect_error(CheckpointError, error, load_checkpoint, save, model, opt, tp_group=tp_group)

@@ -12,19 +12,43 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from checks import assert_close
-from dp_checks import BASELINE, BUFFERS, DISTRIBUTED, DISTRIBUTED_OVERLAP, OVERLAP, Run, batches, config_for, setup
-from tpcore.models import ReferenceGPT
-from train_checks import BETAS, EPS, WD
+from dp_checks import (
+    BASELINE,
+    BUFFERS,
+    DISTRIBUTED,
+    DISTRIBUTED_OVERLAP,
+    OVERLAP,
+    Run,
+    batches,
+    config_for,
+    setup,
+)
 
 LRS = [1e-2, 5e-3, 2e-2]
 CLIP = 0.05  # below every step's norm: clipping is active
-CANDIDATES = {"buffers": BUFFERS, "overlap": OVERLAP, "distributed": DISTRIBUTED, "distributed+overlap": DISTRIBUTED_OVERLAP}
+CANDIDATES = {
+    "buffers": BUFFERS,
+    "overlap": OVERLAP,
+    "distributed": DISTRIBUTED,
+    "distributed+overlap": DISTRIBUTED_OVERLAP,
+}
 
 
-def _compare(rank, world, tp, pp, v, variant, m, dtype_name, sequence_parallel=False, bucket_size=None, schedule="1f1b"):
+def _compare(
+    rank,
+    world,
+    tp,
+    pp,
+    v,
+    variant,
+    m,
+    dtype_name,
+    sequence_parallel=False,
+    bucket_size=None,
+    schedule="1f1b",
+):
     """Train 3 steps with each candidate and with today's optimizer; all must agree."""
     import dataclasses
 
@@ -54,9 +78,14 @@ def _compare(rank, world, tp, pp, v, variant, m, dtype_name, sequence_parallel=F
         got = run.params()
         assert got.keys() == base.keys()
         for key, value in base.items():
-            assert_close(got[key], value, f"{name}: {key} after {len(LRS)} steps")  # bf16 weights: bf16's tolerance
+            assert_close(
+                got[key], value, f"{name}: {key} after {len(LRS)} steps"
+            )  # bf16 weights: bf16's tolerance
     # The runs moved the weights (a comparison of untouched weights proves nothing).
-    assert any(not torch.equal(a, b) for a, b in zip(base.values(), Run(config, BASELINE, v=v, dtype=dtype).params().values()))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(base.values(), Run(config, BASELINE, v=v, dtype=dtype).params().values())
+    )
 
 
 def _dp():
@@ -69,13 +98,35 @@ def _dp():
     "tp,pp,v,variant,m,dtype,sp,bucket",
     [
         (1, 1, 1, "llama", 2, "float32", False, 1000),  # DP 4, accumulation, several buckets
-        (2, 1, 1, "gpt2", 2, "float32", True, None),  # TP 2 x DP 2, sequence parallel, tied embedding used twice
+        (
+            2,
+            1,
+            1,
+            "gpt2",
+            2,
+            "float32",
+            True,
+            None,
+        ),  # TP 2 x DP 2, sequence parallel, tied embedding used twice
         (1, 2, 1, "gpt2", 4, "float32", False, 500),  # PP 2 x DP 2, tied embedding across stages
         (1, 2, 2, "llama", 4, "float32", False, 700),  # interleaved PP 2 (2 chunks per rank) x DP 2
         (1, 1, 1, "gpt2", 1, "bfloat16", False, 1000),  # bf16 parameters, fp32 masters
-        (2, 1, 1, "llama_kv1", 2, "float32", True, 300),  # 1 KV head copied on both TP ranks; DP slices cut the QKV weight mid-KV
+        (
+            2,
+            1,
+            1,
+            "llama_kv1",
+            2,
+            "float32",
+            True,
+            300,
+        ),  # 1 KV head copied on both TP ranks; DP slices cut the QKV weight mid-KV
     ],
     ids=["dp4", "tp2-dp2-sp", "pp2-dp2", "vpp2-dp2", "dp4-bf16", "tp2-dp2-kv1-sp"],
 )
-def test_buffers_and_distributed_optimizer_equal_todays_optimizer(cpu_ranks, tp, pp, v, variant, m, dtype, sp, bucket):
-    cpu_ranks.run(_compare, tp, pp, v, variant, m, dtype, sp, bucket, "interleaved" if v > 1 else "1f1b")
+def test_buffers_and_distributed_optimizer_equal_todays_optimizer(
+    cpu_ranks, tp, pp, v, variant, m, dtype, sp, bucket
+):
+    cpu_ranks.run(
+        _compare, tp, pp, v, variant, m, dtype, sp, bucket, "interleaved" if v > 1 else "1f1b"
+    )

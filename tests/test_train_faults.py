@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
+from test_train import FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, _descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 from launch import torchrun
-from test_train import FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, _descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 SMALL = ["--tensor-parallel-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress"]
 
@@ -28,15 +28,20 @@ def _launch(workdir, *extra: str) -> subprocess.CompletedProcess:
 
 def _digests(folder) -> dict[str, str]:
     return {
-        os.path.relpath(os.path.join(root, n), folder): hashlib.sha256(open(os.path.join(root, n), "rb").read()).hexdigest()
-        for root, _, names in os.walk(folder) for n in names
+        os.path.relpath(os.path.join(root, n), folder): hashlib.sha256(
+            open(os.path.join(root, n), "rb").read()
+        ).hexdigest()
+        for root, _, names in os.walk(folder)
+        for n in names
     }
 
 
 def _fails_on_both_ranks(proc: subprocess.CompletedProcess, *messages: str) -> None:
     assert proc.returncode != 0, proc.stdout[-2000:]
     for message in messages:
-        assert proc.stderr.count(message) >= 2, f"{message!r} not on both ranks:\n{proc.stderr[-4000:]}"
+        assert proc.stderr.count(message) >= 2, (
+            f"{message!r} not on both ranks:\n{proc.stderr[-4000:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,10 @@ def saved(workdir):
     save = workdir / "faults_base"
     proc = _launch(workdir, "--train-iters", "6", "--save", str(save), "--save-interval", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p for p in os.listdir(save) if p.startswith("iter_")) == ["iter_0000003", "iter_0000006"]
+    assert sorted(p for p in os.listdir(save) if p.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000006",
+    ]
     return save
 
 
@@ -54,9 +62,22 @@ def test_checkpoints_without_latest_are_resumed_not_overwritten(workdir, saved):
     shutil.copytree(saved, save)
     os.remove(save / "latest")
     before = _digests(save / "iter_0000006")
-    proc = _launch(workdir, "--train-iters", "9", "--save", str(save), "--load", str(save), "--save-interval", "3")
+    proc = _launch(
+        workdir,
+        "--train-iters",
+        "9",
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from {save}/iter_0000006 at iteration 6 (no 'latest' file in --load {save}" in proc.stdout, proc.stdout[-2000:]
+    assert (
+        f"resumed from {save}/iter_0000006 at iteration 6 (no 'latest' file in --load {save}"
+        in proc.stdout
+    ), proc.stdout[-2000:]
     assert _digests(save / "iter_0000006") == before  # the checkpoint resumed from is untouched
     assert (save / "latest").read_text().strip() == "iter_0000009"
 
@@ -78,14 +99,18 @@ def test_save_path_that_is_a_file_fails_on_both_ranks_at_startup(workdir):
     assert time.monotonic() - start < 90
 
 
-def test_save_hf_folder_holding_another_models_files_fails_on_both_ranks_at_startup(workdir, tmp_path):
+def test_save_hf_folder_holding_another_models_files_fails_on_both_ranks_at_startup(
+    workdir, tmp_path
+):
     """A byte-level model exported beside another model's tokenizer.json would load with
     that tokenizer: refused before the first step, the folder untouched."""
     out = tmp_path / "exported"
     out.mkdir()
     (out / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
     proc = _launch(workdir, "--train-iters", "3", "--save-hf", str(out))
-    _fails_on_both_ranks(proc, f"{out} already holds ['tokenizer.json'], which the export would not write or replace")
+    _fails_on_both_ranks(
+        proc, f"{out} already holds ['tokenizer.json'], which the export would not write or replace"
+    )
     assert "iter" not in proc.stdout and os.listdir(out) == ["tokenizer.json"]
 
 
@@ -94,24 +119,56 @@ def test_ranks_given_different_seeds_fail_on_every_rank_before_training(workdir,
     replicated weights (norms, biases) and dropout masks, so the TP ranks' copies drift
     apart while the run exits 0. Every rank must refuse at start-up, naming the flag."""
     wrapper = tmp_path / "per_rank_seed.py"
-    wrapper.write_text("import os, sys\nfrom tpcore.train import main\n"
-                       "sys.exit(main(sys.argv[1:] + ['--seed', str(7 + int(os.environ['RANK']))]))\n")
+    wrapper.write_text(
+        "import os, sys\nfrom tpcore.train import main\n"
+        "sys.exit(main(sys.argv[1:] + ['--seed', str(7 + int(os.environ['RANK']))]))\n"
+    )
     save = tmp_path / "ckpt"
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), *SMALL, "--train-iters", "3", "--save", str(save)]
+    flags = FLAGS + [
+        "--data-path",
+        str(workdir / "corpus"),
+        *SMALL,
+        "--train-iters",
+        "3",
+        "--save",
+        str(save),
+    ]
     proc = torchrun([wrapper, *flags], 2, timeout=RUN_TIMEOUT_S)
-    _fails_on_both_ranks(proc, "the ranks were given different training arguments: --seed: 7 on rank(s) [0], 8 on rank(s) [1]")
+    _fails_on_both_ranks(
+        proc,
+        (
+            "the ranks were given different training arguments: "
+            "--seed: 7 on rank(s) [0], 8 on rank(s) [1]"
+        ),
+    )
     assert not save.exists()  # refused before the first step made anything
 
 
 def test_diverged_fp32_run_stops_naming_the_step_and_saves_no_nan(workdir):
     save = workdir / "diverged"
-    proc = _launch(workdir, "--train-iters", "60", "--lr", "1e6", "--lr-warmup-iters", "0", "--max-skipped-steps", "3",
-                   "--save", str(save), "--save-interval", "1")
+    proc = _launch(
+        workdir,
+        "--train-iters",
+        "60",
+        "--lr",
+        "1e6",
+        "--lr-warmup-iters",
+        "0",
+        "--max-skipped-steps",
+        "3",
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+    )
     _fails_on_both_ranks(proc, "consecutive steps", "--max-skipped-steps 3")
     rows = [line.split(",") for line in (save / "metrics.csv").read_text().splitlines()[1:]]
     skipped = [int(float(r[0])) for r in rows if float(r[5]) == 1.0]
     assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3)), rows
-    assert f"step {skipped[-1]}: the gradients were NaN or inf at 3 consecutive steps ({skipped[0]}-{skipped[-1]}" in proc.stderr
+    assert (
+        f"step {skipped[-1]}: the gradients were NaN or inf "
+        f"at 3 consecutive steps ({skipped[0]}-{skipped[-1]}" in proc.stderr
+    )
     assert int(float(rows[-1][0])) == skipped[-1] < 60  # it stopped there
     latest = (save / "latest").read_text().strip()
     assert int(latest.removeprefix("iter_")) < skipped[-1]  # the failing step saved nothing
@@ -134,14 +191,27 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
     """SIGSTOP rank 1 mid-run: rank 0 fails within --distributed-timeout-minutes (0.1 = 6 s),
     naming the step it was in, instead of waiting 10 minutes."""
     log = workdir / "frozen"
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), *SMALL, "--train-iters", "100000", "--log-dir", str(log),
-                     "--distributed-timeout-minutes", "0.1"]
+    flags = FLAGS + [
+        "--data-path",
+        str(workdir / "corpus"),
+        *SMALL,
+        "--train-iters",
+        "100000",
+        "--log-dir",
+        str(log),
+        "--distributed-timeout-minutes",
+        "0.1",
+    ]
     err = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen(_command(2, flags), stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:  # a few steps done: past every start-up collective
-            if (log / "metrics.csv").exists() and len((log / "metrics.csv").read_text().splitlines()) > 3:
+        while (
+            time.monotonic() < deadline and proc.poll() is None
+        ):  # a few steps done: past every start-up collective
+            if (log / "metrics.csv").exists() and len(
+                (log / "metrics.csv").read_text().splitlines()
+            ) > 3:
                 break
             time.sleep(0.2)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
@@ -161,5 +231,8 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
                 pass
         proc.wait(timeout=30)
         err.close()
-    assert "tpcore: training step" in text and "a collective got no answer within --distributed-timeout-minutes 0.1" in text, text[-3000:]
+    assert (
+        "tpcore: training step" in text
+        and "a collective got no answer within --distributed-timeout-minutes 0.1" in text
+    ), text[-3000:]
     assert 4 < waited < 40, waited  # the group timeout (6 s), not the 600 s default

@@ -16,7 +16,19 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_close
-from dp_checks import BASELINE, BUFFERS, DISTRIBUTED_OVERLAP, OVERLAP, Run, assert_same_params, batches, config_for, groups, setup, step_alike
+from dp_checks import (
+    BASELINE,
+    BUFFERS,
+    DISTRIBUTED_OVERLAP,
+    OVERLAP,
+    Run,
+    assert_same_params,
+    batches,
+    config_for,
+    groups,
+    setup,
+    step_alike,
+)
 from tpcore.models import GPTModel
 from tpcore.tensor_parallel import gradient_sink
 from tpcore.train import data_parallel, sparse_rows
@@ -36,12 +48,14 @@ def _count_unions():
         def make(*args, **kwargs):
             made[key] += 1
             return RowUnion(*args, **kwargs)
+
         return make
 
     class Gathered(GatheredRows):
         def __init__(self, *args):
             made["gathered"] += 1
             super().__init__(*args)
+
     data_parallel.RowUnion, sparse_rows.RowUnion = counting("predicted"), counting("again")
     sparse_rows.GatheredRows = Gathered
     return made
@@ -65,17 +79,25 @@ def _lookup_and_head(rank, world, tp, options_name, backend):
         config = config_for("gpt2", 2, vocab_size=vocab, make_vocab_size_divisible_by=1)
         run, base = Run(config, options), Run(config, BASELINE)
         weight = run.chunks[0].embedding.word.weight
-        assert run.grads.buffers[0].buckets[0].params == [weight], "the tied embedding should be alone in the first bucket"
+        assert run.grads.buffers[0].buckets[0].params == [weight], (
+            "the tied embedding should be alone in the first bucket"
+        )
         for step, lr in enumerate([1e-2, 5e-3]):
             before = run.grads.rows_summed
             step_alike(run, base, batches(config, 3, dp, seed=step)[dp_rank], lr, CLIP)
             rows = run.grads.rows_summed - before
             # A sparse late gradient is cut down to its rows as it arrives; the whole table is not.
-            assert made == {"predicted": step + 1, "again": 0, "gathered": (step + 1) * sparse}, made
+            assert made == {"predicted": step + 1, "again": 0, "gathered": (step + 1) * sparse}, (
+                made
+            )
             if sparse:
-                assert 0 < rows <= dp * 16 < weight.shape[0] // 2, f"vocab {vocab}: {rows} of {weight.shape[0]} rows summed on their own"
+                assert 0 < rows <= dp * 16 < weight.shape[0] // 2, (
+                    f"vocab {vocab}: {rows} of {weight.shape[0]} rows summed on their own"
+                )
             else:
-                assert rows == weight.shape[0], f"vocab {vocab}: {rows} of {weight.shape[0]} rows: expected the whole table"
+                assert rows == weight.shape[0], (
+                    f"vocab {vocab}: {rows} of {weight.shape[0]} rows: expected the whole table"
+                )
         assert_same_params(run, base, f"vocab {vocab}, {options_name}")
         made.update(predicted=0, gathered=0)
     _restore_unions()
@@ -106,7 +128,9 @@ def _backward_in_reverse(rank, world):
         run.grads.finish_grad_sync()
     finally:
         _restore_unions()
-    assert made == {"predicted": 1, "again": 1, "gathered": 0}, made  # outside the union: kept whole
+    assert made == {"predicted": 1, "again": 1, "gathered": 0}, (
+        made
+    )  # outside the union: kept whole
     norm, _ = run.opt.step(1e-2, CLIP)
     _, base_norm, _ = base.step(data, 1e-2, CLIP)
     assert math.isclose(norm, base_norm, rel_tol=1e-5), (norm, base_norm)
@@ -141,7 +165,13 @@ def _two_lookups(rank, world):
     model, plain = _TwoLookups(tp_group), _TwoLookups(tp_group)
     plain.load_state_dict(model.state_dict())
     weight = model.word.weight
-    grads = DataParallelGrads(model, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=True, lookup_and_head=[weight])
+    grads = DataParallelGrads(
+        model,
+        dp_group=dp_group,
+        tp_group=tp_group,
+        overlap_grad_reduce=True,
+        lookup_and_head=[weight],
+    )
     # The same ids in every lookup, so that the rows predicted at the third lookup (the
     # second micro-batch's first) hold the last micro-batch's.
     ids = torch.randint(0, 200, (2, 5), generator=torch.Generator().manual_seed(rank))
@@ -160,7 +190,9 @@ def _two_lookups(rank, world):
         plain(ids, other).backward()
     expected = plain.word.weight.grad.clone()
     dist.all_reduce(expected, group=dp_group)
-    assert_close(weight.main_grad, expected / dist.get_world_size(dp_group), "two lookups per micro-batch")
+    assert_close(
+        weight.main_grad, expected / dist.get_world_size(dp_group), "two lookups per micro-batch"
+    )
     grads.remove_hooks()
 
 
@@ -183,10 +215,20 @@ def _head_copy_first(rank, world):
     else:
         assert run.grads.lookup_only == [chunk.embedding.word.weight]
     for step in range(2):
-        step_alike(run, base, batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)], 1e-2, CLIP)
+        step_alike(
+            run,
+            base,
+            batches(config, 3, dist.get_world_size(dp_group), seed=step)[dist.get_rank(dp_group)],
+            1e-2,
+            CLIP,
+        )
     assert_same_params(run, base, f"PP rank {dist.get_rank(pp_group)}")
     # The first stage sums its copy's rows (3 micro-batches x 16 tokens on 2 DP ranks).
-    assert (0 < run.grads.rows_summed <= 2 * 2 * 48) if chunk.pre_process else run.grads.rows_summed == 0
+    assert (
+        (0 < run.grads.rows_summed <= 2 * 2 * 48)
+        if chunk.pre_process
+        else run.grads.rows_summed == 0
+    )
 
 
 def test_last_stage_puts_the_tied_head_copy_first(cpu_ranks):
@@ -199,7 +241,9 @@ def _untied_lookup(rank, world, tp, options_name):
     setup(tp)
     dp_group = groups()[1]
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP, "buffers": BUFFERS}[options_name]
+    options = {"overlap": OVERLAP, "distributed+overlap": DISTRIBUTED_OVERLAP, "buffers": BUFFERS}[
+        options_name
+    ]
     # 2000 ids: a step's 48 tokens per DP rank touch a few rows; 8 ids: all of them (the
     # whole table, summed in place).
     for vocab, sparse in ((2000, True), (8, False)):
@@ -214,15 +258,21 @@ def _untied_lookup(rank, world, tp, options_name):
                 step_alike(run, base, batches(config, 3, dp, seed=step)[dp_rank], 1e-2, CLIP)
                 rows = run.grads.rows_summed - before
                 if sparse:
-                    assert 0 < rows <= dp * 48 < weight.shape[0] // 2, f"{rows} of {weight.shape[0]} rows"
+                    assert 0 < rows <= dp * 48 < weight.shape[0] // 2, (
+                        f"{rows} of {weight.shape[0]} rows"
+                    )
                 else:
-                    assert rows == weight.shape[0], f"{rows} of {weight.shape[0]} rows: expected the whole table"
+                    assert rows == weight.shape[0], (
+                        f"{rows} of {weight.shape[0]} rows: expected the whole table"
+                    )
         finally:
             _restore_unions()
         assert made == {"predicted": 2, "again": 0, "gathered": 0}, made
         assert_same_params(run, base, f"untied, vocab {vocab}, TP {tp}, {options_name}")
         run.grads.remove_hooks()  # the lookup's gradient goes back to autograd
-        assert not gradient_sink.has_gradient_sink(weight), "remove_hooks left the lookup-only sink attached"
+        assert not gradient_sink.has_gradient_sink(weight), (
+            "remove_hooks left the lookup-only sink attached"
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -263,7 +313,14 @@ def _sink_outlives_its_owner(rank, world):
     weight = model.embedding.word.weight
 
     def make():
-        return DataParallelGrads(model, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=True, lookup_and_head=[weight])
+        return DataParallelGrads(
+            model,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            overlap_grad_reduce=True,
+            lookup_and_head=[weight],
+        )
+
     grads = make()
     assert grads.split, "the tied embedding should be split with overlap at DP > 1"
     twin = copy.deepcopy(weight)
@@ -280,7 +337,9 @@ def _sink_outlives_its_owner(rank, world):
     second = make()
     del first
     gc.collect()
-    assert gradient_sink.has_gradient_sink(weight), "the first owner, going away, detached the second one's sink"
+    assert gradient_sink.has_gradient_sink(weight), (
+        "the first owner, going away, detached the second one's sink"
+    )
     second.remove_hooks()
 
 
@@ -304,10 +363,18 @@ def _touched_rows(rank, world):
     assert index.tolist() == sorted({0, 5, 40, 2, 9, 3, 11}), index.tolist()
     assert_close(dense, sum(g.double() for g in grads), "touched rows")
     # The rows each rank says it read (repeats, and row 63 whose gradient is zero): the same sums.
-    listed = torch.tensor([rank, rank, 2 * rank + 5, 40, 63]) if rank != 1 else torch.tensor([], dtype=torch.long)
+    listed = (
+        torch.tensor([rank, rank, 2 * rank + 5, 40, 63])
+        if rank != 1
+        else torch.tensor([], dtype=torch.long)
+    )
     index, values = sum_touched_rows(grads[rank], group, torch.float64, listed)
     assert index.tolist() == sorted({0, 5, 40, 2, 9, 3, 11, 63}), index.tolist()
-    assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, "touched rows, listed")
+    assert_close(
+        torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values),
+        dense,
+        "touched rows, listed",
+    )
     assert sum_touched_rows(torch.zeros(64, 3), group, torch.float32) is None
     # A union started early from predicted rows: inside it, one exchange; with rank 2's
     # row 9 (no other rank's) outside it, every rank sums again; either way the same sums.
@@ -319,15 +386,30 @@ def _touched_rows(rank, world):
             try:
                 # This rank's gradient token by token: one token per nonzero row.
                 touched = grads[rank].ne(0).any(1).nonzero().squeeze(1)
-                gathered = union.gather(touched, grads[rank][touched], torch.float64) if gather else None
-                assert (gathered is None) == (not gather or rank == 2 and outside), (gather, outside)
-                index, values = sum_touched_rows(grads[rank] if gathered is None else gathered, group, torch.float64, listed, union)
+                gathered = (
+                    union.gather(touched, grads[rank][touched], torch.float64) if gather else None
+                )
+                assert (gathered is None) == (not gather or rank == 2 and outside), (
+                    gather,
+                    outside,
+                )
+                index, values = sum_touched_rows(
+                    grads[rank] if gathered is None else gathered,
+                    group,
+                    torch.float64,
+                    listed,
+                    union,
+                )
             finally:
                 _restore_unions()
             assert made["again"] == int(outside), (outside, made)
             what = f"union, outside: {outside}, gathered: {gathered is not None}"
-            assert_close(torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, what)
-    full = torch.ones(4, 2) if rank == 0 else torch.zeros(4, 2)  # every row touched: the whole table
+            assert_close(
+                torch.zeros(64, 3, dtype=torch.float64).index_add_(0, index, values), dense, what
+            )
+    full = (
+        torch.ones(4, 2) if rank == 0 else torch.zeros(4, 2)
+    )  # every row touched: the whole table
     index, values = sum_touched_rows(full, group, torch.float32)
     assert index is None and torch.equal(values, torch.ones(4, 2))
 

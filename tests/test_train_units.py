@@ -13,7 +13,15 @@ import pytest
 
 from checks import expect_error
 from tpcore.data.sampler import micro_batch_indices
-from tpcore.train import LossScaler, MetricsLogger, TrainArgs, learning_rate, parse_args, plot_loss_curve, read_metrics
+from tpcore.train import (
+    LossScaler,
+    MetricsLogger,
+    TrainArgs,
+    learning_rate,
+    parse_args,
+    plot_loss_curve,
+    read_metrics,
+)
 
 # ---------------------------------------------------------------------------------------
 # 1. Arguments
@@ -23,13 +31,29 @@ from tpcore.train import LossScaler, MetricsLogger, TrainArgs, learning_rate, pa
 def test_defaults_parse():
     args = parse_args([])
     assert args == TrainArgs()
-    assert (args.micro_batch_size, args.lr, args.lr_decay_style, args.progress, args.bf16) == (4, 3e-4, "cosine", True, False)
+    assert (args.micro_batch_size, args.lr, args.lr_decay_style, args.progress, args.bf16) == (
+        4,
+        3e-4,
+        "cosine",
+        True,
+        False,
+    )
     assert args.global_batch_size is None and args.lr_decay_iters is None
 
 
 def test_flag_overrides_json_overrides_default(tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"micro-batch-size": 2, "lr": 0.01, "num_layers": 3, "norm": "rmsnorm", "progress": False}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "micro-batch-size": 2,
+                "lr": 0.01,
+                "num_layers": 3,
+                "norm": "rmsnorm",
+                "progress": False,
+            }
+        )
+    )
     args = parse_args(["--config", str(cfg), "--micro-batch-size", "8", "--progress"])
     assert args.micro_batch_size == 8  # flag beats file
     assert args.lr == 0.01 and args.num_layers == 3 and args.norm == "rmsnorm"  # file beats default
@@ -39,9 +63,17 @@ def test_flag_overrides_json_overrides_default(tmp_path):
 
 def test_flag_overrides_yaml_overrides_default(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("hidden-size: 64\nnum_attention_heads: 4\nmin-lr: 1.0e-5\nlr: 2.0e-3\nbf16: true\nseed: 9\n")
+    cfg.write_text(
+        "hidden-size: 64\nnum_attention_heads: 4\nmin-lr: 1.0e-5\nlr: 2.0e-3\nbf16: true\nseed: 9\n"
+    )
     args = parse_args(["--seed", "11", "--config", str(cfg)])
-    assert (args.hidden_size, args.num_attention_heads, args.min_lr, args.lr, args.bf16) == (64, 4, 1e-5, 2e-3, True)
+    assert (args.hidden_size, args.num_attention_heads, args.min_lr, args.lr, args.bf16) == (
+        64,
+        4,
+        1e-5,
+        2e-3,
+        True,
+    )
     assert args.seed == 11
     assert args.micro_batch_size == 4
 
@@ -75,7 +107,10 @@ def test_bool_flags():
         (["--save-interval", "0"], "--save-interval must be >= 1"),
         (["--exit-interval", "0"], "--exit-interval must be >= 1"),
         (["--clip-grad", "-1"], "--clip-grad"),
-        (["--hidden-size", "30", "--num-attention-heads", "8"], "hidden_size 30 is not divisible by num_attention_heads 8"),
+        (
+            ["--hidden-size", "30", "--num-attention-heads", "8"],
+            "hidden_size 30 is not divisible by num_attention_heads 8",
+        ),
         (["--num-layers", "0"], "num_layers"),
     ],
 )
@@ -107,19 +142,49 @@ def test_bad_choice_on_command_line_names_the_flag(capsys):
 
 
 def test_missing_config_file(tmp_path):
-    expect_error(FileNotFoundError, "does not exist", parse_args, ["--config", str(tmp_path / "none.yaml")])
+    expect_error(
+        FileNotFoundError, "does not exist", parse_args, ["--config", str(tmp_path / "none.yaml")]
+    )
 
 
 def test_model_config_mapping():
-    a = TrainArgs(untie_embeddings=True, disable_bias=True, seq_length=64, hidden_size=48, num_attention_heads=6, num_kv_heads=3,
-                  norm="rmsnorm", activation="swiglu", position_embedding="rotary", ffn_hidden_size=80, sequence_parallel=True, recompute="full")
+    a = TrainArgs(
+        untie_embeddings=True,
+        disable_bias=True,
+        seq_length=64,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_kv_heads=3,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rotary",
+        ffn_hidden_size=80,
+        sequence_parallel=True,
+        recompute="full",
+    )
     c = a.model_config(300)
     assert c.tie_embeddings is False and c.bias is False
     assert c.max_position_embeddings == 64 and c.vocab_size == 300
-    assert (c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.ffn_hidden_size) == (48, 6, 3, 80)
-    assert (c.norm, c.activation, c.position_embedding, c.sequence_parallel, c.recompute) == ("rmsnorm", "swiglu", "rotary", True, "full")
+    assert (c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.ffn_hidden_size) == (
+        48,
+        6,
+        3,
+        80,
+    )
+    assert (c.norm, c.activation, c.position_embedding, c.sequence_parallel, c.recompute) == (
+        "rmsnorm",
+        "swiglu",
+        "rotary",
+        True,
+        "full",
+    )
     d = TrainArgs(seq_length=64, max_position_embeddings=256).model_config()
-    assert d.max_position_embeddings == 256 and d.tie_embeddings and d.bias and d.ffn_hidden_size == 4 * 256
+    assert (
+        d.max_position_embeddings == 256
+        and d.tie_embeddings
+        and d.bias
+        and d.ffn_hidden_size == 4 * 256
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,7 +196,9 @@ def test_model_config_mapping():
 def test_learning_rate_schedule(style):
     lr, min_lr, warmup, decay = 1e-3, 1e-4, 10, 50
     for i in range(80):
-        got = learning_rate(i, lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay, style=style)
+        got = learning_rate(
+            i, lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay, style=style
+        )
         if i < warmup:
             want = lr * (i + 1) / warmup
         elif style == "constant":
@@ -140,16 +207,39 @@ def test_learning_rate_schedule(style):
             want = min_lr
         else:
             t = (i - warmup) / (decay - warmup)
-            want = min_lr + (lr - min_lr) * (1 - t if style == "linear" else (1 + math.cos(math.pi * t)) / 2)
+            want = min_lr + (lr - min_lr) * (
+                1 - t if style == "linear" else (1 + math.cos(math.pi * t)) / 2
+            )
         assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15), (style, i, got, want)
-    assert learning_rate(warmup - 1, lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay, style=style) == lr
+    assert (
+        learning_rate(
+            warmup - 1, lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay, style=style
+        )
+        == lr
+    )
 
 
 def test_learning_rate_without_warmup_and_bad_style():
-    assert learning_rate(0, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="linear") == 2.0
-    assert learning_rate(2, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="linear") == 1.25
-    assert learning_rate(4, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="cosine") == 0.5
-    expect_error(ValueError, "unknown lr decay style 'exp'", learning_rate, 5, lr=1.0, min_lr=0.0, warmup_iters=2, decay_iters=10, style="exp")
+    assert (
+        learning_rate(0, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="linear") == 2.0
+    )
+    assert (
+        learning_rate(2, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="linear") == 1.25
+    )
+    assert (
+        learning_rate(4, lr=2.0, min_lr=0.5, warmup_iters=0, decay_iters=4, style="cosine") == 0.5
+    )
+    expect_error(
+        ValueError,
+        "unknown lr decay style 'exp'",
+        learning_rate,
+        5,
+        lr=1.0,
+        min_lr=0.0,
+        warmup_iters=2,
+        decay_iters=10,
+        style="exp",
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,13 +247,22 @@ def test_learning_rate_without_warmup_and_bad_style():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("global_batch,micro,dp", [(8, 2, 2), (12, 1, 3), (16, 4, 1), (24, 2, 4), (6, 3, 2), (4, 1, 4)])
+@pytest.mark.parametrize(
+    "global_batch,micro,dp", [(8, 2, 2), (12, 1, 3), (16, 4, 1), (24, 2, 4), (6, 3, 2), (4, 1, 4)]
+)
 def test_micro_batches_cover_the_global_batch_once(global_batch, micro, dp):
     for step in (0, 1, 7):
         seen = []
         for m in range(global_batch // (micro * dp)):
             for r in range(dp):
-                idx = micro_batch_indices(step, m, global_batch_size=global_batch, micro_batch_size=micro, dp_rank=r, dp_size=dp)
+                idx = micro_batch_indices(
+                    step,
+                    m,
+                    global_batch_size=global_batch,
+                    micro_batch_size=micro,
+                    dp_rank=r,
+                    dp_size=dp,
+                )
                 assert len(idx) == micro
                 seen.extend(idx)
         assert len(seen) == len(set(seen)) == global_batch
@@ -171,10 +270,50 @@ def test_micro_batches_cover_the_global_batch_once(global_batch, micro, dp):
 
 
 def test_sampler_rejects_bad_sizes():
-    expect_error(ValueError, "not divisible", micro_batch_indices, 0, 0, global_batch_size=10, micro_batch_size=2, dp_rank=0, dp_size=3)
-    expect_error(ValueError, "not divisible", micro_batch_indices, 0, 0, global_batch_size=6, micro_batch_size=4, dp_rank=0, dp_size=1)
-    expect_error(ValueError, "out of range", micro_batch_indices, 0, 2, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2)
-    expect_error(ValueError, "out of range", micro_batch_indices, 0, 0, global_batch_size=8, micro_batch_size=2, dp_rank=2, dp_size=2)
+    expect_error(
+        ValueError,
+        "not divisible",
+        micro_batch_indices,
+        0,
+        0,
+        global_batch_size=10,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_size=3,
+    )
+    expect_error(
+        ValueError,
+        "not divisible",
+        micro_batch_indices,
+        0,
+        0,
+        global_batch_size=6,
+        micro_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+    )
+    expect_error(
+        ValueError,
+        "out of range",
+        micro_batch_indices,
+        0,
+        2,
+        global_batch_size=8,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_size=2,
+    )
+    expect_error(
+        ValueError,
+        "out of range",
+        micro_batch_indices,
+        0,
+        0,
+        global_batch_size=8,
+        micro_batch_size=2,
+        dp_rank=2,
+        dp_size=2,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,11 +353,26 @@ def test_loss_scaler():
 
 
 def _logger(log_dir, start_iter=0, active=True):
-    return MetricsLogger(active=active, log_dir=str(log_dir), total_iters=6, start_iter=start_iter, log_interval=2, progress=False)
+    return MetricsLogger(
+        active=active,
+        log_dir=str(log_dir),
+        total_iters=6,
+        start_iter=start_iter,
+        log_interval=2,
+        progress=False,
+    )
 
 
 def _metrics(i):
-    return dict(loss=5.0 - 0.5 * i, lr=1e-3 * i, grad_norm=0.25 * i, loss_scale=1.0, skipped=0.0, tokens_per_s=100.0 * i, step_ms=3.0)
+    return dict(
+        loss=5.0 - 0.5 * i,
+        lr=1e-3 * i,
+        grad_norm=0.25 * i,
+        loss_scale=1.0,
+        skipped=0.0,
+        tokens_per_s=100.0 * i,
+        step_ms=3.0,
+    )
 
 
 def test_inactive_logger_writes_nothing(tmp_path, capsys):
@@ -276,7 +430,12 @@ def test_metrics_csv_plot_and_resume(tmp_path, capsys):
 
 def test_decay_ending_before_warmup_ends_gives_min_lr():
     common = dict(lr=1.0, min_lr=0.25, warmup_iters=10, decay_iters=5)
-    assert [learning_rate(i, style="cosine", **common) for i in (0, 9, 10, 50)] == [0.1, 1.0, 0.25, 0.25]
+    assert [learning_rate(i, style="cosine", **common) for i in (0, 9, 10, 50)] == [
+        0.1,
+        1.0,
+        0.25,
+        0.25,
+    ]
     assert learning_rate(50, style="constant", **common) == 1.0
 
 
@@ -297,5 +456,10 @@ def test_a_missing_gpu_is_named_before_any_group(monkeypatch):
     expect_error(RuntimeError, "--device cuda but CUDA is not available", init_distributed, "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    expect_error(RuntimeError, "this rank needs GPU 1 (its local rank) but this host has 1", init_distributed, "cuda")
+    expect_error(
+        RuntimeError,
+        "this rank needs GPU 1 (its local rank) but this host has 1",
+        init_distributed,
+        "cuda",
+    )
     assert not dist.is_initialized()

@@ -5,28 +5,45 @@ from __future__ import annotations
 
 import torch
 
+from checks import param_specs
 from tpcore import parallel_state
 from tpcore.models import GPTConfig
 from tpcore.train import ParallelAdamW
-from checks import param_specs
 
 BATCH, SEQ = 2, 8
 BETAS, EPS, WD, CLIP = (0.9, 0.95), 1e-3, 0.1, 0.05
 LRS = [1e-2, 5e-3, 2e-2]
 
 
-def train_batch(seed: int, config: GPTConfig, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batch(
+    seed: int, config: GPTConfig, batch: int = BATCH
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random (ids, target), each `[batch, SEQ]`."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, config.vocab_size, (batch, SEQ), generator=g), torch.randint(0, config.vocab_size, (batch, SEQ), generator=g)
+    return torch.randint(0, config.vocab_size, (batch, SEQ), generator=g), torch.randint(
+        0, config.vocab_size, (batch, SEQ), generator=g
+    )
 
 
 def tp_dp_groups():
-    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_data_parallel_group(),
+    )
 
 
 def make_adamw(model, config: GPTConfig, **kw) -> ParallelAdamW:
     tp_group, dp_group = tp_dp_groups()
     specs = param_specs(model)
-    return ParallelAdamW(model, is_replicated=lambda n: specs[n].kind == "replicated", tp_group=tp_group, dp_group=dp_group,
-                         tp_copies=lambda n: specs[n].copied_elements(), lr=LRS[0], weight_decay=WD, betas=BETAS, eps=EPS, **kw)
+    return ParallelAdamW(
+        model,
+        is_replicated=lambda n: specs[n].kind == "replicated",
+        tp_group=tp_group,
+        dp_group=dp_group,
+        tp_copies=lambda n: specs[n].copied_elements(),
+        lr=LRS[0],
+        weight_decay=WD,
+        betas=BETAS,
+        eps=EPS,
+        **kw,
+    )

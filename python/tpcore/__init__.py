@@ -15,19 +15,27 @@ Typical use, on every rank of a `torchrun` job:
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-from . import _C, _fake_ops, comm, parallel_state, shm, tensor_parallel
+# _fake_ops is imported for its side effect: it registers the fake (meta) kernels.
+from . import _C, _fake_ops, comm, parallel_state, shm, tensor_parallel  # noqa: F401
 from .comm_threads import prioritize_communication_threads
-from .parallel_state import destroy_model_parallel, initialize_model_parallel, is_initialized, shutdown
+from .parallel_state import (
+    destroy_model_parallel,
+    initialize_model_parallel,
+    is_initialized,
+    shutdown,
+)
 
 # The `tpcore` c10d backend (shared memory among ranks of one host) for any torch.distributed user.
 shm.register()
-from .checkpoint import (
+from .checkpoint import (  # noqa: E402
     load_sharded_optimizer_state_dict,
     load_sharded_state_dict,
     sharded_optimizer_state_dict,
     sharded_state_dict,
 )
-from .tensor_parallel import (
+from .tensor_parallel import (  # noqa: E402
+    MODEL_PARALLEL_RNG,
+    REPLICATED_RNG,
     ColumnParallelLinear,
     InitMethod,
     RowParallelLinear,
@@ -36,8 +44,6 @@ from .tensor_parallel import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
-    MODEL_PARALLEL_RNG,
-    REPLICATED_RNG,
     get_rng_tracker,
     model_parallel_manual_seed,
     pad_vocab_size,
@@ -49,7 +55,7 @@ from .tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
-from .tensor_parallel import checkpoint as recompute
+from .tensor_parallel import checkpoint as recompute  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,9 @@ def atomic_output(path: str) -> Iterator[str]:
     same file at once each put a whole file in place."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}.tmp"
+    )
     try:
         yield tmp
         os.replace(tmp, path)

@@ -21,7 +21,9 @@ def _world(group: str) -> int:
 
 def _split_shape(op: str, shape: list[int], dim: int, world: int) -> list[int]:
     if shape[dim] % world:
-        raise ValueError(f"tpcore: {op}: dim {dim} of shape {shape} is not divisible by the group size {world}")
+        raise ValueError(
+            f"tpcore: {op}: dim {dim} of shape {shape} is not divisible by the group size {world}"
+        )
     shape[dim] //= world
     return shape
 
@@ -57,12 +59,16 @@ def _all_gather(input: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 @torch.library.register_fake("tpcore::reduce_scatter")
 def _reduce_scatter(input: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return input.new_empty(_split_shape("reduce_scatter", list(input.shape), dim % input.dim(), _world(group)))
+    return input.new_empty(
+        _split_shape("reduce_scatter", list(input.shape), dim % input.dim(), _world(group))
+    )
 
 
 @torch.library.register_fake("tpcore::split")
 def _split(input: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return input.new_empty(_split_shape("split", list(input.shape), dim % input.dim(), _world(group)))
+    return input.new_empty(
+        _split_shape("split", list(input.shape), dim % input.dim(), _world(group))
+    )
 
 
 @torch.library.register_fake("tpcore::column_parallel_linear_backward")
@@ -94,7 +100,9 @@ def _embedding_backward(grad, ids, rows, padding_idx, group, sequence_parallel):
     return grad.new_empty((rows, grad.shape[-1]))
 
 
-def _token_stats(tokens: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_stats(
+    tokens: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, mask): float32 [tokens] each."""
     return tuple(like.new_empty((tokens,), dtype=torch.float32) for _ in range(3))
 
@@ -110,12 +118,26 @@ def _ce_backward(logits, target, lse, scale, group, vocab_size, label_smoothing,
 
 
 @torch.library.register_fake("tpcore::linear_cross_entropy_forward")
-def _linear_ce_forward(hidden, weight, target, group, vocab_size, label_smoothing, ignore_index, z_loss, chunk_size):
+def _linear_ce_forward(
+    hidden, weight, target, group, vocab_size, label_smoothing, ignore_index, z_loss, chunk_size
+):
     return _token_stats(hidden.shape[0], hidden)
 
 
 @torch.library.register_fake("tpcore::linear_cross_entropy_backward")
-def _linear_ce_backward(hidden, weight, target, lse, scale, group, vocab_size, label_smoothing, z_loss, chunk_size, output_mask):
+def _linear_ce_backward(
+    hidden,
+    weight,
+    target,
+    lse,
+    scale,
+    group,
+    vocab_size,
+    label_smoothing,
+    z_loss,
+    chunk_size,
+    output_mask,
+):
     grad_hidden = _empty_like(hidden) if output_mask[0] else _none(hidden)
     grad_weight = _empty_like(weight) if output_mask[1] else _none(hidden)
     return grad_hidden, grad_weight
@@ -142,11 +164,19 @@ def _dropout_apply(input: torch.Tensor, rng_state: torch.Tensor, p: float) -> to
     if not 0.0 <= p < 1.0:
         raise ValueError(f"tpcore: dropout: p must be in [0, 1), got {p}")
     if not input.dtype.is_floating_point:
-        raise TypeError(f"tpcore: dropout: input must be a floating-point tensor, got {input.dtype}")
+        raise TypeError(
+            f"tpcore: dropout: input must be a floating-point tensor, got {input.dtype}"
+        )
     if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.numel() != 2:
-        raise ValueError(f"tpcore: dropout: rng_state must be an int64 tensor [2] holding (seed, offset), got {rng_state.dtype} of shape {list(rng_state.shape)}")
+        raise ValueError(
+            "tpcore: dropout: rng_state must be an int64 tensor [2] holding (seed, "
+            f"offset), got {rng_state.dtype} of shape {list(rng_state.shape)}"
+        )
     if rng_state.device != input.device:
-        raise ValueError(f"tpcore: dropout: rng_state is on {rng_state.device} but the input is on {input.device}")
+        raise ValueError(
+            f"tpcore: dropout: rng_state is on {rng_state.device} "
+            f"but the input is on {input.device}"
+        )
     return _empty_like(input)
 
 

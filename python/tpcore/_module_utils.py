@@ -36,7 +36,9 @@ class SharesProcessGroups:
         for p in self.parameters():
             if id(p) not in memo:
                 clone = copy.deepcopy(p, memo)
-                clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in p.__dict__.items() if k != "main_grad"})
+                clone.__dict__.update(
+                    {k: copy.deepcopy(v, memo) for k, v in p.__dict__.items() if k != "main_grad"}
+                )
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))

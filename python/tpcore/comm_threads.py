@@ -31,7 +31,12 @@ from __future__ import annotations
 import os
 import resource
 
-__all__ = ["GLOO_THREAD_NAMES", "gloo_threads", "may_use_realtime", "prioritize_communication_threads"]
+__all__ = [
+    "GLOO_THREAD_NAMES",
+    "gloo_threads",
+    "may_use_realtime",
+    "prioritize_communication_threads",
+]
 
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 """Names of the threads gloo starts (PyTorch's process group, gloo's TCP device)."""
@@ -44,7 +49,10 @@ def gloo_threads() -> list[int]:
     """Thread ids (Linux TIDs) of this process's threads named as gloo's, ascending. A
     thread started by one of them carries its name too (OpenMP workers)."""
     if not os.path.isdir(_TASKS):
-        raise RuntimeError(f"tpcore: finding gloo's threads needs Linux's {_TASKS}, which this system does not have")
+        raise RuntimeError(
+            "tpcore: finding gloo's threads needs "
+            f"Linux's {_TASKS}, which this system does not have"
+        )
     found = []
     for tid in os.listdir(_TASKS):
         try:
@@ -65,7 +73,10 @@ def may_use_realtime(priority: int = 1) -> bool:
             effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
     except (OSError, StopIteration, ValueError):
         effective = 0
-    return bool(effective >> _CAP_SYS_NICE & 1) or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] >= priority
+    return (
+        bool(effective >> _CAP_SYS_NICE & 1)
+        or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] >= priority
+    )
 
 
 def prioritize_communication_threads(priority: int = 1) -> list[int]:
@@ -76,13 +87,18 @@ def prioritize_communication_threads(priority: int = 1) -> list[int]:
     what grants the right, when the process may not use real-time scheduling; then every
     thread keeps the policy it had."""
     if not isinstance(priority, int) or isinstance(priority, bool) or not 1 <= priority <= 99:
-        raise ValueError(f"tpcore: prioritize_communication_threads: priority must be an int in [1, 99], got {priority!r}")
+        raise ValueError(
+            "tpcore: prioritize_communication_threads: priority "
+            f"must be an int in [1, 99], got {priority!r}"
+        )
     changed: list[tuple[int, int, int]] = []  # (tid, previous policy, previous priority)
     try:
         for tid in gloo_threads():
             try:
                 before = (os.sched_getscheduler(tid), os.sched_getparam(tid).sched_priority)
-                os.sched_setscheduler(tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
+                os.sched_setscheduler(
+                    tid, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(priority)
+                )
             except ProcessLookupError:  # the thread ended meanwhile
                 continue
             changed.append((tid, *before))
@@ -93,8 +109,9 @@ def prioritize_communication_threads(priority: int = 1) -> list[int]:
             except OSError:
                 pass
         raise PermissionError(
-            f"tpcore: real-time priority {priority} for gloo's communication threads is not permitted for this process: "
-            f"it needs CAP_SYS_NICE (root has it unless a container dropped it) or a real-time priority limit of at least "
-            f"{priority} (`ulimit -r {priority}`; in Docker `--ulimit rtprio={priority}` or `--cap-add SYS_NICE`)"
+            f"tpcore: real-time priority {priority} for gloo's communication threads is not "
+            "permitted for this process: it needs CAP_SYS_NICE (root has it unless a container "
+            f"dropped it) or a real-time priority limit of at least {priority} (`ulimit "
+            f"-r {priority}`; in Docker `--ulimit rtprio={priority}` or `--cap-add SYS_NICE`)"
         ) from None
     return [tid for tid, _, _ in changed]

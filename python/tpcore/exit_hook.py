@@ -53,7 +53,9 @@ def unpin_default_group() -> None:
     for fn in vars(module).values() if module is not None else ():
         defaults = getattr(fn, "__defaults__", None)
         if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+            fn.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
 
 
 def release_at_exit() -> None:

@@ -75,7 +75,9 @@ class RankLayout:
 
     def groups_of(self, rank: int) -> tuple[list[int], list[int], list[int]]:
         """The (tensor, data, pipeline) groups that contain `rank`."""
-        return tuple(next(g for g in kind if rank in g) for kind in (self.tensor, self.data, self.pipeline))
+        return tuple(
+            next(g for g in kind if rank in g) for kind in (self.tensor, self.data, self.pipeline)
+        )
 
 
 def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
@@ -88,14 +90,21 @@ def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_s
     model_size = tensor_parallel_size * pipeline_parallel_size
     if world_size % model_size != 0:
         raise ValueError(
-            f"tpcore: world size {world_size} is not divisible by tensor_parallel_size "
-            f"({tensor_parallel_size}) x pipeline_parallel_size ({pipeline_parallel_size}) = {model_size}"
-            + (" (one process: launch one per rank, e.g. torchrun --nproc_per_node N)" if world_size == 1 else "")
+            f"tpcore: world size {world_size} is not divisible by "
+            f"tensor_parallel_size ({tensor_parallel_size}) x "
+            f"pipeline_parallel_size ({pipeline_parallel_size}) = {model_size}"
+            + (
+                " (one process: launch one per rank, e.g. torchrun --nproc_per_node N)"
+                if world_size == 1
+                else ""
+            )
         )
     return world_size // model_size
 
 
-def rank_layout(world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> RankLayout:
+def rank_layout(
+    world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> RankLayout:
     """Megatron's rank order for `world_size` ranks: TP adjacent, then DP, then PP."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     dp = _check_sizes(world_size, tp, pp)
@@ -135,7 +144,9 @@ _GROUPS: dict[tuple, weakref.ref | object] = {}
 _GROUPS_WORLD: list[weakref.ref | None] = [None]  # the default group _GROUPS belongs to
 
 
-def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None) -> dist.ProcessGroup:
+def _new_group(
+    ranks: list[int], timeout: timedelta | None, backend: str | None
+) -> dist.ProcessGroup:
     """A group of `ranks`, created collectively (every rank calls in the same order)."""
     world = _GROUPS_WORLD[0]
     if world is None or world() is not dist.group.WORLD:  # a new default group: old groups are dead
@@ -152,19 +163,34 @@ def _new_group(ranks: list[int], timeout: timedelta | None, backend: str | None)
     group = entry()
     if group is None:  # only a subgroup destroyed by hand gets here; its peers would not notice
         raise RuntimeError(
-            f"tpcore: the process group of ranks {list(ranks)} was destroyed while the default group lives; "
-            "tpcore's groups are released only with the default group (torch.distributed.destroy_process_group())"
+            f"tpcore: the process group of ranks {list(ranks)} was destroyed "
+            "while the default group lives; tpcore's groups are released only "
+            "with the default group (torch.distributed.destroy_process_group())"
         )
     return group
 
 
-def _settings(tensor_parallel_size: int, pipeline_parallel_size: int, timeout: timedelta | None,
-              backend: str | None) -> dict[str, str]:
+def _settings(
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    timeout: timedelta | None,
+    backend: str | None,
+) -> dict[str, str]:
     """What every rank must agree on before the first group: the arguments and the TPCORE_*
     environment that picks the groups' backends and segment layouts (as given, unparsed)."""
-    settings = {"tensor_parallel_size": repr(tensor_parallel_size), "pipeline_parallel_size": repr(pipeline_parallel_size),
-                "timeout": repr(timeout), "backend": repr(backend)}
-    settings.update({k: repr(v) for k, v in sorted(os.environ.items()) if k.startswith(("TPCORE_SHM_", "TPCORE_CPU_BACKEND", "TPCORE_CHECK_INPUTS"))})
+    settings = {
+        "tensor_parallel_size": repr(tensor_parallel_size),
+        "pipeline_parallel_size": repr(pipeline_parallel_size),
+        "timeout": repr(timeout),
+        "backend": repr(backend),
+    }
+    settings.update(
+        {
+            k: repr(v)
+            for k, v in sorted(os.environ.items())
+            if k.startswith(("TPCORE_SHM_", "TPCORE_CPU_BACKEND", "TPCORE_CHECK_INPUTS"))
+        }
+    )
     return settings
 
 
@@ -176,7 +202,11 @@ def _agree(settings: dict[str, str]) -> list[str] | None:
     disagreement raises on every rank alike, before any group exists: ranks that made
     different groups would wait on each other until the store's timeout."""
     default = dist.get_backend()
-    if default not in ("gloo", shm.BACKEND_NAME) and "cpu:gloo" not in default and "cpu:tpcore" not in default:
+    if (
+        default not in ("gloo", shm.BACKEND_NAME)
+        and "cpu:gloo" not in default
+        and "cpu:tpcore" not in default
+    ):
         return None
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (settings, shm.host_id()))
@@ -188,14 +218,18 @@ def _agree(settings: dict[str, str]) -> list[str] | None:
                 ranks_of.setdefault(v, []).append(r)
             shown = "; ".join(f"{v} on ranks {_short(r)}" for v, r in ranks_of.items())
             raise ValueError(
-                f"tpcore: initialize_model_parallel: the ranks disagree on {key} ({shown}); every rank must call it "
-                "with the same arguments and the same TPCORE_* environment"
+                f"tpcore: initialize_model_parallel: the ranks disagree on {key} ({shown}); every "
+                "rank must call it with the same arguments and the same TPCORE_* environment"
             )
     return [host for _, host in everyone]
 
 
 def _short(ranks: list[int]) -> str:
-    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} ranks)]"
+    return (
+        str(ranks)
+        if len(ranks) <= 8
+        else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} ranks)]"
+    )
 
 
 def _default_timeout() -> timedelta | None:
@@ -221,8 +255,8 @@ def initialize_model_parallel(
     Call after `torch.distributed.init_process_group`, on every rank, with the same
     arguments. With `backend=None`, groups whose ranks share a host use the shared-memory
     `tpcore` backend for CPU tensors (`tpcore.shm`; `TPCORE_CPU_BACKEND=gloo` opts out), the
-    others the default group's backend. Raises on every rank alike (before creating any group) when the sizes
-    do not fit the world or when groups already exist.
+    others the default group's backend. Raises on every rank alike (before creating any
+    group) when the sizes do not fit the world or when groups already exist.
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -251,7 +285,9 @@ def initialize_model_parallel(
             group = _new_group(ranks, timeout, backend or shm.cpu_backend_for(ranks, hosts))
             if rank in ranks:
                 mine[kind] = group
-    _STATE = ParallelState(mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding"))
+    _STATE = ParallelState(
+        mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding")
+    )
     exit_hook.register()  # a program that ends without shutdown() must not abort at exit
     return _STATE
 
@@ -355,13 +391,15 @@ def get_embedding_group() -> dist.ProcessGroup:
     group = get_parallel_state().embedding_group
     if group is None:
         raise RuntimeError(
-            f"tpcore: pipeline stage {get_pipeline_model_parallel_rank()} is neither the first nor the last "
-            "stage, so it is in no embedding group"
+            f"tpcore: pipeline stage {get_pipeline_model_parallel_rank()} is "
+            "neither the first nor the last stage, so it is in no embedding group"
         )
     return group
 
 
-def resolve_group(group: dist.ProcessGroup | None, default: Callable[[], dist.ProcessGroup], what: str) -> dist.ProcessGroup:
+def resolve_group(
+    group: dist.ProcessGroup | None, default: Callable[[], dist.ProcessGroup], what: str
+) -> dist.ProcessGroup:
     """`group`, or `default()` when None; a clear error when neither is usable (`what` names
     the kind of group in the message: "process", "pipeline")."""
     if group is None:
@@ -371,7 +409,9 @@ def resolve_group(group: dist.ProcessGroup | None, default: Callable[[], dist.Pr
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(f"tpcore: this rank is not a member of the {what} group passed as group=")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        raise TypeError(
+            f"tpcore: group= must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
+        )
     live_group_name(group)
     return group
 
@@ -381,15 +421,17 @@ def live_group_name(group: dist.ProcessGroup) -> str:
     `group`: torch reuses names once `destroy_process_group` ran, so a layer kept across a
     new default group would otherwise talk on whatever group now has its name."""
     name = group.group_name
-    if not torch.compiler.is_compiling():  # checked eagerly; a compiled graph is rebuilt with its groups
+    if (
+        not torch.compiler.is_compiling()
+    ):  # checked eagerly; a compiled graph is rebuilt with its groups
         try:
             current = dist.distributed_c10d._resolve_process_group(name)
         except (RuntimeError, ValueError, KeyError):
             current = None
         if current is not group:
             raise RuntimeError(
-                f"tpcore: the process group {name!r} this layer or call uses was destroyed (destroy_process_group); "
-                "build the layer again after initialize_model_parallel"
+                f"tpcore: the process group {name!r} this layer or call uses was destroyed "
+                "(destroy_process_group); build the layer again after initialize_model_parallel"
             )
     return name
 

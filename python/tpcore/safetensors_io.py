@@ -25,7 +25,14 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "DTYPES", "SafetensorsFile", "SafetensorsFolder", "SafetensorsWriter", "dtype_name"]
+__all__ = [
+    "BLOCK_BYTES",
+    "DTYPES",
+    "SafetensorsFile",
+    "SafetensorsFolder",
+    "SafetensorsWriter",
+    "dtype_name",
+]
 
 BLOCK_BYTES = 1 << 20
 """The most bytes read at once when cutting columns out of a row-major tensor. Small on
@@ -33,8 +40,16 @@ purpose: the allocator keeps freed buffers resident, and 16 MiB blocks left abou
 the model resident on top of the shards (1 MiB: under 2%)."""
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 _DTYPES = DTYPES
 
@@ -58,7 +73,9 @@ class SafetensorsFile:
         self.path = path
         file_size = os.path.getsize(path)
         if file_size < 8:
-            raise ValueError(f"tpcore: {path}: {file_size} bytes, too short for a safetensors file (truncated?)")
+            raise ValueError(
+                f"tpcore: {path}: {file_size} bytes, too short for a safetensors file (truncated?)"
+            )
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > file_size - 8:
@@ -70,9 +87,14 @@ class SafetensorsFile:
         try:
             header = json.loads(raw)
         except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ValueError(f"tpcore: {path}: header is not valid JSON ({e}): corrupt or not a safetensors file") from e
+            raise ValueError(
+                f"tpcore: {path}: header is not valid JSON ({e}): corrupt or not a safetensors file"
+            ) from e
         if not isinstance(header, dict):
-            raise ValueError(f"tpcore: {path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file")
+            raise ValueError(
+                f"tpcore: {path}: header is a JSON {type(header).__name__}, "
+                "not an object: not a safetensors file"
+            )
         header.pop("__metadata__", None)
         self.base = 8 + size
         self.entries = header
@@ -85,17 +107,20 @@ class SafetensorsFile:
             shape, (begin, end) = [int(n) for n in entry["shape"]], entry["data_offsets"]
             dtype = entry["dtype"]
         except (TypeError, KeyError, ValueError) as e:
-            raise ValueError(f"tpcore: {self.path}: tensor {key!r} has a malformed header entry {entry!r}") from e
+            raise ValueError(
+                f"tpcore: {self.path}: tensor {key!r} has a malformed header entry {entry!r}"
+            ) from e
         if self.base + end > file_size:
             raise ValueError(
-                f"tpcore: {self.path}: tensor {key!r} ends at byte {self.base + end} but the file has {file_size} bytes: truncated"
+                f"tpcore: {self.path}: tensor {key!r} ends at byte {self.base + end} "
+                f"but the file has {file_size} bytes: truncated"
             )
         if dtype in _DTYPES:
             want = math.prod(shape) * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
             if not 0 <= begin <= end or end - begin != want:
                 raise ValueError(
-                    f"tpcore: {self.path}: tensor {key!r} ({dtype} {shape}) needs {want} bytes, its header gives "
-                    f"[{begin}, {end}): corrupt"
+                    f"tpcore: {self.path}: tensor {key!r} ({dtype} {shape}) "
+                    f"needs {want} bytes, its header gives [{begin}, {end}): corrupt"
                 )
 
     def shape(self, key: str) -> list[int]:
@@ -105,7 +130,9 @@ class SafetensorsFile:
     def read(self, key: str, dim: int | None, ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
         entry = self.entries[key]
         if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"tpcore: {self.path}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+            raise ValueError(
+                f"tpcore: {self.path}: tensor {key!r} has unsupported dtype {entry['dtype']}"
+            )
         dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
         begin = self.base + entry["data_offsets"][0]
         if dim is None or not shape:
@@ -125,7 +152,9 @@ class SafetensorsFile:
             else:  # blocks of whole outer rows, then cut the ranges out of each
                 per_row = n * inner * elt
                 step = min(outer, max(1, BLOCK_BYTES // per_row))
-                buffer = torch.empty(step, n, inner, dtype=dtype)  # one buffer, reused for every block
+                buffer = torch.empty(
+                    step, n, inner, dtype=dtype
+                )  # one buffer, reused for every block
                 for start in range(0, outer, step):
                     stop = min(outer, start + step)
                     block = buffer[: stop - start]
@@ -148,7 +177,10 @@ class SafetensorsFile:
         view = memoryview(raw.numpy())
         got = f.readinto(view)
         if got != raw.numel():
-            raise ValueError(f"tpcore: {f.name}: file ends early (wanted {raw.numel()} bytes at {offset}, got {got})")
+            raise ValueError(
+                f"tpcore: {f.name}: file ends early "
+                f"(wanted {raw.numel()} bytes at {offset}, got {got})"
+            )
 
 
 class SafetensorsFolder:
@@ -166,16 +198,28 @@ class SafetensorsFolder:
             except ValueError as e:  # bad JSON or not UTF-8
                 raise ValueError(f"tpcore: {index} is not valid JSON ({e})") from e
             weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
                 raise ValueError(f"tpcore: {index} has no weight_map of tensor names to file names")
             for name in sorted(set(weight_map.values())):
                 if not os.path.isfile(os.path.join(path, name)):
                     raise FileNotFoundError(f"tpcore: {index} lists {name}, which is not in {path}")
-            files = {name: SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
-            for key, name in weight_map.items():  # else a bare KeyError naming the tensor only, at its first use
+            files = {
+                name: SafetensorsFile(os.path.join(path, name))
+                for name in sorted(set(weight_map.values()))
+            }
+            for (
+                key,
+                name,
+            ) in (
+                weight_map.items()
+            ):  # else a bare KeyError naming the tensor only, at its first use
                 if key not in files[name].entries:
-                    raise ValueError(f"tpcore: {index} maps {key!r} to {name}, which does not hold it: the index and the shards "
-                                     "do not belong together (files of two downloads?)")
+                    raise ValueError(
+                        f"tpcore: {index} maps {key!r} to {name}, which does not hold it: the "
+                        "index and the shards do not belong together (files of two downloads?)"
+                    )
             self.files = {key: files[name] for key, name in weight_map.items()}
         elif os.path.isfile(single):
             file = SafetensorsFile(single)
@@ -183,8 +227,8 @@ class SafetensorsFolder:
         else:
             found = sorted(os.listdir(path)) if os.path.isdir(path) else "not a directory"
             raise FileNotFoundError(
-                f"tpcore: no model.safetensors or model.safetensors.index.json in {path} ({found}); "
-                "save the model with save_pretrained(..., safe_serialization=True)"
+                f"tpcore: no model.safetensors or model.safetensors.index.json in {path} "
+                f"({found}); save the model with save_pretrained(..., safe_serialization=True)"
             )
 
     def __contains__(self, key: str) -> bool:
@@ -195,19 +239,29 @@ class SafetensorsFolder:
         file = self.files[key]
         return file.shape(key), file.path
 
-    def read(self, key: str, dim: int | None = None, ranges: Iterable[tuple[int, int]] = ()) -> torch.Tensor:
-        """Tensor `key` (ranges `[lo, hi)` along `dim`, concatenated; the whole of it when `dim` is None)."""
+    def read(
+        self, key: str, dim: int | None = None, ranges: Iterable[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """Tensor `key` (ranges `[lo, hi)` along `dim`, concatenated; the whole of it when `dim` is
+        None)."""
         return self.files[key].read(key, dim, ranges)
 
 
-def _header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
-    """The padded JSON header of `entries` (name, dtype, shape) laid out in order, and each one's byte size."""
+def _header(
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[int]]:
+    """The padded JSON header of `entries` (name, dtype, shape) laid out in order, and each one's
+    byte size."""
     header, offset, sizes = {}, 0, []
     if metadata:
         header["__metadata__"] = metadata
     for name, dtype, shape in entries:
         size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
         sizes.append(size)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -218,7 +272,12 @@ class SafetensorsWriter:
     """A safetensors file written tensor by tensor in the order of `entries` (name, dtype,
     shape), whose header is written first: only the tensor being added is in memory."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         raw, self._sizes = _header(entries, metadata)
         self.path, self.entries, self.count = path, list(entries), 0
         self.bytes = 8 + len(raw) + sum(self._sizes)
@@ -230,7 +289,10 @@ class SafetensorsWriter:
         """Write the next tensor (its dtype and shape are checked against the header)."""
         name, dtype, shape = self._next()
         if tensor.dtype != dtype or list(tensor.shape) != list(shape):
-            raise ValueError(f"tpcore: writing {self.path}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, its header says {dtype} {list(shape)}")
+            raise ValueError(
+                f"tpcore: writing {self.path}: tensor {name!r} "
+                f"is {tensor.dtype} {list(tensor.shape)}, its header says {dtype} {list(shape)}"
+            )
         self._write_rows(tensor, dtype)
         self.count += 1
 
@@ -243,13 +305,19 @@ class SafetensorsWriter:
         if got:
             got[dim] = sum(p.shape[dim] for p in parts)
         if got != list(shape) or any(p.dim() != len(got) for p in parts):
-            raise ValueError(f"tpcore: writing {self.path}: parts of {name!r} make {got}, its header says {list(shape)}")
+            raise ValueError(
+                f"tpcore: writing {self.path}: parts of {name!r} "
+                f"make {got}, its header says {list(shape)}"
+            )
         if dim == 0 or len(parts) == 1:  # row-major: the parts' bytes one after the other
             for part in parts:
                 self._write_rows(part, dtype)
         else:  # each block of rows interleaves the parts
             if len(got) != 2:
-                raise ValueError(f"tpcore: writing {self.path}: {name!r}: parts split along dim {dim} are written for 2-D tensors only")
+                raise ValueError(
+                    f"tpcore: writing {self.path}: {name!r}: parts split "
+                    f"along dim {dim} are written for 2-D tensors only"
+                )
             rows, width = got
             step = max(1, BLOCK_BYTES // max(1, width * parts[0].element_size()))
             for start in range(0, rows, step):
@@ -262,7 +330,10 @@ class SafetensorsWriter:
 
     def _next(self) -> tuple[str, torch.dtype, Sequence[int]]:
         if self.count == len(self.entries):
-            raise ValueError(f"tpcore: writing {self.path}: more tensors than its header lists ({len(self.entries)})")
+            raise ValueError(
+                f"tpcore: writing {self.path}: more tensors "
+                f"than its header lists ({len(self.entries)})"
+            )
         return self.entries[self.count]
 
     def _write_rows(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -272,7 +343,9 @@ class SafetensorsWriter:
         if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
             self._write_contiguous(t)
             return
-        row_bytes = (t[0].numel() if t.dim() > 1 else 1) * max(t.element_size(), torch.empty(0, dtype=dtype).element_size())
+        row_bytes = (t[0].numel() if t.dim() > 1 else 1) * max(
+            t.element_size(), torch.empty(0, dtype=dtype).element_size()
+        )
         step = max(1, BLOCK_BYTES // max(1, row_bytes))
         for start in range(0, t.shape[0], step):
             piece = t[start : start + step]
@@ -286,4 +359,7 @@ class SafetensorsWriter:
         """Close the file; a ValueError when fewer tensors were added than the header lists."""
         self._file.close()
         if self.count != len(self.entries):
-            raise ValueError(f"tpcore: writing {self.path}: {self.count} of the {len(self.entries)} tensors its header lists were written")
+            raise ValueError(
+                f"tpcore: writing {self.path}: {self.count} of "
+                f"the {len(self.entries)} tensors its header lists were written"
+            )

@@ -70,10 +70,14 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
     return parsed
 
 
-_ABANDONED = "tpcore_shm/abandoned"  # a rank that gave up making the group says why (backend.cpp too)
+_ABANDONED = (
+    "tpcore_shm/abandoned"  # a rank that gave up making the group says why (backend.cpp too)
+)
 
 
-def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: list[int]) -> list[str]:
+def _hosts(
+    store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: list[int]
+) -> list[str]:
     """Every member's host identity, exchanged through the group's store with the group's
     rank list. A member that made this group with gloo instead (gloo's own keys appear in
     the same store) or with other ranks is named at once, and one that never comes within
@@ -89,20 +93,24 @@ def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: l
                 why = store.get(_ABANDONED).decode()
                 # the same kind of error as the rank that gave up: a ValueError for bad arguments
                 error = ValueError if why.startswith("ValueError: ") else RuntimeError
-                raise error(f"tpcore: rank {ranks[rank]}: a rank gave up making the group of ranks {ranks}: {why}")
+                raise error(
+                    f"tpcore: rank {ranks[rank]}: a rank gave up "
+                    f"making the group of ranks {ranks}: {why}"
+                )
             absent = [r for r in range(size) if not store.check([keys[r]])]
             on_gloo = [ranks[r] for r in absent if store.check([f"0/{r}"])]  # gloo's address key
             if on_gloo:
                 raise ValueError(
-                    f"tpcore: rank {ranks[rank]} made the group of ranks {ranks} with backend 'tpcore', but "
-                    f"rank(s) {on_gloo} made it with 'gloo': every rank must pass the same backend to "
-                    "init_process_group / new_group"
+                    f"tpcore: rank {ranks[rank]} made the group of ranks {ranks} with "
+                    f"backend 'tpcore', but rank(s) {on_gloo} made it with 'gloo': every "
+                    "rank must pass the same backend to init_process_group / new_group"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"tpcore: Timed out after {timeout.total_seconds():g} s making the group of ranks {ranks}: "
-                    f"rank(s) {[ranks[r] for r in absent]} never made it with backend 'tpcore' (do all ranks "
-                    "call new_group with the same ranks and backend, in the same order?)"
+                    f"tpcore: Timed out after {timeout.total_seconds():g} s making the "
+                    f"group of ranks {ranks}: rank(s) {[ranks[r] for r in absent]} "
+                    "never made it with backend 'tpcore' (do all ranks call new_group "
+                    "with the same ranks and backend, in the same order?)"
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
@@ -111,8 +119,9 @@ def _hosts(store: dist.Store, rank: int, size: int, timeout: timedelta, ranks: l
         if other:
             r, theirs = other[0]
             raise ValueError(
-                f"tpcore: rank {ranks[rank]} made a group of ranks {ranks}, but its group rank {r} made it "
-                f"as {theirs}: every rank must pass the same ranks to new_group, in the same order of calls"
+                f"tpcore: rank {ranks[rank]} made a group of ranks {ranks}, "
+                f"but its group rank {r} made it as {theirs}: every rank must "
+                "pass the same ranks to new_group, in the same order of calls"
             )
     except Exception as e:
         if not store.check([_ABANDONED]):  # the first rank to give up says why

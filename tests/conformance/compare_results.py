@@ -48,9 +48,15 @@ def main() -> None:
     args = parser.parse_args()
     runs = {p: outcomes(p) for p in [args.reference, *args.others]}
     for path, (res, total) in runs.items():
-        counts = {k: sum(1 for o, _, _ in res.values() if o == k) for k in ("pass", "fail", "hang", "skip")}
-        print(f"{path}: {len(res)} tests, " + ", ".join(f"{k} {v}" for k, v in counts.items())
-              + f", {total:.0f} s")
+        counts = {
+            k: sum(1 for o, _, _ in res.values() if o == k)
+            for k in ("pass", "fail", "hang", "skip")
+        }
+        print(
+            f"{path}: {len(res)} tests, "
+            + ", ".join(f"{k} {v}" for k, v in counts.items())
+            + f", {total:.0f} s"
+        )
     ref, _ = runs[args.reference]
     for path in args.others:
         res, _ = runs[path]

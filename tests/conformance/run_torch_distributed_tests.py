@@ -46,8 +46,10 @@ Usage (from the repository root; the environment is that of test_distributed_spa
 
     BACKEND=tpcore WORLD_SIZE=2 python -m pytest tests/conformance/run_torch_distributed_tests.py \\
         -p no:cacheprovider --noconftest --timeout 600 -q [-k EXPR]
-    BACKEND=gloo   WORLD_SIZE=2 python -m pytest tests/conformance/run_torch_distributed_tests.py ...
-    BACKEND=tpcore WORLD_SIZE=3 python tests/conformance/run_torch_distributed_tests.py -k test_all_reduce
+    BACKEND=gloo   WORLD_SIZE=2 python -m pytest \\
+        tests/conformance/run_torch_distributed_tests.py ...
+    BACKEND=tpcore WORLD_SIZE=3 python tests/conformance/run_torch_distributed_tests.py \\
+        -k test_all_reduce
 
 Environment:
 
@@ -302,13 +304,14 @@ TPCORE_FAILURES = (
 _SELECTIONS = {"quick": QUICK_TESTS, "tpcore-failures": TPCORE_FAILURES}
 _SELECTION = os.environ.get("TPCORE_CONFORMANCE_SELECTION", "all")
 if _SELECTION.startswith("file:"):  # test names, one a line
-    with open(_SELECTION[len("file:"):]) as _f:
+    with open(_SELECTION[len("file:") :]) as _f:
         _SELECTIONS[_SELECTION] = tuple(line.strip() for line in _f if line.strip())
 if _SELECTION != "all" and _SELECTION not in _SELECTIONS:
     raise RuntimeError(
         f"TPCORE_CONFORMANCE_SELECTION={_SELECTION!r}: expected all, file:PATH, "
         + ", ".join(_SELECTIONS)
     )
+
 
 class _Hidden:
     """Stands in for a test left out of the selection: unittest and pytest collect only

@@ -5,6 +5,16 @@ trainer's own format lives in `tpcore.train.checkpoint`.)
 Activation recompute, which `tpcore.checkpoint` was before, is `tpcore.recompute`.
 """
 
-from .dcp import load_sharded_optimizer_state_dict, load_sharded_state_dict, sharded_optimizer_state_dict, sharded_state_dict
+from .dcp import (
+    load_sharded_optimizer_state_dict,
+    load_sharded_state_dict,
+    sharded_optimizer_state_dict,
+    sharded_state_dict,
+)
 
-__all__ = ["sharded_state_dict", "load_sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict"]
+__all__ = [
+    "sharded_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optimizer_state_dict",
+    "load_sharded_optimizer_state_dict",
+]

@@ -1,8 +1,8 @@
 """tpcore models in torch's distributed checkpoint (DCP), from the shard specs.
 
-    state = tpcore.sharded_state_dict(model)              # same names and shapes as the dense model's
+    state = tpcore.sharded_state_dict(model)  # same names and shapes as the dense model's
     torch.distributed.checkpoint.save(state, checkpoint_id=path)
-    ...                                                    # later, at any TP size
+    ...                                       # later, at any TP size
     state = tpcore.sharded_state_dict(model)
     torch.distributed.checkpoint.load(state, checkpoint_id=path)
     tpcore.load_sharded_state_dict(model, state)
@@ -53,7 +53,8 @@ def _checkpointable_protocol() -> bool:
 
 
 USE_CHECKPOINTABLE = _checkpointable_protocol()
-"""Build the sharded values as `CheckpointableTensor`s (torch 2.15+) rather than `ShardedTensor`s."""
+"""Build the sharded values as `CheckpointableTensor`s (torch 2.15+) rather than
+`ShardedTensor`s."""
 
 
 def _checkpointable(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -118,13 +119,15 @@ def _loaded_shards(value, spec: ShardSpec) -> list[torch.Tensor]:
     if not hasattr(value, "local_shards"):  # (a ShardedTensor is a torch.Tensor too)
         if tuple(value.shape) != spec.local_shape:
             raise ValueError(
-                f"tpcore: load_sharded_state_dict: a piece of shape {list(value.shape)}, expected {list(spec.local_shape)}"
+                f"tpcore: load_sharded_state_dict: a piece of shape {list(value.shape)}, expected "
+                f"{list(spec.local_shape)}"
             )
         return [value.narrow(dim, local_start, length) for local_start, _, length in ranges]
     shards = [shard.tensor for shard in value.local_shards()]
     if len(shards) != len(ranges):
         raise ValueError(
-            f"tpcore: load_sharded_state_dict: {len(shards)} local shards for a piece of {len(ranges)} owned ranges"
+            f"tpcore: load_sharded_state_dict: {len(shards)} local shards for a piece of "
+            f"{len(ranges)} owned ranges"
         )
     return shards
 
@@ -203,7 +206,8 @@ def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> No
     missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or extra:
         raise KeyError(
-            f"tpcore: load_sharded_state_dict: the state dict does not fit the module (missing {missing[:5]}, unexpected {extra[:5]})"
+            "tpcore: load_sharded_state_dict: the state dict does not fit the module (missing "
+            f"{missing[:5]}, unexpected {extra[:5]})"
         )
     specs = {name: shard_spec(p) for name, p in module.named_parameters()}
     with torch.no_grad():
@@ -325,7 +329,8 @@ def load_sharded_optimizer_state_dict(
         for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", [])):
             if [names[id(p)] for p in group["params"]] != list(saved["params"]):
                 raise ValueError(
-                    "tpcore: the optimizer's parameter groups do not hold the parameters the checkpoint's do"
+                    "tpcore: the optimizer's parameter groups do not hold the parameters the "
+                    "checkpoint's do"
                 )
             group.update({k: v for k, v in saved.items() if k != "params"})
     else:  # ParallelAdamW takes its own state dict

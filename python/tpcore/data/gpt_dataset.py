@@ -54,25 +54,37 @@ class GPTDataset(torch.utils.data.Dataset):
         cache_dir: str | None = None,
     ) -> None:
         if seq_length < 1 or num_samples < 0:
-            raise ValueError(f"tpcore: GPTDataset: bad seq_length {seq_length} or num_samples {num_samples}")
+            raise ValueError(
+                f"tpcore: GPTDataset: bad seq_length {seq_length} or num_samples {num_samples}"
+            )
         ranges = split_documents(len(indexed.doc_idx) - 1, valid_fraction)
         if split not in ranges:
             raise ValueError(f"tpcore: GPTDataset: split must be 'train' or 'valid', got {split!r}")
         self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
         first_doc, last_doc = ranges[split]
         # Sequences of those documents (one per document for tpcore-made data).
-        self.sequences = np.arange(indexed.doc_idx[first_doc], indexed.doc_idx[last_doc], dtype=np.int64)
+        self.sequences = np.arange(
+            indexed.doc_idx[first_doc], indexed.doc_idx[last_doc], dtype=np.int64
+        )
         tokens = int(indexed.sizes[self.sequences].sum()) if len(self.sequences) else 0
         if num_samples and tokens < seq_length + 1:
             raise ValueError(
-                f"tpcore: {indexed.prefix}: the {split} split has {tokens} tokens, fewer than one sample of {seq_length + 1}"
+                f"tpcore: {indexed.prefix}: the {split} split has {tokens} tokens, fewer than one "
+                f"sample of {seq_length + 1}"
             )
         # The sizes' digest too: data made again in place with the same counts (documents
         # reordered, say) must not reuse an index of the old order.
-        sizes = hashlib.sha1(np.ascontiguousarray(indexed.sizes[self.sequences]).tobytes()).hexdigest()[:16]
-        key = f"{split}-{seq_length}-{num_samples}-{seed}-{first_doc}-{last_doc}-{len(indexed)}-{tokens}-{sizes}"
+        sizes = hashlib.sha1(
+            np.ascontiguousarray(indexed.sizes[self.sequences]).tobytes()
+        ).hexdigest()[:16]
+        key = (
+            f"{split}-{seq_length}-{num_samples}-{seed}-{first_doc}-{last_doc}-{len(indexed)}-"
+            f"{tokens}-{sizes}"
+        )
         where = indexed.prefix
-        if cache_dir is not None:  # one folder for many datasets: the data's own path is part of the key
+        if (
+            cache_dir is not None
+        ):  # one folder for many datasets: the data's own path is part of the key
             key += f"-{os.path.realpath(indexed.prefix)}"
             where = os.path.join(cache_dir, os.path.basename(indexed.prefix))
         self.cache_path = f"{where}.{split}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
@@ -89,7 +101,9 @@ class GPTDataset(torch.utils.data.Dataset):
         per_epoch = (tokens - 1) // self.seq_length if tokens else 0
         epochs = -(-self.num_samples // per_epoch) if per_epoch else 0
         rng = np.random.RandomState(seed)
-        order = np.concatenate([rng.permutation(self.sequences) for _ in range(epochs)] or [np.zeros(0, np.int64)])
+        order = np.concatenate(
+            [rng.permutation(self.sequences) for _ in range(epochs)] or [np.zeros(0, np.int64)]
+        )
         sizes = self.indexed.sizes[order].astype(np.int64)
         ends = np.cumsum(sizes)  # token position (in the stream) where each sequence ends
         window_starts = np.arange(self.num_samples + 1, dtype=np.int64) * self.seq_length
@@ -118,8 +132,11 @@ class GPTDataset(torch.utils.data.Dataset):
             with atomic_output(self.cache_path) as tmp, open(tmp, "wb") as f:
                 np.savez(f, order=arrays[0], starts=arrays[1], shuffle=arrays[2])
         except OSError as e:  # a read-only or full data folder: the index is rebuilt next time
-            warnings.warn(f"tpcore: GPTDataset: cannot cache the sample index at {self.cache_path} ({e}); "
-                          "it is rebuilt at every start", stacklevel=3)
+            warnings.warn(
+                f"tpcore: GPTDataset: cannot cache the sample index at {self.cache_path} ({e}); "
+                "it is rebuilt at every start",
+                stacklevel=3,
+            )
 
     def __len__(self) -> int:
         return self.num_samples

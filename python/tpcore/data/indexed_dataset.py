@@ -24,7 +24,14 @@ __all__ = ["IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES", "stats_path
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document index entries
@@ -40,9 +47,13 @@ def write_error(path: str, error: OSError) -> OSError:
     """`error` (a failed write of `path`) as an OSError naming the file and the errno, with
     what to do about a full disk: the raw one names neither (buffered writes fail in close())."""
     code = errno.errorcode.get(error.errno, "error") if error.errno else type(error).__name__
-    hint = ": the disk is full (free space or write elsewhere)" if error.errno == errno.ENOSPC else ""
+    hint = (
+        ": the disk is full (free space or write elsewhere)" if error.errno == errno.ENOSPC else ""
+    )
     wrapped = OSError(f"tpcore: writing {path} failed: {code} ({error.strerror or error}){hint}")
-    wrapped.errno = error.errno  # str() stays the message above (a filename attribute would replace it)
+    wrapped.errno = (
+        error.errno
+    )  # str() stays the message above (a filename attribute would replace it)
     return wrapped
 
 
@@ -70,15 +81,18 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens) -> None:
         array = np.asarray(tokens)
         if array.ndim != 1:
-            raise ValueError(f"tpcore: IndexedDatasetBuilder: a document must be 1-D, got shape {array.shape}")
+            raise ValueError(
+                f"tpcore: IndexedDatasetBuilder: a document must be 1-D, got shape {array.shape}"
+            )
         if array.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             low, high = array.min().item(), array.max().item()
             if low < info.min or high > info.max:
                 bad = low if low < info.min else high
                 raise ValueError(
-                    f"tpcore: IndexedDatasetBuilder: token id {bad} is outside the range of {self.dtype} "
-                    f"[{info.min}, {info.max}] (a larger vocabulary needs dtype=np.int32: best_token_dtype(vocab_size))"
+                    f"tpcore: IndexedDatasetBuilder: token id {bad} is outside the range of "
+                    f"{self.dtype} [{info.min}, {info.max}] (a larger vocabulary needs "
+                    "dtype=np.int32: best_token_dtype(vocab_size))"
                 )
         try:
             self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
@@ -125,8 +139,11 @@ class IndexedDatasetBuilder:
         os.replace(self._tmp + ".bin", self.prefix + ".bin")
         os.replace(self._tmp + ".idx", self.prefix + ".idx")
         stats = {
-            "format": _STATS_FORMAT, "min_token_id": self._min_id, "max_token_id": self._max_id,
-            "bin_bytes": os.path.getsize(self.prefix + ".bin"), "idx_bytes": os.path.getsize(self.prefix + ".idx"),
+            "format": _STATS_FORMAT,
+            "min_token_id": self._min_id,
+            "max_token_id": self._max_id,
+            "bin_bytes": os.path.getsize(self.prefix + ".bin"),
+            "idx_bytes": os.path.getsize(self.prefix + ".idx"),
         }
         with atomic_output(stats_path(self.prefix)) as tmp, open(tmp, "w") as f:
             json.dump(stats, f)
@@ -155,7 +172,14 @@ _CHUNK = 1 << 22
 """Index entries checked at once when opening (bounds the temporary arrays of a huge index)."""
 
 
-def _check_sequences(idx_path: str, bin_path: str, bin_size: int, sizes: np.ndarray, pointers: np.ndarray, dtype: np.dtype) -> None:
+def _check_sequences(
+    idx_path: str,
+    bin_path: str,
+    bin_size: int,
+    sizes: np.ndarray,
+    pointers: np.ndarray,
+    dtype: np.dtype,
+) -> None:
     """Sizes >= 0, each sequence right after the one before (pointers = running sum of
     sizes x itemsize) and `.bin` exactly as long as all of them: a sequence merely inside
     `.bin` is not enough, since an unrelated `.idx` or a changed dtype byte also points
@@ -166,7 +190,10 @@ def _check_sequences(idx_path: str, bin_path: str, bin_size: int, sizes: np.ndar
         negative = np.flatnonzero(nbytes < 0)
         if negative.size:
             i = start + int(negative[0])
-            raise ValueError(f"tpcore: {idx_path}: sequence {i} has a negative size {int(sizes[i])}: corrupt index")
+            raise ValueError(
+                f"tpcore: {idx_path}: sequence {i} has a negative size {int(sizes[i])}: "
+                "corrupt index"
+            )
         nbytes *= itemsize
         ends = end + np.cumsum(nbytes)
         starts = ends - nbytes
@@ -174,15 +201,17 @@ def _check_sequences(idx_path: str, bin_path: str, bin_size: int, sizes: np.ndar
         if wrong.size:
             i = start + int(wrong[0])
             raise ValueError(
-                f"tpcore: {idx_path}: sequence {i} starts at byte {int(pointers[i])} but the sequences before it end at "
-                f"byte {int(starts[wrong[0]])} (sizes x {itemsize} bytes of {dtype}): the pointers contradict the sizes "
-                "and the dtype code (a changed dtype byte or a corrupt index)"
+                f"tpcore: {idx_path}: sequence {i} starts at byte {int(pointers[i])} but the "
+                f"sequences before it end at byte {int(starts[wrong[0]])} (sizes x {itemsize} "
+                f"bytes of {dtype}): the pointers contradict the sizes and the dtype code (a "
+                "changed dtype byte or a corrupt index)"
             )
         end = int(ends[-1])
     if end != bin_size:
         raise ValueError(
-            f"tpcore: {bin_path}: {bin_size} bytes but {idx_path} describes {end} bytes ({len(sizes)} sequences of {dtype}): "
-            "the two files do not belong together, or one is truncated or corrupt"
+            f"tpcore: {bin_path}: {bin_size} bytes but {idx_path} describes {end} bytes "
+            f"({len(sizes)} sequences of {dtype}): the two files do not belong together, or one "
+            "is truncated or corrupt"
         )
 
 
@@ -190,20 +219,31 @@ def _check_doc_idx(idx_path: str, doc_idx: np.ndarray, count: int) -> None:
     """The document index starts at 0, stays within [0, sequences] and never decreases."""
     if len(doc_idx) == 0 or doc_idx[0] != 0:
         got = int(doc_idx[0]) if len(doc_idx) else "nothing"
-        raise ValueError(f"tpcore: {idx_path}: document index must start at 0, got {got}: corrupt index")
+        raise ValueError(
+            f"tpcore: {idx_path}: document index must start at 0, got {got}: corrupt index"
+        )
     for start in range(0, len(doc_idx), _CHUNK):
         part = doc_idx[start : start + _CHUNK]
         outside = np.flatnonzero((part < 0) | (part > count))
         if outside.size:
             i = start + int(outside[0])
-            raise ValueError(f"tpcore: {idx_path}: document index entry {i} is {int(doc_idx[i])}, outside [0, {count}]: corrupt index")
-        # Each entry against the one before it (the first of a chunk against the last of the previous).
-        previous = doc_idx[max(start - 1, 0) : start + len(part) - 1] if start else np.concatenate(([0], part[:-1]))
+            raise ValueError(
+                f"tpcore: {idx_path}: document index entry {i} is {int(doc_idx[i])}, outside [0, "
+                f"{count}]: corrupt index"
+            )
+        # Each entry against the one before it (the first of a chunk against the last of the
+        # previous).
+        previous = (
+            doc_idx[max(start - 1, 0) : start + len(part) - 1]
+            if start
+            else np.concatenate(([0], part[:-1]))
+        )
         falling = np.flatnonzero(part < previous)
         if falling.size:
             i = start + int(falling[0])
             raise ValueError(
-                f"tpcore: {idx_path}: document index is not sorted (entry {i} is {int(doc_idx[i])} after {int(doc_idx[i - 1])}): corrupt index"
+                f"tpcore: {idx_path}: document index is not sorted (entry {i} is {int(doc_idx[i])} "
+                f"after {int(doc_idx[i - 1])}): corrupt index"
             )
 
 
@@ -221,21 +261,29 @@ class IndexedDataset:
                 raise FileNotFoundError(f"tpcore: indexed dataset file {path} does not exist{hint}")
         idx_size = os.path.getsize(idx_path)
         if idx_size < _HEADER.size:
-            raise ValueError(f"tpcore: {idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
+            raise ValueError(
+                f"tpcore: {idx_path}: truncated index ({idx_size} bytes, header needs "
+                f"{_HEADER.size})"
+            )
         with open(idx_path, "rb") as f:
             magic, version, code, count, doc_count = _HEADER.unpack(f.read(_HEADER.size))
         if magic != MAGIC:
-            raise ValueError(f"tpcore: {idx_path}: not an indexed dataset index (bad magic {magic!r})")
+            raise ValueError(
+                f"tpcore: {idx_path}: not an indexed dataset index (bad magic {magic!r})"
+            )
         if version != VERSION:
-            raise ValueError(f"tpcore: {idx_path}: unsupported index version {version} (expected {VERSION})")
+            raise ValueError(
+                f"tpcore: {idx_path}: unsupported index version {version} (expected {VERSION})"
+            )
         if code not in DTYPE_CODES:
             raise ValueError(f"tpcore: {idx_path}: unknown dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _HEADER.size + count * 4 + count * 8 + doc_count * 8
         if idx_size != expected:
             raise ValueError(
-                f"tpcore: {idx_path}: index is {idx_size} bytes but its header describes {expected} "
-                f"({count} sequences, {doc_count} document index entries): truncated or corrupt"
+                f"tpcore: {idx_path}: index is {idx_size} bytes but its header describes "
+                f"{expected} ({count} sequences, {doc_count} document index entries): "
+                "truncated or corrupt"
             )
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         offset = _HEADER.size
@@ -247,7 +295,9 @@ class IndexedDataset:
         bin_size = os.path.getsize(bin_path)
         _check_sequences(idx_path, bin_path, bin_size, self.sizes, self.pointers, self.dtype)
         _check_doc_idx(idx_path, self.doc_idx, count)
-        self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+        self._bin = (
+            np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+        )
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -262,7 +312,10 @@ class IndexedDataset:
         size = int(self.sizes[i])
         length = size - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tpcore: {self.prefix}: tokens [{offset}, {offset + length}) outside sequence {i} of {size}")
+            raise IndexError(
+                f"tpcore: {self.prefix}: tokens [{offset}, {offset + length}) outside sequence "
+                f"{i} of {size}"
+            )
         start = int(self.pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
 
@@ -279,7 +332,10 @@ class IndexedDataset:
             with open(stats_path(self.prefix)) as f:
                 stats = json.load(f)
             sizes = (os.path.getsize(self.prefix + ".bin"), os.path.getsize(self.prefix + ".idx"))
-            if stats.get("format") != _STATS_FORMAT or (stats["bin_bytes"], stats["idx_bytes"]) != sizes:
+            if (
+                stats.get("format") != _STATS_FORMAT
+                or (stats["bin_bytes"], stats["idx_bytes"]) != sizes
+            ):
                 return None
             if stats["max_token_id"] is None:
                 return (0, -1)
@@ -287,13 +343,20 @@ class IndexedDataset:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def token_range(self, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> tuple[int, int]:
+    def token_range(
+        self, start: int = 0, stop: int | None = None, chunk: int = 1 << 24
+    ) -> tuple[int, int]:
         """(smallest, largest) token id among tokens `[start, stop)` of `.bin`, read in chunks;
         `(0, -1)` when the range is empty."""
         stop = self.num_tokens if stop is None else stop
         low, high = None, None
         for begin in range(start, stop, chunk):
-            tokens = np.frombuffer(self._bin, dtype=self.dtype, count=min(chunk, stop - begin), offset=begin * self.dtype.itemsize)
+            tokens = np.frombuffer(
+                self._bin,
+                dtype=self.dtype,
+                count=min(chunk, stop - begin),
+                offset=begin * self.dtype.itemsize,
+            )
             low = tokens.min().item() if low is None else min(low, tokens.min().item())
             high = tokens.max().item() if high is None else max(high, tokens.max().item())
         return (0, -1) if high is None else (int(low), int(high))

@@ -130,7 +130,9 @@ def preprocess(
     keys_seen: list[str] = []  # of the first line without the key, for the error below
     first_error = ""  # of the first malformed line, for the error below
     lines = _parsed_lines(input_path, fmt, json_key)
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
+    pool = (
+        mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) if workers > 1 else None
+    )
     encoded = pool.imap(_encode, lines, chunksize=256) if pool else map(_encode, lines)
     if pool is None:
         _init_worker(tokenizer)
@@ -144,7 +146,9 @@ def preprocess(
                         counts["missing_key"] += 1
                         error = f"no field {json_key!r} (the line has {error[:8]})"
                     if on_error == "fail":
-                        raise MalformedLine(f"tpcore: preprocess: {input_path}, line {number}: {error}")
+                        raise MalformedLine(
+                            f"tpcore: preprocess: {input_path}, line {number}: {error}"
+                        )
                     first_error = first_error or f"line {number}: {error}"
                     counts["skipped"] += 1
                     continue
@@ -156,21 +160,31 @@ def preprocess(
                 if progress and time.monotonic() - last > 0.5:
                     last = time.monotonic()
                     rate = counts["documents"] / (last - start)
-                    print(f"\r{counts['documents']} documents, {counts['tokens']} tokens ({rate:.0f} docs/s)", end="", file=sys.stderr)
+                    print(
+                        f"\r{counts['documents']} documents, {counts['tokens']} tokens "
+                        f"({rate:.0f} docs/s)",
+                        end="",
+                        file=sys.stderr,
+                    )
             if counts["documents"] == 0 and counts["missing_key"]:
                 # Raised inside the builder's block: it removes what it wrote.
                 raise MalformedLine(
-                    f"tpcore: preprocess: no line of {input_path} has a string field {json_key!r} (--json-key): "
-                    f"{counts['missing_key']} lines lack it (the first has keys {keys_seen[:8]}), "
-                    f"{counts['skipped'] - counts['missing_key']} other lines are malformed"
+                    f"tpcore: preprocess: no line of {input_path} has a string field {json_key!r} "
+                    f"(--json-key): {counts['missing_key']} lines lack it (the first has keys "
+                    f"{keys_seen[:8]}), {counts['skipped'] - counts['missing_key']} other lines "
+                    "are malformed"
                 )
             if counts["documents"] == 0 and counts["skipped"]:
                 raise MalformedLine(
-                    f"tpcore: preprocess: no line of {input_path} is a document ({fmt}): {counts['skipped']} malformed "
-                    f"lines (the first, {first_error}); is --format right?"
+                    f"tpcore: preprocess: no line of {input_path} is a document ({fmt}): "
+                    f"{counts['skipped']} malformed lines (the first, {first_error}); is "
+                    "--format right?"
                 )
             if counts["documents"] == 0:
-                raise MalformedLine(f"tpcore: preprocess: {input_path} holds no document (it is empty or only blank lines)")
+                raise MalformedLine(
+                    f"tpcore: preprocess: {input_path} holds no document (it is empty or only "
+                    "blank lines)"
+                )
     finally:
         if pool is not None:
             pool.terminate()
@@ -181,26 +195,65 @@ def preprocess(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpcore-preprocess", description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help="a .jsonl file (one JSON object per line) or a text file")
+    parser.add_argument(
+        "--input", required=True, help="a .jsonl file (one JSON object per line) or a text file"
+    )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--format", choices=["auto", "jsonl", "text"], default="auto", help="auto: by the file's ending")
-    parser.add_argument("--json-key", default="text", help="field holding the text in each JSON line")
-    parser.add_argument("--tokenizer", default="byte", help='"byte", the path of a tokenizer.json, or a Hugging Face model folder holding one')
-    parser.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    parser.add_argument(
+        "--format",
+        choices=["auto", "jsonl", "text"],
+        default="auto",
+        help="auto: by the file's ending",
+    )
+    parser.add_argument(
+        "--json-key", default="text", help="field holding the text in each JSON line"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        help='"byte", the path of a tokenizer.json, or a Hugging Face model folder holding one',
+    )
+    parser.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="end every document with the end-of-document token",
+    )
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    parser.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="malformed lines: skip and count, or stop")
+    parser.add_argument(
+        "--on-error",
+        choices=["skip", "fail"],
+        default="skip",
+        help="malformed lines: skip and count, or stop",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
     try:
         counts = preprocess(
-            args.input, args.output_prefix, tokenizer=args.tokenizer, fmt=args.format, json_key=args.json_key,
-            append_eod=args.append_eod, workers=args.workers, on_error=args.on_error, progress=not args.quiet,
+            args.input,
+            args.output_prefix,
+            tokenizer=args.tokenizer,
+            fmt=args.format,
+            json_key=args.json_key,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            on_error=args.on_error,
+            progress=not args.quiet,
         )
-    except (ValueError, OSError) as e:  # MalformedLine, a missing input, a full disk (named by the builder)
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # MalformedLine, a missing input, a full disk (named by the builder)
         print(e, file=sys.stderr)
         return 1
-    missing = f" ({counts['missing_key']} without the key {args.json_key!r})" if counts["missing_key"] else ""
-    print(f"{args.output_prefix}: {counts['documents']} documents, {counts['tokens']} tokens, {counts['skipped']} malformed lines skipped{missing}")
+    missing = (
+        f" ({counts['missing_key']} without the key {args.json_key!r})"
+        if counts["missing_key"]
+        else ""
+    )
+    print(
+        f"{args.output_prefix}: {counts['documents']} documents, {counts['tokens']} tokens, "
+        f"{counts['skipped']} malformed lines skipped{missing}"
+    )
     return 0
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 __all__ = ["micro_batch_indices"]
 
 
-def micro_batch_indices(step: int, micro_step: int, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:
+def micro_batch_indices(
+    step: int,
+    micro_step: int,
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> range:
     """Sample indices of micro batch `micro_step` of optimizer step `step` on DP rank `dp_rank`.
 
     Global batch `step` is samples `[step * G, (step + 1) * G)`; its micro step m is the
@@ -16,7 +24,8 @@ def micro_batch_indices(step: int, micro_step: int, *, global_batch_size: int, m
     per_micro_step = micro_batch_size * dp_size
     if global_batch_size % per_micro_step:
         raise ValueError(
-            f"tpcore: global batch size {global_batch_size} is not divisible by micro batch size {micro_batch_size} x data-parallel size {dp_size}"
+            f"tpcore: global batch size {global_batch_size} is not divisible by micro batch size "
+            f"{micro_batch_size} x data-parallel size {dp_size}"
         )
     if not 0 <= micro_step < global_batch_size // per_micro_step or not 0 <= dp_rank < dp_size:
         raise ValueError(f"tpcore: micro step {micro_step} or DP rank {dp_rank} out of range")

@@ -24,14 +24,14 @@ from .._module_utils import SharesProcessGroups
 from ..parallel_state import resolve_tensor_group
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.shard_spec import ShardSpec, set_shard_spec
-from .lm_head import VocabParallelLMHead
-from .plan import Load, Plan, Replacement, make_plan
-from .slices import spec_ranges
 from .grads import install_gradient_sums
+from .lm_head import VocabParallelLMHead
 from .moe import install_moe_blocks
+from .plan import Load, Plan, Replacement, make_plan
 from .policy import get_policy
 from .rank_config import RankConfig
 from .scaled_embedding import ScaledVocabParallelEmbedding
+from .slices import spec_ranges
 from .split_norm import SplitRMSNorm
 from .weights import BLOCK_BYTES, DenseSource, SafetensorsSource
 
@@ -46,16 +46,22 @@ def _build_layer(rep: Replacement, group: dist.ProcessGroup, dtype: torch.dtype)
     if rep.role == "column":
         return ColumnParallelLinear(rep.in_features, rep.out_features, rep.bias, **common)
     if rep.role == "row":
-        return RowParallelLinear(rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common)
+        return RowParallelLinear(
+            rep.in_features, rep.out_features, rep.bias, input_is_parallel=True, **common
+        )
     if rep.role == "norm":
-        return SplitRMSNorm(rep.out_features, rep.eps, weight_after_cast=rep.weight_after_cast, **common)
+        return SplitRMSNorm(
+            rep.out_features, rep.eps, weight_after_cast=rep.weight_after_cast, **common
+        )
     if rep.role == "embedding":
         args = (rep.in_features, rep.out_features)
         common.update(padding_idx=rep.padding_idx, make_vocab_size_divisible_by=1)
         if rep.embed_scale is not None:
             return ScaledVocabParallelEmbedding(*args, embed_scale=rep.embed_scale, **common)
         return VocabParallelEmbedding(*args, **common)
-    return VocabParallelLMHead(rep.in_features, rep.out_features, rep.bias, vocab_size=rep.vocab_size, **common)
+    return VocabParallelLMHead(
+        rep.in_features, rep.out_features, rep.bias, vocab_size=rep.vocab_size, **common
+    )
 
 
 # Roles whose module is kept, its parameters cut (see plan.py).
@@ -74,11 +80,16 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent) if parent else model), child
 
 
-def _set_parameter(module: nn.Module, attr: str, value: torch.Tensor, like: nn.Parameter, requires_grad: bool) -> nn.Parameter:
+def _set_parameter(
+    module: nn.Module, attr: str, value: torch.Tensor, like: nn.Parameter, requires_grad: bool
+) -> nn.Parameter:
     """Put `value` in `module.attr` as a Parameter carrying `like`'s tpcore attributes and the
     replaced parameter's `requires_grad` (a frozen weight stays frozen)."""
     if tuple(value.shape) != tuple(like.shape):
-        raise RuntimeError(f"tpcore.hf: slice for {type(module).__name__}.{attr} has shape {list(value.shape)}, the layer expects {list(like.shape)}")
+        raise RuntimeError(
+            f"tpcore.hf: slice for {type(module).__name__}.{attr} has shape {list(value.shape)}, "
+            f"the layer expects {list(like.shape)}"
+        )
     param = nn.Parameter(value, requires_grad=requires_grad)
     param.__dict__.update(like.__dict__)
     module._parameters[attr] = param
@@ -95,7 +106,11 @@ def _keep_attributes_on_copy(module: nn.Module) -> None:
     cls = type(module)
     if not isinstance(module, SharesProcessGroups):
         if cls not in _COPYABLE:
-            _COPYABLE[cls] = type(cls.__name__, (SharesProcessGroups, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _COPYABLE[cls] = type(
+                cls.__name__,
+                (SharesProcessGroups, cls),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            )
         module.__class__ = _COPYABLE[cls]
 
 
@@ -108,7 +123,10 @@ def _checked_spec(name: str, attr: str, load: Load) -> ShardSpec:
     read = tuple(r for r in load.ranges if r[1] > r[0]) if load.dim is not None else ()
     held = spec_ranges(spec) if spec.kind != "replicated" else ()
     if read != held:
-        raise RuntimeError(f"tpcore.hf: {name}.{attr}: the plan reads {list(read)} but its shard spec holds {list(held)}")
+        raise RuntimeError(
+            f"tpcore.hf: {name}.{attr}: the plan reads {list(read)} but its shard spec holds "
+            f"{list(held)}"
+        )
     return spec
 
 
@@ -129,12 +147,20 @@ def _names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _in_source(load: Load, aliases: list[str], source) -> Load:
-    """`load` under the first of its names the source holds (a checkpoint keeps one name of a tied tensor)."""
+    """`load` under the first of its names the source holds (a checkpoint keeps one name of a
+    tied tensor)."""
     key = next((name for name in [load.key, *aliases] if name in source), load.key)
     return dataclasses.replace(load, key=key)
 
 
-def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype: torch.dtype | None, device) -> None:
+def _apply(
+    model: nn.Module,
+    plan: Plan,
+    group: dist.ProcessGroup,
+    source,
+    dtype: torch.dtype | None,
+    device,
+) -> None:
     """Replace the planned modules and fill their parameters from `source`."""
     aliases = _names_by_parameter(model)
     new_of: dict[int, nn.Parameter] = {}  # id(old parameter) -> new parameter
@@ -144,24 +170,42 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
         old = getattr(parent, child)
         if rep.role in _KEPT:  # the module stays; its parameters become this rank's slices
             layer = old
-            shapes = {attr: _kept_shape(getattr(old, attr), load) for attr, load in rep.loads.items()}
+            shapes = {
+                attr: _kept_shape(getattr(old, attr), load) for attr, load in rep.loads.items()
+            }
         else:
             layer = _build_layer(rep, group, dtype or old.weight.dtype)
             shapes = layer._parameters
         for attr, load in rep.loads.items():
             old_param, meta = getattr(old, attr), shapes[attr]
-            if id(old_param) in new_of:  # tied to a parameter replaced before (the head to the embedding)
+            if (
+                id(old_param) in new_of
+            ):  # tied to a parameter replaced before (the head to the embedding)
                 shared = new_of[id(old_param)]
                 if shared.shape != meta.shape:
-                    raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is tied to a parameter of shape {list(shared.shape)}, the layer expects {list(meta.shape)}")
+                    raise RuntimeError(
+                        f"tpcore.hf: {rep.name}.{attr} is tied to a parameter of shape "
+                        f"{list(shared.shape)}, the layer expects {list(meta.shape)}"
+                    )
                 layer._parameters[attr] = shared
                 continue
             target_device = device if device is not None else old_param.device
             if target_device.type == "meta":
-                raise RuntimeError(f"tpcore.hf: {rep.name}.{attr} is on the meta device and no device was given")
+                raise RuntimeError(
+                    f"tpcore.hf: {rep.name}.{attr} is on the meta device and no device was given"
+                )
             load = _in_source(load, aliases[id(old_param)], source)
-            param = _set_parameter(layer, attr, source.read(load, dtype or old_param.dtype, target_device), meta, old_param.requires_grad)
-            set_shard_spec(param, _checked_spec(rep.name, attr, load).at(load.spec.tp_size, load.spec.tp_rank, group))
+            param = _set_parameter(
+                layer,
+                attr,
+                source.read(load, dtype or old_param.dtype, target_device),
+                meta,
+                old_param.requires_grad,
+            )
+            set_shard_spec(
+                param,
+                _checked_spec(rep.name, attr, load).at(load.spec.tp_size, load.spec.tp_rank, group),
+            )
             new_of[id(old_param)] = param
             keep_alive.append(old_param)
         if rep.role in _KEPT:
@@ -179,11 +223,12 @@ def _apply(model: nn.Module, plan: Plan, group: dist.ProcessGroup, source, dtype
 
 def _save_pretrained_refused(cls: str, *args, **kwargs) -> None:
     raise NotImplementedError(
-        f"tpcore.hf: save_pretrained of a {cls} split by tpcore.hf is not supported: each rank holds only its slices, "
-        "and the folder would hold one rank's slices under the full model's names, which transformers cannot load. "
-        "Save the dense model (or keep its folder) before splitting; to export fine-tuned weights, fine-tune through "
-        "tpcore's Hugging Face bridge (tpcore.models.load_hf_weights into a GPTModel, or the trainer's --load-hf) and "
-        "export with tpcore.models.export_hf (the trainer's --save-hf)"
+        f"tpcore.hf: save_pretrained of a {cls} split by tpcore.hf is not supported: each rank "
+        "holds only its slices, and the folder would hold one rank's slices under the full model's "
+        "names, which transformers cannot load. Save the dense model (or keep its folder) before "
+        "splitting; to export fine-tuned weights, fine-tune through tpcore's Hugging Face bridge "
+        "(tpcore.models.load_hf_weights into a GPTModel, or the trainer's --load-hf) and export "
+        "with tpcore.models.export_hf (the trainer's --save-hf)"
     )
 
 
@@ -193,12 +238,16 @@ def _refuse_save_pretrained(model: nn.Module) -> None:
     A partial of a module-level function: copy.deepcopy and pickle keep it."""
     for module in model.modules():
         if callable(getattr(module, "save_pretrained", None)):
-            module.save_pretrained = functools.partial(_save_pretrained_refused, type(module).__name__)
+            module.save_pretrained = functools.partial(
+                _save_pretrained_refused, type(module).__name__
+            )
 
 
 def _check_not_parallel(model: nn.Module) -> None:
     if any(isinstance(m, _TPCORE_LAYERS) for m in model.modules()):
-        raise ValueError(f"tpcore.hf: {type(model).__name__} already holds tpcore layers (parallelized twice?)")
+        raise ValueError(
+            f"tpcore.hf: {type(model).__name__} already holds tpcore layers (parallelized twice?)"
+        )
 
 
 def _weight_fingerprints(model: nn.Module) -> tuple[list[str], torch.Tensor]:
@@ -211,7 +260,14 @@ def _weight_fingerprints(model: nn.Module) -> tuple[list[str], torch.Tensor]:
             block = block.double()
             total, squares = total + block.sum(), squares + block.square().sum()
         names.append(name)
-        rows.append(torch.stack([torch.as_tensor(total, dtype=torch.float64), torch.as_tensor(squares, dtype=torch.float64)]))
+        rows.append(
+            torch.stack(
+                [
+                    torch.as_tensor(total, dtype=torch.float64),
+                    torch.as_tensor(squares, dtype=torch.float64),
+                ]
+            )
+        )
     return names, torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -227,16 +283,23 @@ def _check_same_weights(model: nn.Module, group: dist.ProcessGroup) -> None:
     # The counts first: models with different parameters would all-gather different sizes.
     counts = comm.all_gather(torch.tensor([len(names)], device=device), 0, group).tolist()
     if len(set(counts)) > 1:
-        raise ValueError(f"tpcore.hf: parallelize: the ranks hold different models ({counts} parameters on ranks 0..{world - 1})")
+        raise ValueError(
+            f"tpcore.hf: parallelize: the ranks hold different models ({counts} parameters on "
+            f"ranks 0..{world - 1})"
+        )
     everyone = comm.all_gather(mine.to(device), 0, group).view(world, -1, 2).cpu()
     # Summation order can differ with the thread count: equal within float64 rounding.
-    same = torch.isclose(everyone, everyone[0], rtol=1e-9, atol=0.0, equal_nan=True).all(dim=2).all(dim=0)
+    same = (
+        torch.isclose(everyone, everyone[0], rtol=1e-9, atol=0.0, equal_nan=True)
+        .all(dim=2)
+        .all(dim=0)
+    )
     if not bool(same.all()):
         differing = [n for n, ok in zip(names, same.tolist()) if not ok]
         raise ValueError(
-            f"tpcore.hf: parallelize: the ranks hold different weights ({len(differing)} of {len(names)} parameters "
-            f"differ, e.g. {differing[:3]}); build or load the model the same way on every rank (seed the "
-            "initialization, or load it with from_pretrained)"
+            f"tpcore.hf: parallelize: the ranks hold different weights ({len(differing)} of "
+            f"{len(names)} parameters differ, e.g. {differing[:3]}); build or load the model the "
+            "same way on every rank (seed the initialization, or load it with from_pretrained)"
         )
 
 
@@ -246,8 +309,9 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     Call on every rank of the group with the same model (same weights: checked, every
     rank raises alike if they differ). The policy of `model.config.model_type` names the
     modules that become column / row-parallel linears, the vocab-parallel embedding and the
-    vocab-parallel LM head; the attention modules get this rank's head counts. Returns `model`, whose `forward` and `generate`
-    give the dense results on every rank (logits gathered over the vocabulary).
+    vocab-parallel LM head; the attention modules get this rank's head counts. Returns
+    `model`, whose `forward` and `generate` give the dense results on every rank (logits
+    gathered over the vocabulary).
     Sizes that cannot be split raise a ValueError before any weight moves.
     """
     get_policy(model.config)  # an unsupported architecture fails first, even without groups
@@ -271,7 +335,9 @@ def _parameters_on_meta() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
 
     nn.Module.register_parameter = register_on_meta
     try:
@@ -292,12 +358,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _config_dtype(config, dtype) -> torch.dtype:
     if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = (
+            getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        )
     given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(f"tpcore.hf: dtype must be float32, bfloat16, float16 or float64, got {given!r}")
+        raise ValueError(
+            f"tpcore.hf: dtype must be float32, bfloat16, float16 or float64, got {given!r}"
+        )
     return dtype
 
 
@@ -308,7 +378,9 @@ def _model_class(config, model_class):
         return getattr(transformers, model_class) if isinstance(model_class, str) else model_class
     names = getattr(config, "architectures", None) or []
     if not names or not hasattr(transformers, names[0]):
-        raise ValueError(f"tpcore.hf: the config names no known architecture ({names}); pass model_class=")
+        raise ValueError(
+            f"tpcore.hf: the config names no known architecture ({names}); pass model_class="
+        )
     return getattr(transformers, names[0])
 
 
@@ -328,10 +400,14 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
     gives it. Checked from the headers before any weight is read: a contradiction made one
     rank fail cutting its slice (an expand error) while another went on into a collective."""
     wrong, seen, lacking = [], set(), []
-    buffers = [(name, b) for name, b in model.named_buffers() if _is_persistent(model, name)]  # what _load_rest loads
+    buffers = [
+        (name, b) for name, b in model.named_buffers() if _is_persistent(model, name)
+    ]  # what _load_rest loads
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *buffers]:
         key = source.resolve(name) or source.resolve_experts(name)
-        if source.resolve(name) is None and tensor.dim():  # experts stored one by one (or not at all)
+        if (
+            source.resolve(name) is None and tensor.dim()
+        ):  # experts stored one by one (or not at all)
             lacking += source.missing_experts(name, tensor.shape[0])
         if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
             continue
@@ -341,13 +417,15 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
             wrong.append(f"{key!r} is {found} in {file} but the config gives {list(tensor.shape)}")
     if lacking:  # before the shapes: the experts after a gap would read as another expert count
         more = f" and {len(lacking) - 8} more" if len(lacking) > 8 else ""
-        raise KeyError(f"tpcore.hf: {path} lacks {len(lacking)} tensor(s) of experts stored one by one: {lacking[:8]}{more} "
-                       "(a partial download, or an index.json that leaves them out)")
+        raise KeyError(
+            f"tpcore.hf: {path} lacks {len(lacking)} tensor(s) of experts stored one by one: "
+            f"{lacking[:8]}{more} (a partial download, or an index.json that leaves them out)"
+        )
     if wrong:
         more = f"; and {len(wrong) - 4} more" if len(wrong) > 4 else ""
         raise ValueError(
-            f"tpcore.hf: {os.path.join(path, 'config.json')} contradicts the weights: {len(wrong)} tensor(s) differ: "
-            + "; ".join(wrong[:4]) + more
+            f"tpcore.hf: {os.path.join(path, 'config.json')} contradicts the weights: {len(wrong)} "
+            "tensor(s) differ: " + "; ".join(wrong[:4]) + more
         )
 
 
@@ -361,14 +439,19 @@ def _warn_unexpected(model: nn.Module, source: SafetensorsSource, path: str) -> 
     used: set[str] = set()
     for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
         used.update(source.stored_keys(name))
-    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    unexpected = sorted(k for k in source.files if k not in used and not any(p.search(k) for p in ignored))
+    ignored = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ]
+    unexpected = sorted(
+        k for k in source.files if k not in used and not any(p.search(k) for p in ignored)
+    )
     if unexpected:
         more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
         warnings.warn(
-            f"tpcore.hf: {len(unexpected)} tensor(s) of {path} are unexpected (the model that config.json describes has no "
-            f"such parameter) and not loaded, as transformers does not load them: {unexpected[:8]}{more}. Does config.json "
-            "give fewer layers (num_hidden_layers) than the weights hold?",
+            f"tpcore.hf: {len(unexpected)} tensor(s) of {path} are unexpected (the model that "
+            "config.json describes has no such parameter) and not loaded, as transformers does not "
+            f"load them: {unexpected[:8]}{more}. Does config.json give fewer layers "
+            "(num_hidden_layers) than the weights hold?",
             stacklevel=3,
         )
 
@@ -385,12 +468,21 @@ def _same_stored(source: SafetensorsSource, a: str, b: str, dtype: torch.dtype) 
 
     if not shape:
         return torch.equal(read(a, None, []), read(b, None, []))
-    rows = max(1, BLOCK_BYTES // max(1, 8 * math.prod(shape[1:])))  # a block of at most BLOCK_BYTES in float64
-    return all(torch.equal(read(a, 0, [(lo, min(lo + rows, shape[0]))]), read(b, 0, [(lo, min(lo + rows, shape[0]))]))
-               for lo in range(0, shape[0], rows))
+    rows = max(
+        1, BLOCK_BYTES // max(1, 8 * math.prod(shape[1:]))
+    )  # a block of at most BLOCK_BYTES in float64
+    return all(
+        torch.equal(
+            read(a, 0, [(lo, min(lo + rows, shape[0]))]),
+            read(b, 0, [(lo, min(lo + rows, shape[0]))]),
+        )
+        for lo in range(0, shape[0], rows)
+    )
 
 
-def _untie_differing(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, path: str) -> None:
+def _untie_differing(
+    model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, path: str
+) -> None:
     """A config.json that ties weights (`tie_word_embeddings`) beside a checkpoint that stores
     both tied tensors, with different values: transformers >= 5 keeps each as saved (it
     unties them and warns); earlier releases tie them, the first (the embedding) winning.
@@ -398,11 +490,15 @@ def _untie_differing(model: nn.Module, source: SafetensorsSource, dtype: torch.d
     is the usual cause). Each rank compares the same files alike: no collective."""
     import transformers
 
-    tied = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}, what it unties
+    tied = getattr(
+        model, "all_tied_weights_keys", None
+    )  # transformers >= 5: {target: source}, what it unties
     if tied is not None:
         pairs = list(tied.items())
     else:
-        pairs = [(name, names[0]) for names in _names_by_parameter(model).values() for name in names[1:]]
+        pairs = [
+            (name, names[0]) for names in _names_by_parameter(model).values() for name in names[1:]
+        ]
     for target, origin in pairs:
         a, b = source.resolve(origin), source.resolve(target)
         if a is None or b is None or a == b or _same_stored(source, a, b, dtype):
@@ -412,19 +508,25 @@ def _untie_differing(model: nn.Module, source: SafetensorsSource, dtype: torch.d
         else:
             owner, attr = _parent(model, target)
             old = owner._parameters[attr]
-            owner._parameters[attr] = nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad)
+            owner._parameters[attr] = nn.Parameter(
+                torch.empty_like(old, device="meta"), requires_grad=old.requires_grad
+            )
             tied.pop(target)
             what = "both are loaded as saved, untied"
         warnings.warn(
-            f"tpcore.hf: {os.path.join(path, 'config.json')} ties {target!r} to {origin!r} (tie_word_embeddings), but the checkpoint "
-            f"holds both with different values: {what}, as transformers {transformers.__version__} does. Set "
-            "tie_word_embeddings to false in config.json to keep the saved head without this warning",
+            f"tpcore.hf: {os.path.join(path, 'config.json')} ties {target!r} to {origin!r} "
+            f"(tie_word_embeddings), but the checkpoint holds both with different values: {what}, "
+            f"as transformers {transformers.__version__} does. Set tie_word_embeddings to false in "
+            "config.json to keep the saved head without this warning",
             stacklevel=3,
         )
 
 
-def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill the parameters left on meta (norms, position embeddings...) and the persistent buffers."""
+def _load_rest(
+    model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill the parameters left on meta (norms, position embeddings...) and the persistent
+    buffers."""
     aliases = _names_by_parameter(model)
     new_of: dict[int, nn.Parameter] = {}
     missing = []
@@ -436,9 +538,13 @@ def _load_rest(model: nn.Module, source: SafetensorsSource, dtype: torch.dtype, 
         if load.key not in source:
             missing.append(name)
             continue
-        new_of[id(p)] = _set_parameter(owner, attr, source.read(load, dtype, device), p, p.requires_grad)
+        new_of[id(p)] = _set_parameter(
+            owner, attr, source.read(load, dtype, device), p, p.requires_grad
+        )
     if missing:
-        raise KeyError(f"tpcore.hf: the checkpoint lacks {len(missing)} parameter(s): {missing[:8]}")
+        raise KeyError(
+            f"tpcore.hf: the checkpoint lacks {len(missing)} parameter(s): {missing[:8]}"
+        )
     _swap_parameters(model, new_of)
     for name, buffer in model.named_buffers():
         owner, attr = _parent(model, name)
@@ -475,12 +581,20 @@ def from_pretrained(
             f"tpcore.hf: {path} {what} a save_pretrained folder (a hub model: download it first, "
             "e.g. huggingface_hub.snapshot_download)"
         )
-    if not os.path.isfile(os.path.join(path, "config.json")):  # transformers: "Unrecognized model ... Should have a `model_type` key"
-        raise FileNotFoundError(f"tpcore.hf: {path} has no config.json (a partial download, or not a save_pretrained folder)")
+    if not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):  # transformers: "Unrecognized model ... Should have a `model_type` key"
+        raise FileNotFoundError(
+            f"tpcore.hf: {path} has no config.json (a partial download, or not a save_pretrained "
+            "folder)"
+        )
     group = resolve_tensor_group(group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
-        raise ValueError(f"tpcore.hf: tensor_parallel_size={tensor_parallel_size} but the tensor-parallel group has {tp} ranks")
+        raise ValueError(
+            f"tpcore.hf: tensor_parallel_size={tensor_parallel_size} but the tensor-parallel group "
+            f"has {tp} ranks"
+        )
     config = AutoConfig.from_pretrained(path)
     get_policy(config)
     cls, dtype = _model_class(config, model_class), _config_dtype(config, dtype)
@@ -488,7 +602,12 @@ def from_pretrained(
     with _parameters_on_meta(), _default_dtype(dtype):
         model = cls(config)
     plan = make_plan(model, tp, rank)  # every size checked before any weight is read
-    source = SafetensorsSource(path, getattr(model, "base_model_prefix", ""), plan.policy.checkpoint_renames, plan.policy.expert_parts)
+    source = SafetensorsSource(
+        path,
+        getattr(model, "base_model_prefix", ""),
+        plan.policy.checkpoint_renames,
+        plan.policy.expert_parts,
+    )
     _check_shapes(model, source, path)  # headers only: every rank raises alike, before any read
     _warn_unexpected(model, source, path)
     _untie_differing(model, source, dtype, path)

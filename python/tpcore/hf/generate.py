@@ -25,13 +25,17 @@ def select_greedy(local: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
     """Global argmax ids `[b]` from this rank's logits `[b, rows]` whose first column is id
     `vocab_start` (ties: the smallest id, as torch.argmax)."""
     value, index = local.max(-1)
-    pairs = torch.stack([value.double(), (index + vocab_start).double()], -1)  # ids < 2**53 are exact
+    pairs = torch.stack(
+        [value.double(), (index + vocab_start).double()], -1
+    )  # ids < 2**53 are exact
     gathered = comm.all_gather(pairs.unsqueeze(0), 0, group)  # [tp, b, 2]
     best = gathered[..., 0].argmax(0)  # the first rank holding the maximum
     return gathered[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
 
 
-def candidates(local: torch.Tensor, vocab_start: int, group, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(
+    local: torch.Tensor, vocab_start: int, group, top_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, ids), both `[b, c]` and the same on every rank: the union of each rank's
     `top_k` best, or with `top_k=None` the whole vocabulary (a full gather). Ids of `-inf`
     logits (vocabulary padding) are -1."""
@@ -43,8 +47,9 @@ def candidates(local: torch.Tensor, vocab_start: int, group, top_k: int | None) 
     return logits, ids.masked_fill(logits == float("-inf"), -1)
 
 
-def filtered_probs(logits: torch.Tensor, ids: torch.Tensor, *, temperature: float, top_k: int | None,
-                   top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(
+    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, probabilities), `[b, c]`, ids in ascending order: the candidates' distribution
     after temperature, top-k (ties at the k-th logit kept) and top-p (the smallest set whose
     probability exceeds `top_p`, at least one token), as transformers' Temperature-, TopK-
@@ -68,14 +73,22 @@ def _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
     """Checks that raise alike on every rank, before any collective."""
     what = "tpcore.hf.generate:"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError(f"{what} input_ids must be a non-empty [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        raise ValueError(
+            f"{what} input_ids must be a non-empty [batch, seq] tensor, got "
+            f"{getattr(input_ids, 'shape', input_ids)!r}"
+        )
     if input_ids.dtype != torch.int64:
         raise ValueError(f"{what} input_ids must be int64, got {input_ids.dtype}")
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= head.vocab_size:
-        raise ValueError(f"{what} token id {lo if lo < 0 else hi} is outside [0, {head.vocab_size})")
+        raise ValueError(
+            f"{what} token id {lo if lo < 0 else hi} is outside [0, {head.vocab_size})"
+        )
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"{what} attention_mask shape {list(attention_mask.shape)} != input_ids shape {list(input_ids.shape)}")
+        raise ValueError(
+            f"{what} attention_mask shape {list(attention_mask.shape)} != input_ids shape "
+            f"{list(input_ids.shape)}"
+        )
     check_sampling_args(what, max_new_tokens, temperature, top_k)
     if not 0 < top_p <= 1:
         raise ValueError(f"{what} top_p must be in (0, 1], got {top_p!r}")
@@ -105,11 +118,18 @@ def generate(
     """
     head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead)), None)
     if head is None:
-        raise ValueError(f"tpcore.hf.generate: {type(model).__name__} has no vocab-parallel LM head; parallelize it first")
+        raise ValueError(
+            f"tpcore.hf.generate: {type(model).__name__} has no vocab-parallel LM head; "
+            "parallelize it first"
+        )
     _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, head)
     device = head.weight.device
     tokens = input_ids.to(device)
-    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
+    mask = (
+        torch.ones_like(tokens)
+        if attention_mask is None
+        else attention_mask.to(device=device, dtype=torch.long)
+    )
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     accepted = inspect.signature(model.forward).parameters
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
@@ -117,20 +137,38 @@ def generate(
         keep_last["output_router_logits"] = False
     generator = torch.Generator(device=device).manual_seed(seed)
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
-    eos = None if eos_token_id is None else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    eos = (
+        None
+        if eos_token_id is None
+        else torch.tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+        )
+    )
     pad = (None if eos is None else int(eos[0])) if pad_token_id is None else pad_token_id
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), local_logits(model):
-            out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **keep_last)
+            out = model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **keep_last,
+            )
             for step in range(max_new_tokens):
                 local = out.logits[:, -1, :].float()
-                local[:, max(0, head.vocab_size - head.vocab_start) :] = float("-inf")  # padding rows
+                local[:, max(0, head.vocab_size - head.vocab_start) :] = float(
+                    "-inf"
+                )  # padding rows
                 if do_sample:
                     logits, ids = candidates(local, head.vocab_start, head.group, top_k)
-                    ids, probs = filtered_probs(logits, ids, temperature=temperature, top_k=top_k, top_p=top_p)
-                    nxt = ids.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
+                    ids, probs = filtered_probs(
+                        logits, ids, temperature=temperature, top_k=top_k, top_p=top_p
+                    )
+                    nxt = ids.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(
+                        -1
+                    )
                 else:
                     nxt = select_greedy(local, head.vocab_start, head.group)
                 if eos is not None:
@@ -141,8 +179,14 @@ def generate(
                     break
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
                 positions = positions[:, -1:] + 1
-                out = model(input_ids=nxt.unsqueeze(1), attention_mask=mask, position_ids=positions,
-                            past_key_values=out.past_key_values, use_cache=True, **keep_last)
+                out = model(
+                    input_ids=nxt.unsqueeze(1),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                    **keep_last,
+                )
     finally:
         model.train(was_training)
     return tokens

@@ -32,8 +32,14 @@ class _SumGrad(torch.autograd.Function):
     `rows` is given (the k / v rows of a fused q|k|v layer), the rest left as it is."""
 
     @staticmethod
-    def forward(ctx, param: torch.Tensor, group: dist.ProcessGroup, first: int, count: int,
-                rows: tuple[int, int] | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        param: torch.Tensor,
+        group: dist.ProcessGroup,
+        first: int,
+        count: int,
+        rows: tuple[int, int] | None,
+    ) -> torch.Tensor:
         ctx.group, ctx.first, ctx.count, ctx.rows = group, first, count, rows
         return param.view_as(param)
 
@@ -53,7 +59,9 @@ def _hook_module(module: nn.Module, through: Through) -> None:
 
     def before(mod: nn.Module, args) -> None:
         grads = torch.is_grad_enabled()
-        params = {n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad and grads}
+        params = {
+            n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad and grads
+        }
         held.append(params)
         for n, p in params.items():
             mod._parameters[n] = through(p)
@@ -80,7 +88,10 @@ def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
         first = layout.tp_rank // copies * copies
         for rep in plan.replacements:
             if rep.kv_replicated:
-                _hook_module(model.get_submodule(rep.name), lambda p, rows=rep.kv_rows: _SumGrad.apply(p, group, first, copies, rows))
+                _hook_module(
+                    model.get_submodule(rep.name),
+                    lambda p, rows=rep.kv_rows: _SumGrad.apply(p, group, first, copies, rows),
+                )
 
 
 def sum_replicated_kv_grads(model: nn.Module) -> None:

@@ -44,7 +44,11 @@ def _rss_kib() -> dict[str, int]:
     """VmRSS / VmHWM of this process in KiB (empty off Linux)."""
     try:
         with open("/proc/self/status") as f:
-            return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+            return {
+                k: int(v.split()[0])
+                for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmRSS", "VmHWM")
+            }
     except OSError:
         return {}
 
@@ -88,8 +92,18 @@ def _generate(model, *args, **kwargs):
     return generate(model, *args, **kwargs)
 
 
-def _worker(rank: int, world: int, store_path: str, backend: str, timeout_s: float, threads: int,
-            path: str, load_kwargs: dict, tasks, results) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    store_path: str,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    path: str,
+    load_kwargs: dict,
+    tasks,
+    results,
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         import torch.distributed as dist
@@ -98,17 +112,26 @@ def _worker(rank: int, world: int, store_path: str, backend: str, timeout_s: flo
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
         import tpcore
+
         from .convert import from_pretrained
 
         tpcore.initialize_model_parallel(tensor_parallel_size=world)
-        _import_model_code(path, load_kwargs.get("model_class"))  # so load_stats count the weights, not the imports
+        _import_model_code(
+            path, load_kwargs.get("model_class")
+        )  # so load_stats count the weights, not the imports
         before = _rss_kib().get("VmRSS", 0)
         _peak_rss_reset()
         start = time.perf_counter()
         model = from_pretrained(path, **load_kwargs)
-        stats = {"load_s": time.perf_counter() - start, "rss_before_kib": before, "peak_rss_kib": _rss_kib().get("VmHWM", 0)}
+        stats = {
+            "load_s": time.perf_counter() - start,
+            "rss_before_kib": before,
+            "peak_rss_kib": _rss_kib().get("VmHWM", 0),
+        }
         results.put((0, rank, True, stats))
     except BaseException:
         results.put((0, rank, False, traceback.format_exc()))
@@ -121,7 +144,9 @@ def _worker(rank: int, world: int, store_path: str, backend: str, timeout_s: flo
         try:
             value = fn(model, *args, **kwargs)
             value = _detach(value) if rank == 0 else None
-            pickle.dumps(value)  # an unpicklable result fails here, not silently in the queue's thread
+            pickle.dumps(
+                value
+            )  # an unpicklable result fails here, not silently in the queue's thread
             results.put((job_id, rank, True, value))
         except BaseException:
             results.put((job_id, rank, False, traceback.format_exc()))
@@ -137,16 +162,32 @@ class ParallelModel:
     `close()`. `load_stats` has each rank's load time and resident-memory peak while loading.
     """
 
-    def __init__(self, path: str, tensor_parallel_size: int, *, device: str = "cpu", timeout: float = 300.0,
-                 threads_per_rank: int | None = None, **load_kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        tensor_parallel_size: int,
+        *,
+        device: str = "cpu",
+        timeout: float = 300.0,
+        threads_per_rank: int | None = None,
+        **load_kwargs: Any,
+    ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tpcore.hf.launch: tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+            raise ValueError(
+                "tpcore.hf.launch: tensor_parallel_size must be an int >= 1, got "
+                f"{tensor_parallel_size!r}"
+            )
         if device not in ("cpu", "cuda"):
             raise ValueError(f"tpcore.hf.launch: device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
-            raise ValueError(f"tpcore.hf.launch: {tensor_parallel_size} ranks need as many GPUs, found {torch.cuda.device_count()}")
+            raise ValueError(
+                f"tpcore.hf.launch: {tensor_parallel_size} ranks need as many GPUs, found "
+                f"{torch.cuda.device_count()}"
+            )
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"tpcore.hf.launch: {path} is not a directory (a save_pretrained folder)")
+            raise FileNotFoundError(
+                f"tpcore.hf.launch: {path} is not a directory (a save_pretrained folder)"
+            )
         self.world, self.timeout = tensor_parallel_size, timeout
         self._job_id = 0
         self._dir = tempfile.mkdtemp(prefix="tpcore-hf-")
@@ -159,8 +200,18 @@ class ParallelModel:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world, os.path.join(self._dir, "store"), backend, timeout, threads, os.path.abspath(path),
-                      load_kwargs, self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world,
+                    os.path.join(self._dir, "store"),
+                    backend,
+                    timeout,
+                    threads,
+                    os.path.abspath(path),
+                    load_kwargs,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(self.world)
@@ -173,35 +224,51 @@ class ParallelModel:
     def closed(self) -> bool:
         return not self._procs
 
-    def _collect(self, job_id: int, what: str, timeout: float, keep_alive: bool = True) -> list[Any]:
+    def _collect(
+        self, job_id: int, what: str, timeout: float, keep_alive: bool = True
+    ) -> list[Any]:
         """Every worker's answer to `job_id`; raises when one fails, dies or is late."""
-        values, errors, dead = collect_answers(self._results, self._procs, job_id, timeout, _FAILURE_GRACE_S)
+        values, errors, dead = collect_answers(
+            self._results, self._procs, job_id, timeout, _FAILURE_GRACE_S
+        )
         if dead:
             self._kill()
-            raise WorkerError(f"tpcore.hf: {what}: worker(s) died: " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
+            raise WorkerError(
+                f"tpcore.hf: {what}: worker(s) died: "
+                + ", ".join(f"rank {r} exit code {c}" for r, c in dead)
+            )
         if errors or len(values) < self.world:
             missing = sorted(set(range(self.world)) - set(values) - set(errors))
             if missing or not keep_alive:
                 self._kill()  # some worker is stuck (in a collective): none can be trusted
             parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             if missing:
-                parts.append(f"rank(s) {missing} did not answer within the time allowed; the workers were shut down")
+                parts.append(
+                    f"rank(s) {missing} did not answer within the time allowed; the workers were "
+                    "shut down"
+                )
             raise WorkerError(f"tpcore.hf: {what} failed:\n" + "\n".join(parts))
         return [values[r] for r in range(self.world)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         """`fn(model, *args, **kwargs)` on every worker; rank 0's result (tensors on CPU)."""
         if self.closed:
             raise RuntimeError("tpcore.hf: this ParallelModel is closed")
         try:  # here: the queue pickles in a feeder thread, where the error would only be printed
             pickle.dumps((fn, args, kwargs))
         except Exception as e:
-            raise TypeError(f"tpcore.hf: {getattr(fn, '__name__', fn)!s} and its arguments must be picklable "
-                            f"(a module-level function): {type(e).__name__}: {e}") from e
+            raise TypeError(
+                f"tpcore.hf: {getattr(fn, '__name__', fn)!s} and its arguments must be picklable "
+                f"(a module-level function): {type(e).__name__}: {e}"
+            ) from e
         self._job_id += 1
         for q in self._tasks:
             q.put((self._job_id, fn, args, kwargs))
-        return self._collect(self._job_id, getattr(fn, "__name__", "call"), timeout or self.timeout)[0]
+        return self._collect(
+            self._job_id, getattr(fn, "__name__", "call"), timeout or self.timeout
+        )[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (no grad, `use_cache=False` unless given); rank 0's output."""

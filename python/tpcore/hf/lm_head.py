@@ -23,10 +23,21 @@ class VocabParallelLMHead(ColumnParallelLinear):
     rank's `[..., rows]` shard while `local_logits(model)` is active.
     """
 
-    def __init__(self, in_features: int, padded_vocab_size: int, bias: bool = False, *, vocab_size: int, **kwargs) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        padded_vocab_size: int,
+        bias: bool = False,
+        *,
+        vocab_size: int,
+        **kwargs,
+    ) -> None:
         super().__init__(in_features, padded_vocab_size, bias, gather_output=False, **kwargs)
         if not 0 < vocab_size <= padded_vocab_size:
-            raise ValueError(f"tpcore.hf: VocabParallelLMHead: vocab_size {vocab_size} is outside (0, {padded_vocab_size}]")
+            raise ValueError(
+                f"tpcore.hf: VocabParallelLMHead: vocab_size {vocab_size} is outside (0, "
+                f"{padded_vocab_size}]"
+            )
         self.vocab_size = vocab_size
         self.gather_logits = True
 
@@ -46,12 +57,14 @@ class VocabParallelLMHead(ColumnParallelLinear):
 
 
 def find_lm_head(model: nn.Module) -> VocabParallelLMHead:
-    """The model's vocab-parallel head; a ValueError when `model` was not parallelized by tpcore.hf."""
+    """The model's vocab-parallel head; a ValueError when `model` was not parallelized by
+    tpcore.hf."""
     heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
     if len(heads) != 1:
         raise ValueError(
-            f"tpcore.hf: expected one VocabParallelLMHead in {type(model).__name__}, found {len(heads)}; "
-            "parallelize the model with tpcore.hf.parallelize / from_pretrained first"
+            f"tpcore.hf: expected one VocabParallelLMHead in {type(model).__name__}, found "
+            f"{len(heads)}; parallelize the model with tpcore.hf.parallelize / from_pretrained "
+            "first"
         )
     return heads[0]
 

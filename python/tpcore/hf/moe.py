@@ -47,23 +47,36 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _hook_block(block: nn.Module, name: str, experts: nn.Module, experts_name: str, group: dist.ProcessGroup) -> None:
+def _hook_block(
+    block: nn.Module, name: str, experts: nn.Module, experts_name: str, group: dist.ProcessGroup
+) -> None:
     tp_size = dist.get_world_size(group)
 
-    def before(module: nn.Module, args, kwargs):  # checks every rank passes alike: same mode, config and dtype
+    def before(
+        module: nn.Module, args, kwargs
+    ):  # checks every rank passes alike: same mode, config and dtype
         if module.training and getattr(module, "jitter_noise", 0) > 0:
             raise RuntimeError(
-                f"tpcore.hf: MoE block {name!r} trains with router jitter noise ({module.jitter_noise}), which "
-                "each tensor-parallel rank would draw differently; set config.router_jitter_noise = 0 before loading"
+                f"tpcore.hf: MoE block {name!r} trains with router jitter noise "
+                f"({module.jitter_noise}), which each tensor-parallel rank would draw differently; "
+                "set config.router_jitter_noise = 0 before loading"
             )
         # Checked at planning too; again here for a model cast to another dtype after the split.
-        refusal = grouped_gemm_refusal(experts_name, experts.down_proj.shape[-1], experts.down_proj.dtype,
-                                       getattr(experts, "config", None), tp_size)
+        refusal = grouped_gemm_refusal(
+            experts_name,
+            experts.down_proj.shape[-1],
+            experts.down_proj.dtype,
+            getattr(experts, "config", None),
+            tp_size,
+        )
         if refusal:
             raise RuntimeError(refusal)
         if args:
             return (copy_to_tensor_parallel(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": copy_to_tensor_parallel(kwargs["hidden_states"], group)}
+        return args, {
+            **kwargs,
+            "hidden_states": copy_to_tensor_parallel(kwargs["hidden_states"], group),
+        }
 
     def after(module: nn.Module, args, output):
         if isinstance(output, tuple):  # (hidden states, router logits) in some releases
@@ -80,7 +93,8 @@ def _hook_router(router: nn.Module, tp_size: int) -> None:
             return (_ScaleGrad.apply(output[0], 1.0 / tp_size), *output[1:])
         return None
 
-    # First of the forward hooks: transformers' output recorders (router_logits) must see the scaled logits.
+    # First of the forward hooks: transformers' output recorders (router_logits) must see the
+    # scaled logits.
     router.register_forward_hook(after, prepend=True)
 
 
@@ -91,7 +105,13 @@ def install_moe_blocks(model: nn.Module, group: dist.ProcessGroup) -> None:
         return
     for block_name, router_name, experts_name in plan.moe_blocks:
         router = model.get_submodule(router_name)
-        _hook_block(model.get_submodule(block_name), block_name, model.get_submodule(experts_name), experts_name, group)
+        _hook_block(
+            model.get_submodule(block_name),
+            block_name,
+            model.get_submodule(experts_name),
+            experts_name,
+            group,
+        )
         _hook_module(router, lambda p: copy_to_tensor_parallel(p, group))
         _hook_router(router, plan.layout.tp_size)
     for name in plan.moe_summed:

@@ -31,7 +31,10 @@ COLUMN_KINDS = {
     "plain": "any output size divisible by the TP size (MLP up / gate projections)",
     "heads": "query (or multi-head k / v) heads, cut by whole heads",
     "kv_heads": "grouped key / value heads, cut by whole heads; replicated when TP > KV heads",
-    "qkv_blocks": "fused [q | k | v] blocks (GPT-2 c_attn; Phi-3 qkv_proj, k and v as wide as the KV heads): each cut by whole heads",
+    "qkv_blocks": (
+        "fused [q | k | v] blocks (GPT-2 c_attn; Phi-3 qkv_proj, k and v as wide as the KV heads): "
+        "each cut by whole heads"
+    ),
     "halves": "fused [gate | up] halves (Phi-3 gate_up_proj): each half cut evenly",
     "qkv_per_head": "fused per head [h0: q k v | h1: q k v | ...] (GPT-NeoX): cut by whole heads",
 }
@@ -119,25 +122,45 @@ class Policy:
     `{e}.w1.weight` (gate) and `{e}.w3.weight` (up)."""
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     """(regex on a parameter's name, replacement): other names the tensor may have in a
-    checkpoint (transformers renames some keys on save, e.g. GPT-NeoX's `lm_head` to `embed_out`)."""
+    checkpoint (transformers renames some keys on save, e.g. GPT-NeoX's `lm_head` to
+    `embed_out`)."""
 
     def __post_init__(self) -> None:
         for pattern, kind in self.column.items():
             if kind not in COLUMN_KINDS:
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: column {pattern!r} has unknown kind {kind!r}; one of {sorted(COLUMN_KINDS)}")
+                raise ValueError(
+                    f"tpcore.hf: policy {self.name!r}: column {pattern!r} has unknown kind "
+                    f"{kind!r}; one of {sorted(COLUMN_KINDS)}"
+                )
         for attribute, kind in (*self.attention_attributes.items(), *self.attention_config.items()):
             if kind not in ATTRIBUTE_KINDS:
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind {kind!r}; one of {sorted(ATTRIBUTE_KINDS)}")
+                raise ValueError(
+                    f"tpcore.hf: policy {self.name!r}: attribute {attribute!r} has unknown kind "
+                    f"{kind!r}; one of {sorted(ATTRIBUTE_KINDS)}"
+                )
         for pattern, kind in (*self.split_norms.items(), *self.per_head_weights.items()):
             if kind not in ("heads", "kv_heads"):
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: {pattern!r} has kind {kind!r}; one of ['heads', 'kv_heads']")
+                raise ValueError(
+                    f"tpcore.hf: policy {self.name!r}: {pattern!r} has kind {kind!r}; one of "
+                    "['heads', 'kv_heads']"
+                )
         for leaf, parts in self.expert_parts.items():
-            if leaf not in ("gate_up_proj", "down_proj") or not parts or any("{e}" not in t for t in parts):
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: expert_parts {leaf!r}: {parts!r}; keys gate_up_proj / down_proj, "
-                                 "each a non-empty tuple of key templates with {e}")
+            if (
+                leaf not in ("gate_up_proj", "down_proj")
+                or not parts
+                or any("{e}" not in t for t in parts)
+            ):
+                raise ValueError(
+                    f"tpcore.hf: policy {self.name!r}: expert_parts {leaf!r}: {parts!r}; keys "
+                    "gate_up_proj / down_proj, "
+                    "each a non-empty tuple of key templates with {e}"
+                )
         for pattern, kind in self.moe_shared.items():
             if kind not in ("column", "row"):
-                raise ValueError(f"tpcore.hf: policy {self.name!r}: moe_shared {pattern!r} has kind {kind!r}; one of ['column', 'row']")
+                raise ValueError(
+                    f"tpcore.hf: policy {self.name!r}: moe_shared {pattern!r} has kind {kind!r}; "
+                    "one of ['column', 'row']"
+                )
         if not self.model_types:
             raise ValueError(f"tpcore.hf: policy {self.name!r} names no model_types")
 
@@ -145,7 +168,11 @@ class Policy:
         """`head_norms`, plus the modules HF's `base_model_tp_plan` replicates with summed
         gradients when `use_tp_plan`."""
         plan = (getattr(config, "base_model_tp_plan", None) or {}) if self.use_tp_plan else {}
-        extra = [p for p, style in plan.items() if style in _TP_PLAN_SUMMED_GRAD and p not in self.head_norms]
+        extra = [
+            p
+            for p, style in plan.items()
+            if style in _TP_PLAN_SUMMED_GRAD and p not in self.head_norms
+        ]
         return (*self.head_norms, *extra)
 
     def linear_roles(self, config) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -173,7 +200,12 @@ def match(pattern: str, module_name: str) -> bool:
 
 # The table. Module names checked against transformers 5.24 (and older releases' names
 # where they differ: GPT-NeoX's `embed_out`, Llama's per-module head counts before 4.48).
-_DECODER_ATTRIBUTES = {"num_key_value_groups": "kv_groups", "num_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width"}
+_DECODER_ATTRIBUTES = {
+    "num_key_value_groups": "kv_groups",
+    "num_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "hidden_size": "width",
+}
 
 LLAMA = Policy(
     name="llama",
@@ -181,8 +213,21 @@ LLAMA = Policy(
     # (q / k norms per head, soft-capped or scaled logits, clipped q / k / v, multipliers)
     # acts per head or per element, so the same split is exact. Starcoder2's MLP (c_fc /
     # c_proj) comes from its `base_model_tp_plan`.
-    model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "smollm3",
-                 "starcoder2", "helium", "ministral"),
+    model_types=(
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "granite",
+        "olmo",
+        "smollm3",
+        "starcoder2",
+        "helium",
+        "ministral",
+    ),
     column={
         "layers.*.self_attn.q_proj": "heads",
         "layers.*.self_attn.k_proj": "kv_heads",
@@ -215,7 +260,10 @@ GPT2 = Policy(
 GPT_NEOX = Policy(
     name="gpt_neox",
     model_types=("gpt_neox",),
-    column={"layers.*.attention.query_key_value": "qkv_per_head", "layers.*.mlp.dense_h_to_4h": "plain"},
+    column={
+        "layers.*.attention.query_key_value": "qkv_per_head",
+        "layers.*.mlp.dense_h_to_4h": "plain",
+    },
     row=("layers.*.attention.dense", "layers.*.mlp.dense_4h_to_h"),
     embedding=("embed_in",),
     head=("lm_head", "embed_out"),
@@ -228,9 +276,18 @@ GPT_NEOX = Policy(
 
 def _like_llama(name: str, model_types: tuple[str, ...], **fields) -> Policy:
     """Llama's modules and attention attributes under other model types, plus `fields`."""
-    return Policy(name=name, model_types=model_types, column=dict(LLAMA.column), row=LLAMA.row, embedding=LLAMA.embedding,
-                  head=LLAMA.head, attention=LLAMA.attention, attention_attributes=_DECODER_ATTRIBUTES,
-                  num_kv_heads="num_key_value_heads", **fields)
+    return Policy(
+        name=name,
+        model_types=model_types,
+        column=dict(LLAMA.column),
+        row=LLAMA.row,
+        embedding=LLAMA.embedding,
+        head=LLAMA.head,
+        attention=LLAMA.attention,
+        attention_attributes=_DECODER_ATTRIBUTES,
+        num_kv_heads="num_key_value_heads",
+        **fields,
+    )
 
 
 _QK_NORMS = ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm")
@@ -247,25 +304,55 @@ OLMO2 = _like_llama("olmo2", ("olmo2", "olmo3"), split_norms=_QK_NORM_HEADS)
 # Sparse MoE blocks: a router (`mlp.gate`) and fused experts (`mlp.experts`), which
 # transformers saves expert by expert.
 _EXPERTS = ("layers.*.mlp.experts",)
-_EXPERT_PARTS = {"gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"), "down_proj": ("{e}.down_proj.weight",)}
+_EXPERT_PARTS = {
+    "gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
+    "down_proj": ("{e}.down_proj.weight",),
+}
 
 # Qwen2-MoE (Qwen1.5-MoE): a shared expert beside the routed ones, scaled by a sigmoid gate.
-QWEN2_MOE = _like_llama("qwen2_moe", ("qwen2_moe",), moe_experts=_EXPERTS, expert_parts=_EXPERT_PARTS,
-                        moe_shared={"layers.*.mlp.shared_expert.gate_proj": "column", "layers.*.mlp.shared_expert.up_proj": "column",
-                                    "layers.*.mlp.shared_expert.down_proj": "row"},
-                        moe_summed=("layers.*.mlp.shared_expert_gate",))
+QWEN2_MOE = _like_llama(
+    "qwen2_moe",
+    ("qwen2_moe",),
+    moe_experts=_EXPERTS,
+    expert_parts=_EXPERT_PARTS,
+    moe_shared={
+        "layers.*.mlp.shared_expert.gate_proj": "column",
+        "layers.*.mlp.shared_expert.up_proj": "column",
+        "layers.*.mlp.shared_expert.down_proj": "row",
+    },
+    moe_summed=("layers.*.mlp.shared_expert_gate",),
+)
 
-# Mixtral's checkpoints keep the original names: `block_sparse_moe`, experts' w1 (gate), w3 (up), w2 (down).
-MIXTRAL = _like_llama("mixtral", ("mixtral",), moe_experts=_EXPERTS,
-                      expert_parts={"gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)},
-                      checkpoint_renames=((r"\.mlp\.", ".block_sparse_moe."),))
+# Mixtral's checkpoints keep the original names: `block_sparse_moe`, experts' w1 (gate),
+# w3 (up), w2 (down).
+MIXTRAL = _like_llama(
+    "mixtral",
+    ("mixtral",),
+    moe_experts=_EXPERTS,
+    expert_parts={
+        "gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"),
+        "down_proj": ("{e}.w2.weight",),
+    },
+    checkpoint_renames=((r"\.mlp\.", ".block_sparse_moe."),),
+)
 
 # Qwen3-MoE: Qwen3's q / k norms per head; layers listed in `mlp_only_layers` keep a dense MLP.
-QWEN3_MOE = _like_llama("qwen3_moe", ("qwen3_moe",), head_norms=_QK_NORMS, moe_experts=_EXPERTS, expert_parts=_EXPERT_PARTS)
+QWEN3_MOE = _like_llama(
+    "qwen3_moe",
+    ("qwen3_moe",),
+    head_norms=_QK_NORMS,
+    moe_experts=_EXPERTS,
+    expert_parts=_EXPERT_PARTS,
+)
 
 # OLMoE: OLMo 2's q / k norms over all heads (weight applied after the cast back).
-OLMOE = _like_llama("olmoe", ("olmoe",), split_norms=_QK_NORM_HEADS, moe_experts=_EXPERTS,
-                    expert_parts=_EXPERT_PARTS)
+OLMOE = _like_llama(
+    "olmoe",
+    ("olmoe",),
+    split_norms=_QK_NORM_HEADS,
+    moe_experts=_EXPERTS,
+    expert_parts=_EXPERT_PARTS,
+)
 
 PHI3 = Policy(
     name="phi3",
@@ -306,7 +393,9 @@ def register_policy(policy: Policy, *, replace: bool = False) -> None:
     """Make `policy` handle its `model_types` (an error if one is taken, unless `replace`)."""
     taken = [t for t in policy.model_types if t in _REGISTRY and not replace]
     if taken:
-        raise ValueError(f"tpcore.hf: model_type(s) {taken} already have a policy; pass replace=True to override")
+        raise ValueError(
+            f"tpcore.hf: model_type(s) {taken} already have a policy; pass replace=True to override"
+        )
     for model_type in policy.model_types:
         _REGISTRY[model_type] = policy
 
@@ -327,11 +416,24 @@ def get_policy(config) -> Policy:
     if model_type not in _REGISTRY:
         architectures = getattr(config, "architectures", None) or [type(config).__name__]
         raise ValueError(
-            f"tpcore.hf: no tensor-parallel policy for model_type {model_type!r} ({', '.join(architectures)}); "
-            f"supported: {', '.join(supported_model_types())}. Register one with tpcore.hf.register_policy(Policy(...))."
+            f"tpcore.hf: no tensor-parallel policy for model_type {model_type!r} "
+            f"({', '.join(architectures)}); supported: {', '.join(supported_model_types())}. "
+            "Register one with tpcore.hf.register_policy(Policy(...))."
         )
     return _REGISTRY[model_type]
 
 
-for _policy in (LLAMA, GPT2, GPT_NEOX, COHERE, OLMO2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, PHI3, BERT):
+for _policy in (
+    LLAMA,
+    GPT2,
+    GPT_NEOX,
+    COHERE,
+    OLMO2,
+    MIXTRAL,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    OLMOE,
+    PHI3,
+    BERT,
+):
     register_policy(_policy)

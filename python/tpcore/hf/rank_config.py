@@ -32,7 +32,10 @@ class RankConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._fields:
-            raise AttributeError(f"tpcore.hf: {name} is this rank's share ({self._fields[name]}) of the model's; set it on model.config")
+            raise AttributeError(
+                f"tpcore.hf: {name} is this rank's share ({self._fields[name]}) of the model's; "
+                "set it on model.config"
+            )
         setattr(self._config, name, value)
 
     def __repr__(self) -> str:

@@ -10,7 +10,15 @@ from torch import nn
 
 from ..tensor_parallel.shard_spec import Part, ShardSpec
 
-__all__ = ["Load", "Replacement", "HeadLayout", "chunk", "linear_shape", "split_spec", "spec_ranges"]
+__all__ = [
+    "Load",
+    "Replacement",
+    "HeadLayout",
+    "chunk",
+    "linear_shape",
+    "split_spec",
+    "spec_ranges",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class Replacement:
     eps: float | None = None
     """A split norm's epsilon."""
     weight_after_cast: bool = False
-    """A split norm that multiplies by its weight after casting back to the input dtype (OLMoE's)."""
+    """A split norm that multiplies by its weight after casting back to the input dtype
+    (OLMoE's)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,8 @@ class HeadLayout:
 
     @property
     def kv_replicated(self) -> bool:
-        """TP is larger than the KV head count: each rank keeps a copy of the one KV head its queries use."""
+        """TP is larger than the KV head count: each rank keeps a copy of the one KV head its
+        queries use."""
         return self.kv_heads % self.tp_size != 0
 
     @property
@@ -109,7 +119,9 @@ class HeadLayout:
 
 def chunk(size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:
     if size % tp_size:
-        raise ValueError(f"tpcore.hf: {what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
+        raise ValueError(
+            f"tpcore.hf: {what} ({size}) is not divisible by tensor_parallel_size {tp_size}"
+        )
     step = size // tp_size
     return tp_rank * step, (tp_rank + 1) * step
 
@@ -120,10 +132,19 @@ def linear_shape(name: str, module: nn.Module) -> tuple[int, int, bool]:
         return module.in_features, module.out_features, False
     if type(module).__name__ == "Conv1D" and hasattr(module, "nx"):
         return module.nx, module.nf, True
-    raise ValueError(f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Linear or Conv1D")
+    raise ValueError(
+        f"tpcore.hf: module {name!r} is a {type(module).__name__}, expected nn.Linear or Conv1D"
+    )
 
 
-def split_spec(shape: tuple[int, ...], dim: int | None, layout: HeadLayout, parts: tuple[tuple[str, int, int], ...] = (), *, vocab: bool = False) -> ShardSpec:
+def split_spec(
+    shape: tuple[int, ...],
+    dim: int | None,
+    layout: HeadLayout,
+    parts: tuple[tuple[str, int, int], ...] = (),
+    *,
+    vocab: bool = False,
+) -> ShardSpec:
     """The shard spec, on this rank of `layout`, of a parameter of global `shape` split along
     `dim` (None: replicated) into `parts` (name, size, units) or cut by vocabulary rows."""
     placement = dict(tp_size=layout.tp_size, tp_rank=layout.tp_rank)

@@ -31,9 +31,16 @@ class SplitRMSNorm(SharesProcessGroups, nn.Module):
     like the input. The mean runs over all `features`.
     """
 
-    def __init__(self, local_features: int, eps: float, *, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 weight_after_cast: bool = False) -> None:
+    def __init__(
+        self,
+        local_features: int,
+        eps: float,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        weight_after_cast: bool = False,
+    ) -> None:
         super().__init__()
         self.weight_after_cast = weight_after_cast
         self.group = resolve_tensor_group(group)
@@ -46,7 +53,9 @@ class SplitRMSNorm(SharesProcessGroups, nn.Module):
         hidden = hidden.to(torch.float32)
         squares = hidden.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:  # forward and backward: the sum over every rank
-            squares = copy_to_tensor_parallel(reduce_from_tensor_parallel(squares, self.group), self.group)
+            squares = copy_to_tensor_parallel(
+                reduce_from_tensor_parallel(squares, self.group), self.group
+            )
         variance = squares / (hidden.shape[-1] * self.tp_size)
         normed = hidden * torch.rsqrt(variance + self.variance_epsilon)
         if self.weight_after_cast:
@@ -54,4 +63,7 @@ class SplitRMSNorm(SharesProcessGroups, nn.Module):
         return (self.weight * normed).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, eps={self.variance_epsilon}"
+        return (
+            f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, "
+            f"eps={self.variance_epsilon}"
+        )

@@ -22,7 +22,11 @@ import transformers
 __all__ = ["Comparison", "ModelLoadError", "VerifyReport", "verify", "collect", "main"]
 
 # transformers renamed from_pretrained's torch_dtype to dtype in 4.56.
-_DTYPE_KWARG = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+_DTYPE_KWARG = (
+    "dtype"
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
+    else "torch_dtype"
+)
 
 
 class ModelLoadError(ValueError):
@@ -67,21 +71,34 @@ class VerifyReport:
     def __str__(self) -> str:
         lines = [f"tpcore.hf.verify: tensor_parallel_size={self.tensor_parallel_size}"]
         for c in self.comparisons:
-            lines.append(f"  {c.name:<28} max |diff| {c.max_abs_diff:.3e}  (tolerance {c.tolerance:.3e})  {'ok' if c.ok else 'DIVERGES'}")
+            lines.append(
+                f"  {c.name:<28} max |diff| {c.max_abs_diff:.3e}  (tolerance {c.tolerance:.3e})  "
+                f"{'ok' if c.ok else 'DIVERGES'}"
+            )
         for name, same in self.greedy.items():
             lines.append(f"  greedy ids ({name}): {'identical' if same else 'DIFFER'}")
         first = self.first_divergence
-        lines.append("  OK: the parallel model matches the dense one" if self.ok else
-                     f"  FAILED: first divergence at {first}" if first else "  FAILED: greedy generation differs")
+        lines.append(
+            "  OK: the parallel model matches the dense one"
+            if self.ok
+            else f"  FAILED: first divergence at {first}"
+            if first
+            else "  FAILED: greedy generation differs"
+        )
         return "\n".join(lines)
 
 
 def _eos(model):
     config = getattr(model, "generation_config", None)
-    return None if config is None else config.eos_token_id, None if config is None else config.pad_token_id
+    return (
+        None if config is None else config.eos_token_id,
+        None if config is None else config.pad_token_id,
+    )
 
 
-def collect(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> dict:
+def collect(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
+) -> dict:
     """The outputs `verify` compares, as float CPU tensors: hidden states, logits / pooled
     output, and greedy ids (HF's `generate`, and `tpcore.hf.generate` on a parallel model)."""
     from .lm_head import VocabParallelLMHead
@@ -91,7 +108,12 @@ def collect(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     input_ids = input_ids.to(device)
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
+        )
     result = {f"hidden_states[{i}]": h.float().cpu() for i, h in enumerate(out.hidden_states)}
     for name in ("logits", "prediction_logits", "pooler_output"):
         if getattr(out, name, None) is not None:
@@ -105,10 +127,15 @@ def collect(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         # as the model's own config, since generate() fills a passed config's unset fields
         # from the model's.
         saved_config = model.generation_config
-        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
+        model.generation_config = GenerationConfig(
+            eos_token_id=eos, pad_token_id=pad if pad is not None else eos
+        )
         try:
             result["greedy:model.generate"] = model.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
             ).cpu()
         finally:
             model.generation_config = saved_config
@@ -116,26 +143,39 @@ def collect(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             from .generate import generate
 
             result["greedy:tpcore.hf.generate"] = generate(
-                model, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad
+                model,
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
             ).cpu()
     return result
 
 
-def _compare(dense: dict, parallel: dict, tp: int, rtol: float, mask: torch.Tensor | None) -> VerifyReport:
+def _compare(
+    dense: dict, parallel: dict, tp: int, rtol: float, mask: torch.Tensor | None
+) -> VerifyReport:
     report = VerifyReport(tp)
     for name, ref in dense.items():
         if name.startswith("greedy:"):
             continue
         got = parallel[name]
-        if mask is not None and ref.dim() == 3:  # encoders: only the real (unpadded) positions count
+        if (
+            mask is not None and ref.dim() == 3
+        ):  # encoders: only the real (unpadded) positions count
             keep = mask.bool().unsqueeze(-1).expand_as(ref)
             ref, got = ref[keep], got[keep]
         diff = (got - ref).abs().max().item() if ref.numel() else 0.0
         label = name.replace("hidden_states[0]", "hidden_states[0] (embeddings)")
-        report.comparisons.append(Comparison(label, diff, rtol * max(ref.abs().max().item() if ref.numel() else 0.0, 1e-6)))
+        report.comparisons.append(
+            Comparison(
+                label, diff, rtol * max(ref.abs().max().item() if ref.numel() else 0.0, 1e-6)
+            )
+        )
     for name, ids in parallel.items():
         if name.startswith("greedy:"):
-            report.greedy[name[len("greedy:"):]] = torch.equal(ids, dense["greedy:model.generate"])
+            report.greedy[name[len("greedy:") :]] = torch.equal(ids, dense["greedy:model.generate"])
     return report
 
 
@@ -149,9 +189,20 @@ def _inputs(vocab: int, batch: int, seq_len: int, encoder: bool, seed: int):
     return input_ids, mask
 
 
-def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = torch.float32, input_ids: torch.Tensor | None = None,
-           batch: int = 2, seq_len: int = 16, max_new_tokens: int = 8, rtol: float | None = None, seed: int = 0,
-           model_class=None, print_report: bool = True) -> VerifyReport:
+def verify(
+    path_or_model,
+    tensor_parallel_size: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    input_ids: torch.Tensor | None = None,
+    batch: int = 2,
+    seq_len: int = 16,
+    max_new_tokens: int = 8,
+    rtol: float | None = None,
+    seed: int = 0,
+    model_class=None,
+    print_report: bool = True,
+) -> VerifyReport:
     """Compare `path_or_model` (a save_pretrained folder or a dense transformers model) with
     its tensor-parallel version at `tensor_parallel_size`, on random prompts (or `input_ids`).
     Returns a `VerifyReport` (printed by rank 0 unless `print_report=False`)."""
@@ -163,7 +214,9 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
         path = str(path_or_model)
         try:
             config = transformers.AutoConfig.from_pretrained(path)
-            cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+            cls = (
+                getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+            )
             cls = cls or getattr(transformers, config.architectures[0])
             dense = cls.from_pretrained(path, **{_DTYPE_KWARG: dtype}).eval()
         except torch.OutOfMemoryError:  # the machine's limit, not the folder's fault
@@ -171,8 +224,10 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
         except (OSError, ValueError, RuntimeError, KeyError, AttributeError, TypeError) as e:
             # A folder transformers cannot load (a config that contradicts the weights, say):
             # nothing to compare yet, so no parallel model is built.
-            raise ModelLoadError(f"tpcore-hf-verify: transformers cannot load the dense model from {path}: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise ModelLoadError(
+                f"tpcore-hf-verify: transformers cannot load the dense model from {path}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
     else:
         path, dense = None, copy.deepcopy(path_or_model).to(dtype).eval()
     encoder = not getattr(dense, "can_generate", lambda: False)()
@@ -183,14 +238,24 @@ def verify(path_or_model, tensor_parallel_size: int, *, dtype: torch.dtype = tor
     expected = collect(dense, input_ids, mask, max_new_tokens)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:  # under torchrun: every rank builds its part
-        parallel = from_pretrained(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, model_class=model_class) if path \
+        parallel = (
+            from_pretrained(
+                path,
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                model_class=model_class,
+            )
+            if path
             else parallelize(copy.deepcopy(dense))
+        )
         got = collect(parallel, input_ids, mask, max_new_tokens)
     else:
         with tempfile.TemporaryDirectory(prefix="tpcore-verify-") as tmp:
             if path is None:
                 dense.save_pretrained(tmp)
-            with launch(path or tmp, tensor_parallel_size, dtype=dtype, model_class=model_class) as handle:
+            with launch(
+                path or tmp, tensor_parallel_size, dtype=dtype, model_class=model_class
+            ) as handle:
                 got = handle.run(collect, input_ids, mask, max_new_tokens)
     report = _compare(expected, got, tensor_parallel_size, rtol, mask)
     if print_report and (not distributed or dist.get_rank() == 0):
@@ -208,8 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--rtol", type=float, default=None, help="tolerance relative to max |dense| (default per dtype)")
-    parser.add_argument("--model-class", default=None, help="a transformers class name (default: the config's architecture)")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="tolerance relative to max |dense| (default per dtype)",
+    )
+    parser.add_argument(
+        "--model-class",
+        default=None,
+        help="a transformers class name (default: the config's architecture)",
+    )
     args = parser.parse_args(argv)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # launched by torchrun
         import tpcore
@@ -219,8 +293,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         tpcore.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size)
     try:
-        report = verify(args.path, args.tensor_parallel_size, dtype=getattr(torch, args.dtype), batch=args.batch,
-                        seq_len=args.seq_len, max_new_tokens=args.max_new_tokens, rtol=args.rtol, model_class=args.model_class)
+        report = verify(
+            args.path,
+            args.tensor_parallel_size,
+            dtype=getattr(torch, args.dtype),
+            batch=args.batch,
+            seq_len=args.seq_len,
+            max_new_tokens=args.max_new_tokens,
+            rtol=args.rtol,
+            model_class=args.model_class,
+        )
     except ModelLoadError as e:  # the user's folder, not a bug: one line, no traceback
         print(e, file=sys.stderr)
         return 2

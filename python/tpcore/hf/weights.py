@@ -45,7 +45,9 @@ class DenseSource:
         if load.dim is None:
             stored = full.clone()
         else:
-            stored = torch.cat([full.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim)
+            stored = torch.cat(
+                [full.narrow(load.dim, lo, hi - lo) for lo, hi in load.ranges], load.dim
+            )
         return _finish(stored, load, dtype, device)
 
 
@@ -58,21 +60,34 @@ class SafetensorsSource(SafetensorsFolder):
     by expert (`experts.{e}.gate_proj.weight` ...: `expert_parts`, see `Policy`) reads as
     the stack over experts of its parts concatenated along their dim 0."""
 
-    def __init__(self, path: str, prefix: str = "", renames: tuple[tuple[str, str], ...] = (),
-                 expert_parts: dict[str, tuple[str, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        prefix: str = "",
+        renames: tuple[tuple[str, str], ...] = (),
+        expert_parts: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
         super().__init__(path)
         self.prefix, self.renames = prefix, renames
         self.expert_parts = dict(expert_parts or {})
-        self._experts: dict[str, list[list[str]]] = {}  # fused key -> checkpoint keys [expert][part]
+        self._experts: dict[
+            str, list[list[str]]
+        ] = {}  # fused key -> checkpoint keys [expert][part]
 
     def resolve(self, key: str) -> str | None:
         """The checkpoint's name for the model's `key` (as is, renamed, with or without the
         prefix), or None."""
-        names = [key] + [re.sub(pattern, replacement, key) for pattern, replacement in self.renames if re.search(pattern, key)]
+        names = [key] + [
+            re.sub(pattern, replacement, key)
+            for pattern, replacement in self.renames
+            if re.search(pattern, key)
+        ]
         candidates = list(names)
         if self.prefix:
             head = self.prefix + "."
-            candidates += [name[len(head) :] if name.startswith(head) else head + name for name in names]
+            candidates += [
+                name[len(head) :] if name.startswith(head) else head + name for name in names
+            ]
         return next((k for k in candidates if k in self.files), None)
 
     def resolve_experts(self, key: str) -> str | None:
@@ -89,8 +104,11 @@ class SafetensorsSource(SafetensorsFolder):
             if not any(row):
                 break
             if not all(row):
-                raise KeyError(f"tpcore.hf: the checkpoint holds {[k for k in row if k]} but not all of "
-                               f"{[f'{parent}.{t.format(e=len(experts))}' for t in templates]} (expert {len(experts)} of {key!r})")
+                raise KeyError(
+                    f"tpcore.hf: the checkpoint holds {[k for k in row if k]} but not all of "
+                    f"{[f'{parent}.{t.format(e=len(experts))}' for t in templates]} (expert "
+                    f"{len(experts)} of {key!r})"
+                )
             experts.append(row)
         if not experts:
             return None
@@ -104,9 +122,15 @@ class SafetensorsSource(SafetensorsFolder):
         parent, _, leaf = key.rpartition(".")
         if leaf not in self.expert_parts:
             return []
-        rows = [[f"{parent}.{t.format(e=e)}" for t in self.expert_parts[leaf]] for e in range(count)]
+        rows = [
+            [f"{parent}.{t.format(e=e)}" for t in self.expert_parts[leaf]] for e in range(count)
+        ]
         held = [e for e, row in enumerate(rows) if any(self.resolve(k) is not None for k in row)]
-        return [k for row in rows[: held[-1] + 1] for k in row if self.resolve(k) is None] if held else []
+        return (
+            [k for row in rows[: held[-1] + 1] for k in row if self.resolve(k) is None]
+            if held
+            else []
+        )
 
     def __contains__(self, key: str) -> bool:
         return self.resolve(key) is not None or self.resolve_experts(key) is not None
@@ -128,18 +152,33 @@ class SafetensorsSource(SafetensorsFolder):
         first = self._experts[key][0][0]
         parts = next(iter(shapes))
         if len(shapes) > 1 or any(len(p) != 2 or p[1] != parts[0][1] for p in parts):
-            raise ValueError(f"tpcore.hf: the experts' tensors of {key!r} ({first} ...) have shapes {sorted(shapes)[:2]}, "
-                             "expected 2-D parts of one width, alike for every expert")
-        return [len(self._experts[key]), sum(p[0] for p in parts), parts[0][1]], self.files[first].path
+            raise ValueError(
+                f"tpcore.hf: the experts' tensors of {key!r} ({first} ...) have shapes "
+                f"{sorted(shapes)[:2]}, expected 2-D parts of one width, alike for every expert"
+            )
+        return [len(self._experts[key]), sum(p[0] for p in parts), parts[0][1]], self.files[
+            first
+        ].path
 
     def _read_experts(self, load: Load) -> torch.Tensor:
-        """The fused tensor's slice: ranges along dim 1 (the parts' rows) or dim 2 (their columns)."""
+        """The fused tensor's slice: ranges along dim 1 (the parts' rows) or dim 2 (their
+        columns)."""
         if load.dim not in (None, 1, 2):
-            raise ValueError(f"tpcore.hf: {load.key!r} is stored expert by expert; it can be cut along dim 1 or 2, not {load.dim}")
+            raise ValueError(
+                f"tpcore.hf: {load.key!r} is stored expert by expert; it can be cut along dim 1 or "
+                f"2, not {load.dim}"
+            )
         stacked = []
         for row in self._experts[load.key]:
             if load.dim != 1:
-                stacked.append(torch.cat([self.files[k].read(k, None if load.dim is None else 1, load.ranges) for k in row]))
+                stacked.append(
+                    torch.cat(
+                        [
+                            self.files[k].read(k, None if load.dim is None else 1, load.ranges)
+                            for k in row
+                        ]
+                    )
+                )
                 continue
             pieces, offset = [], 0
             for k in row:  # each range's overlap with each part, in order
@@ -150,7 +189,9 @@ class SafetensorsSource(SafetensorsFolder):
                         pieces.append((lo, self.files[k].read(k, 0, [(a - offset, b - offset)])))
                 offset += rows
             order = [lo for lo, _ in load.ranges]  # ranges in the load's order, not the parts'
-            stacked.append(torch.cat([t for _, t in sorted(pieces, key=lambda p: order.index(p[0]))]))
+            stacked.append(
+                torch.cat([t for _, t in sorted(pieces, key=lambda p: order.index(p[0]))])
+            )
         return torch.stack(stacked)
 
     def read(self, load: Load, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:

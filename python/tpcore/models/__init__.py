@@ -8,4 +8,12 @@ from .hf_export import export_hf
 from .hf_weights import load_hf_weights
 from .reference_gpt import ReferenceGPT
 
-__all__ = ["GPTConfig", "GPTModel", "ReferenceGPT", "finalize_sequence_parallel_grads", "generate", "load_hf_weights", "export_hf"]
+__all__ = [
+    "GPTConfig",
+    "GPTModel",
+    "ReferenceGPT",
+    "finalize_sequence_parallel_grads",
+    "generate",
+    "load_hf_weights",
+    "export_hf",
+]

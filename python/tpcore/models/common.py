@@ -15,7 +15,9 @@ from .config import GPTConfig
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim (Zhang & Sennrich 2019)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype | None = None, device=None
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
@@ -33,7 +35,9 @@ class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight) over the last dim, in float32, cast back after the weight
     (Gemma's); the weight starts at zero."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype | None = None, device=None
+    ) -> None:
         super().__init__(size, eps, dtype=dtype, device=device)
         with torch.no_grad():
             self.weight.zero_()
@@ -53,15 +57,20 @@ def make_norm(config: GPTConfig, dtype=None, device=None, size: int | None = Non
 
 
 def scale_embedding(config: GPTConfig, x: torch.Tensor) -> torch.Tensor:
-    """The word embeddings' lookup times `config.embedding_scale`, rounded to x's dtype first (as Gemma's)."""
+    """The word embeddings' lookup times `config.embedding_scale`, rounded to x's dtype first (as
+    Gemma's)."""
     if config.embedding_scale is None:
         return x
     return x * torch.tensor(config.embedding_scale, dtype=x.dtype, device=x.device)
 
 
-def rotary_frequencies(head_dim: int, base: float, scaling: dict | None, device=None) -> torch.Tensor:
+def rotary_frequencies(
+    head_dim: int, base: float, scaling: dict | None, device=None
+) -> torch.Tensor:
     """The `head_dim/2` rotary frequencies (fp32), scaled as `GPTConfig.rotary_scaling` says."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -79,7 +88,9 @@ def rotary_frequencies(head_dim: int, base: float, scaling: dict | None, device=
     return torch.where(medium, blended, stretched)
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_len: int, head_dim: int, base: float, device, dtype, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin `[seq, 1, 1, head_dim/2]` for positions 0..seq-1 (computed in fp32)."""
     inv_freq = rotary_frequencies(head_dim, base, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -93,14 +104,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def mlp_activation(config: GPTConfig, h: torch.Tensor) -> torch.Tensor:
-    """The MLP's nonlinearity on fc1's output `[..., f]` (SwiGLU, GeGLU: `[..., 2f]`, gate then up)."""
+    """The MLP's nonlinearity on fc1's output `[..., f]` (SwiGLU, GeGLU: `[..., 2f]`, gate then
+    up)."""
     if config.gated_mlp:  # a TP shard holds this rank's rows of both gate and up
         gate, up = h.chunk(2, dim=-1)
-        return (F.silu(gate) if config.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
+        return (
+            F.silu(gate) if config.activation == "swiglu" else F.gelu(gate, approximate="tanh")
+        ) * up
     return F.gelu(h, approximate="tanh" if config.activation == "gelu" else "none")
 
 
-def _attention_tracked_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, stream: str) -> torch.Tensor:
+def _attention_tracked_dropout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, stream: str
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) in fp32, tracked dropout, times v: `[b, h, s, d]`."""
     s = q.shape[2]
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
@@ -109,7 +125,13 @@ def _attention_tracked_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.matmul(tracked_dropout(probs, dropout, stream), v)
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, dropout_stream: str | None = None) -> torch.Tensor:
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    dropout_stream: str | None = None,
+) -> torch.Tensor:
     """Causal attention. q `[s, b, h, d]`, k / v `[s, b, kv, d]` (kv divides h) -> `[s, b, h*d]`.
 
     Dropout on the probabilities draws from torch's generator (inside SDPA), or, with
@@ -123,6 +145,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: f
     if dropout > 0 and dropout_stream is not None:
         out = _attention_tracked_dropout(q, k, v, dropout, dropout_stream)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True
+        )
     s, b = out.shape[2], out.shape[0]
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)

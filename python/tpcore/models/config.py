@@ -70,7 +70,8 @@ class GPTConfig:
     """Base of the rotary frequencies."""
     rotary_scaling: dict | None = None
     """Rotary frequency scaling: None, {"rope_type": "linear", "factor": f} or {"rope_type":
-    "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}."""
+    "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}."""
     sliding_window: int | None = None
     """Attention window (Mistral): GPTModel attends to every earlier token, so it refuses
     sequences longer than this, where the window would change the result. None: no window."""
@@ -103,7 +104,11 @@ class GPTConfig:
             self.num_kv_heads = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        for name in ("qkv_bias", "proj_bias", "mlp_bias"):  # resolved, so checkpoints record what was built
+        for name in (
+            "qkv_bias",
+            "proj_bias",
+            "mlp_bias",
+        ):  # resolved, so checkpoints record what was built
             if getattr(self, name) is None:
                 setattr(self, name, self.bias)
         check_positive_ints(
@@ -119,30 +124,44 @@ class GPTConfig:
         )
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"tpcore: GPTConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"tpcore: GPTConfig: {name} must be one "
+                    f"of {allowed}, got {getattr(self, name)!r}"
+                )
         if self.kv_channels is not None:
             check_positive_ints("GPTConfig", kv_channels=self.kv_channels)
             if self.kv_channels * self.num_attention_heads == self.hidden_size:
                 self.kv_channels = None  # the default width: one spelling, so configs compare equal
         elif self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"tpcore: GPTConfig: hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+                f"tpcore: GPTConfig: hidden_size {self.hidden_size} is not "
+                f"divisible by num_attention_heads {self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
-                f"tpcore: GPTConfig: num_attention_heads {self.num_attention_heads} is not divisible by num_kv_heads {self.num_kv_heads}"
+                f"tpcore: GPTConfig: num_attention_heads {self.num_attention_heads} "
+                f"is not divisible by num_kv_heads {self.num_kv_heads}"
             )
         if self.position_embedding == "rotary" and self.head_dim % 2:
-            raise ValueError(f"tpcore: GPTConfig: rotary embeddings need an even head dim, got {self.head_dim}")
+            raise ValueError(
+                f"tpcore: GPTConfig: rotary embeddings need an even head dim, got {self.head_dim}"
+            )
         if self.sliding_window is not None:
             check_positive_ints("GPTConfig", sliding_window=self.sliding_window)
         self._check_rotary_scaling()
         scale = self.embedding_scale
-        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
-            raise ValueError(f"tpcore: GPTConfig: embedding_scale must be None or a positive finite number, got {scale!r}")
+        if scale is not None and not (
+            isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf
+        ):
+            raise ValueError(
+                "tpcore: GPTConfig: embedding_scale must be None "
+                f"or a positive finite number, got {scale!r}"
+            )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"tpcore: GPTConfig: {name} must be in [0, 1), got {getattr(self, name)}")
+                raise ValueError(
+                    f"tpcore: GPTConfig: {name} must be in [0, 1), got {getattr(self, name)}"
+                )
 
     def _check_rotary_scaling(self) -> None:
         scaling = self.rotary_scaling
@@ -151,18 +170,36 @@ class GPTConfig:
         kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
         if kind not in ROTARY_SCALING_KEYS:
             raise ValueError(
-                f"tpcore: GPTConfig: rotary_scaling must be None or a dict whose rope_type is one of {sorted(ROTARY_SCALING_KEYS)}, got {scaling!r}"
+                "tpcore: GPTConfig: rotary_scaling must be None or a dict whose "
+                f"rope_type is one of {sorted(ROTARY_SCALING_KEYS)}, got {scaling!r}"
             )
         if self.position_embedding != "rotary":
             raise ValueError("tpcore: GPTConfig: rotary_scaling needs position_embedding='rotary'")
         wanted = ROTARY_SCALING_KEYS[kind]
-        missing, extra = [k for k in wanted if k not in scaling], sorted(set(scaling) - set(wanted) - {"rope_type"})
+        missing, extra = (
+            [k for k in wanted if k not in scaling],
+            sorted(set(scaling) - set(wanted) - {"rope_type"}),
+        )
         if missing or extra:
-            raise ValueError(f"tpcore: GPTConfig: rotary_scaling {kind!r} needs exactly the keys {list(wanted)} (missing {missing}, unknown {extra})")
-        if not all(isinstance(scaling[k], (int, float)) and not isinstance(scaling[k], bool) and scaling[k] > 0 for k in wanted):
-            raise ValueError(f"tpcore: GPTConfig: rotary_scaling values must be positive numbers, got {scaling!r}")
+            raise ValueError(
+                f"tpcore: GPTConfig: rotary_scaling {kind!r} needs exactly "
+                f"the keys {list(wanted)} (missing {missing}, unknown {extra})"
+            )
+        if not all(
+            isinstance(scaling[k], (int, float))
+            and not isinstance(scaling[k], bool)
+            and scaling[k] > 0
+            for k in wanted
+        ):
+            raise ValueError(
+                "tpcore: GPTConfig: rotary_scaling values "
+                f"must be positive numbers, got {scaling!r}"
+            )
         if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise ValueError(f"tpcore: GPTConfig: rotary_scaling llama3 needs high_freq_factor > low_freq_factor, got {scaling!r}")
+            raise ValueError(
+                "tpcore: GPTConfig: rotary_scaling llama3 needs "
+                f"high_freq_factor > low_freq_factor, got {scaling!r}"
+            )
 
     @property
     def gated_mlp(self) -> bool:
@@ -172,7 +209,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         """Width of one attention head: kv_channels, else H / num_attention_heads."""
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        return (
+            self.kv_channels
+            if self.kv_channels is not None
+            else self.hidden_size // self.num_attention_heads
+        )
 
     @classmethod
     def from_hf(cls, path_or_config, **overrides) -> "GPTConfig":
@@ -195,9 +236,13 @@ class GPTConfig:
         of the KV head its query heads use, as `tpcore.hf` does (see `models/gqa.py`)."""
         for name in ("num_attention_heads", "ffn_hidden_size"):
             if getattr(self, name) % tp:
-                raise ValueError(f"tpcore: GPTConfig: {name} ({getattr(self, name)}) is not divisible by the tensor-parallel size ({tp})")
+                raise ValueError(
+                    f"tpcore: GPTConfig: {name} ({getattr(self, name)}) "
+                    f"is not divisible by the tensor-parallel size ({tp})"
+                )
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise ValueError(
-                f"tpcore: GPTConfig: num_kv_heads ({self.num_kv_heads}) and the tensor-parallel size ({tp}): one must divide the "
-                "other (KV heads are split when TP divides them, replicated over TP / num_kv_heads ranks when they divide TP)"
+                f"tpcore: GPTConfig: num_kv_heads ({self.num_kv_heads}) and the tensor-parallel "
+                f"size ({tp}): one must divide the other (KV heads are split when TP divides "
+                "them, replicated over TP / num_kv_heads ranks when they divide TP)"
             )

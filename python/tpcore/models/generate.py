@@ -18,7 +18,9 @@ from .gpt import GPTModel
 __all__ = ["generate"]
 
 
-def check_sampling_args(what: str, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+def check_sampling_args(
+    what: str, max_new_tokens: int, temperature: float, top_k: int | None
+) -> None:
     """The sampling options every generator takes; raises a ValueError prefixed by `what`."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -32,7 +34,10 @@ def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
     """Every check runs before any collective, alike on all ranks: no rank hangs."""
     c, what = model.config, "tpcore: generate:"
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
-        raise ValueError(f"{what} prompt must be a 2-D [batch, seq] tensor, got shape {list(getattr(prompt, 'shape', []))}")
+        raise ValueError(
+            f"{what} prompt must be a 2-D [batch, seq] tensor, "
+            f"got shape {list(getattr(prompt, 'shape', []))}"
+        )
     if prompt.dtype != torch.int64:
         raise ValueError(f"{what} prompt must be int64 token ids, got {prompt.dtype}")
     if prompt.numel() == 0:
@@ -40,15 +45,21 @@ def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
     check_sampling_args(what, max_new_tokens, temperature, top_k)
     lo, hi = prompt.min().item(), prompt.max().item()
     if lo < 0 or hi >= c.vocab_size:
-        raise ValueError(f"{what} prompt token id {lo if lo < 0 else hi} is out of range [0, {c.vocab_size})")
+        raise ValueError(
+            f"{what} prompt token id {lo if lo < 0 else hi} is out of range [0, {c.vocab_size})"
+        )
     if eod is not None and not 0 <= eod < c.vocab_size:
         raise ValueError(f"{what} eod {eod} is out of range [0, {c.vocab_size})")
     if isinstance(model, GPTModel) and c.sequence_parallel and max_new_tokens:
-        tp, window = model.tp_size, min(prompt.shape[1] + max_new_tokens - 1, c.max_position_embeddings)
+        tp, window = (
+            model.tp_size,
+            min(prompt.shape[1] + max_new_tokens - 1, c.max_position_embeddings),
+        )
         if -(-window // tp) * tp > c.max_position_embeddings:
             raise ValueError(
-                f"{what} with sequence_parallel a window of {window} tokens must be padded to a multiple of the "
-                f"tensor-parallel size {tp}, which exceeds max_position_embeddings {c.max_position_embeddings}"
+                f"{what} with sequence_parallel a window of {window} tokens must "
+                f"be padded to a multiple of the tensor-parallel size {tp}, which "
+                f"exceeds max_position_embeddings {c.max_position_embeddings}"
             )
 
 
@@ -57,14 +68,25 @@ def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:
     c, n = model.config, ids.shape[1]
     if not isinstance(model, GPTModel):
         return model(ids)[:, -1, : c.vocab_size]
-    if c.sequence_parallel and n % model.tp_size:  # right-pad: causal, so the last real token's logits hold
+    if (
+        c.sequence_parallel and n % model.tp_size
+    ):  # right-pad: causal, so the last real token's logits hold
         ids = torch.cat([ids, ids.new_zeros(ids.shape[0], model.tp_size - n % model.tp_size)], 1)
     shard = model(ids)[:, n - 1].contiguous()  # [b, vocab_padded / tp]
     return comm.all_gather(shard, -1, model.group)[:, : c.vocab_size]
 
 
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             greedy: bool = False, seed: int = 0, eod: int | None = None) -> torch.Tensor:
+def generate(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    greedy: bool = False,
+    seed: int = 0,
+    eod: int | None = None,
+) -> torch.Tensor:
     """`prompt [batch, t]` int64 -> `[batch, t + new]`, new <= max_new_tokens (fewer when every
     sequence has emitted `eod`; a finished sequence is padded with `eod`)."""
     _check(model, prompt, max_new_tokens, temperature, top_k, eod)

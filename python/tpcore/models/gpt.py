@@ -26,17 +26,24 @@ from torch import nn
 
 from .. import _op_entry, comm
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
+from ..parallel_state import live_group_name, resolve_tensor_group
+from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
-from ..parallel_state import live_group_name, resolve_tensor_group
-from ..tensor_parallel.dropout import tracked_dropout
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from ..tensor_parallel.shard_spec import set_shard_spec, shard, shard_spec, unshard
-from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables, scale_embedding
+from .common import (
+    apply_rotary,
+    attention_core,
+    make_norm,
+    mlp_activation,
+    rotary_tables,
+    scale_embedding,
+)
 from .config import GPTConfig
 from .gpt_specs import gpt_shard_spec
 from .gqa import kv_copies, replicated_kv_grad
@@ -74,22 +81,38 @@ def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
 
 
 class ParallelAttention(SharesProcessGroups, nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         c, tp = config, dist.get_world_size(group)
         self.config, self.group, self.tp_rank, self.tp_size = c, group, dist.get_rank(group), tp
         # Fewer KV heads than ranks: one (replicated) KV head per rank.
         self.heads, self.kv_heads = c.num_attention_heads // tp, max(c.num_kv_heads // tp, 1)
         self.replicated_kv = kv_copies(c, tp) > 1
-        common = dict(sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        rows = (self.heads + 2 * self.kv_heads) * c.head_dim * tp  # the layer's "full" width, copies counted
+        common = dict(
+            sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta"
+        )
+        rows = (
+            (self.heads + 2 * self.kv_heads) * c.head_dim * tp
+        )  # the layer's "full" width, copies counted
         self.qkv = ColumnParallelLinear(c.hidden_size, rows, bias=c.qkv_bias, **common)
-        self.proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, input_is_parallel=True, bias=c.proj_bias, **common)
-        if c.qk_norm:  # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
+        self.proj = RowParallelLinear(
+            c.num_attention_heads * c.head_dim,
+            c.hidden_size,
+            input_is_parallel=True,
+            bias=c.proj_bias,
+            **common,
+        )
+        if (
+            c.qk_norm
+        ):  # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
             self.q_norm = make_norm(c, dtype, "meta", c.head_dim)
             self.k_norm = make_norm(c, dtype, "meta", c.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         qkv = self._qkv(x)  # [s, b, (h/tp + 2 kv/tp) d], the full sequence
         core = partial(self._core, rope=rope)
         # Selective recompute: the attention core's activations are rebuilt in backward.
@@ -99,25 +122,35 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if not self.replicated_kv:
             return self.qkv(x)
-        # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the summed gradient.
+        # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the
+        # summed gradient.
         c, layer = self.config, self.qkv
-        weight, bias = (replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size) for t in (layer.weight, layer.bias))
-        return _op_entry.column_parallel_linear(x, weight, bias, live_group_name(self.group), False, c.sequence_parallel)
+        weight, bias = (
+            replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size)
+            for t in (layer.weight, layer.bias)
+        )
+        return _op_entry.column_parallel_linear(
+            x, weight, bias, live_group_name(self.group), False, c.sequence_parallel
+        )
 
-    def _core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _core(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q = q.view(s, b, self.heads, d)
         k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
         if self.config.qk_norm:
             q_params, k_params = self._summed_norm_parameters()
-            q, k = torch.func.functional_call(self.q_norm, q_params, (q,)), torch.func.functional_call(self.k_norm, k_params, (k,))
+            q, k = (
+                torch.func.functional_call(self.q_norm, q_params, (q,)),
+                torch.func.functional_call(self.k_norm, k_params, (k,)),
+            )
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.config.attention_dropout if self.training else 0.0
         # This rank's heads: its own dropout masks, from the model-parallel stream.
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
-
 
     def _summed_norm_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The q and k norms' parameters, for `functional_call`. The norms run over each head
@@ -131,7 +164,9 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         if self.tp_size == 1:
             return tuple(dict(norm.named_parameters()) for norm in norms)
         named = [(i, n, p) for i, norm in enumerate(norms) for n, p in norm.named_parameters()]
-        summed = copy_to_tensor_parallel(torch.cat([p.reshape(-1) for _, _, p in named]), self.group)
+        summed = copy_to_tensor_parallel(
+            torch.cat([p.reshape(-1) for _, _, p in named]), self.group
+        )
         pieces = summed.split([p.numel() for _, _, p in named])
         params: tuple[dict, dict] = ({}, {})
         for (i, n, p), piece in zip(named, pieces):
@@ -140,19 +175,33 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         c = self.config = config
-        common = dict(bias=c.mlp_bias, sequence_parallel=c.sequence_parallel, group=group, dtype=dtype, device="meta")
-        self.fc1 = ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size * (2 if c.gated_mlp else 1), **common)
-        self.fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common)
+        common = dict(
+            bias=c.mlp_bias,
+            sequence_parallel=c.sequence_parallel,
+            group=group,
+            dtype=dtype,
+            device="meta",
+        )
+        self.fc1 = ColumnParallelLinear(
+            c.hidden_size, c.ffn_hidden_size * (2 if c.gated_mlp else 1), **common
+        )
+        self.fc2 = RowParallelLinear(
+            c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(mlp_activation(self.config, self.fc1(x)))
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.input_norm = make_norm(config, dtype, "meta")
         self.attention = ParallelAttention(config, group, dtype)
@@ -161,7 +210,9 @@ class ParallelBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.sequence_parallel = config.sequence_parallel
         if config.sequence_parallel:
-            _mark_sequence_parallel(*self.input_norm.parameters(), *self.post_attention_norm.parameters())
+            _mark_sequence_parallel(
+                *self.input_norm.parameters(), *self.post_attention_norm.parameters()
+            )
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         sp = self.sequence_parallel
@@ -172,7 +223,9 @@ class ParallelBlock(nn.Module):
 class ParallelEmbedding(SharesProcessGroups, nn.Module):
     """Word (vocab-parallel) plus learned positions; `[b, s]` ids -> `[s(/tp), b, h]`."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.config, self.group = config, group
         self.word = VocabParallelEmbedding(
@@ -185,7 +238,9 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
             device="meta",
         )
         if config.position_embedding == "learned":
-            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta")
+            self.position = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta"
+            )
             if config.sequence_parallel:
                 _mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(config.dropout)
@@ -205,11 +260,17 @@ class _TiedHeadWeight(SharesProcessGroups, nn.Module):
     """The last pipeline stage's copy of the word embedding, for the tied LM head: named
     `embedding.word.weight` as on the first stage (the embedding group keeps them equal)."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.word = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-            group=group, dtype=dtype, device="meta",
+            config.vocab_size,
+            config.hidden_size,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            group=group,
+            dtype=dtype,
+            device="meta",
         )
 
 
@@ -229,9 +290,16 @@ class LayerStack(nn.ModuleList):
 def _check_layer_indices(layers: Sequence[int], num_layers: int) -> list[int]:
     layers = list(layers)
     if not layers or any(not isinstance(i, int) or isinstance(i, bool) for i in layers):
-        raise ValueError(f"tpcore: GPTModel: layers must be a non-empty list of layer indices, got {layers!r}")
-    if layers != list(range(layers[0], layers[0] + len(layers))) or not 0 <= layers[0] <= layers[-1] < num_layers:
-        raise ValueError(f"tpcore: GPTModel: layers {layers} are not consecutive indices in [0, {num_layers})")
+        raise ValueError(
+            f"tpcore: GPTModel: layers must be a non-empty list of layer indices, got {layers!r}"
+        )
+    if (
+        layers != list(range(layers[0], layers[0] + len(layers)))
+        or not 0 <= layers[0] <= layers[-1] < num_layers
+    ):
+        raise ValueError(
+            f"tpcore: GPTModel: layers {layers} are not consecutive indices in [0, {num_layers})"
+        )
     return layers
 
 
@@ -252,14 +320,26 @@ class GPTModel(SharesProcessGroups, nn.Module):
     """
 
     def __init__(
-        self, config: GPTConfig, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, device=None, _init: bool = True,
-        layers: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
+        self,
+        config: GPTConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+        _init: bool = True,
+        layers: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
     ) -> None:
         super().__init__()
         self.config, self.group = config, resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         config.check_tp(self.tp_size)
-        layers = range(config.num_layers) if layers is None else _check_layer_indices(layers, config.num_layers)
+        layers = (
+            range(config.num_layers)
+            if layers is None
+            else _check_layer_indices(layers, config.num_layers)
+        )
         self.pre_process, self.post_process = pre_process, post_process
         if pre_process:
             self.embedding = ParallelEmbedding(config, self.group, dtype)
@@ -271,9 +351,14 @@ class GPTModel(SharesProcessGroups, nn.Module):
             if config.sequence_parallel:
                 _mark_sequence_parallel(*self.final_norm.parameters())
         if post_process and not config.tie_embeddings:
-            rows = pad_vocab_size(config.vocab_size, self.tp_size, config.make_vocab_size_divisible_by) // self.tp_size
+            rows = (
+                pad_vocab_size(config.vocab_size, self.tp_size, config.make_vocab_size_divisible_by)
+                // self.tp_size
+            )
             self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(torch.empty(rows, config.hidden_size, dtype=dtype, device="meta"))
+            self.lm_head.weight = nn.Parameter(
+                torch.empty(rows, config.hidden_size, dtype=dtype, device="meta")
+            )
         attach_gpt_shard_specs(self, config, self.group)
         to_empty_keeping_attributes(self, device or "cpu")
         if _init and next(self.parameters()).device.type != "meta":
@@ -282,10 +367,14 @@ class GPTModel(SharesProcessGroups, nn.Module):
     def reset_parameters(self, seed: int | None = None) -> None:
         """Draw this rank's shards from `seed` (default: one draw of the default generator)."""
         seed = draw_seed() if seed is None else seed
-        initialize_gpt_parameters(self, self.config, seed=seed, tensor_parallel=(self.tp_rank, self.tp_size))
+        initialize_gpt_parameters(
+            self, self.config, seed=seed, tensor_parallel=(self.tp_rank, self.tp_size)
+        )
 
     @classmethod
-    def from_dense(cls, dense: ReferenceGPT, *, group: dist.ProcessGroup | None = None) -> "GPTModel":
+    def from_dense(
+        cls, dense: ReferenceGPT, *, group: dist.ProcessGroup | None = None
+    ) -> "GPTModel":
         """This rank's shards of `dense` (same config, dtype and device)."""
         p = next(dense.parameters())
         model = cls(dense.config, group=group, dtype=p.dtype, device=p.device, _init=False)
@@ -297,18 +386,31 @@ class GPTModel(SharesProcessGroups, nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name not in state:
-                    raise KeyError(f"tpcore: GPTModel.load_dense_state_dict: {name!r} missing from the dense state dict")
+                    raise KeyError(
+                        f"tpcore: GPTModel.load_dense_state_dict: {name!r} "
+                        "missing from the dense state dict"
+                    )
                 if tuple(state[name].shape) != param.shard_spec.global_shape:
-                    raise ValueError(f"tpcore: GPTModel: {name} has shape {list(state[name].shape)} in the dense state dict, expected {list(param.shard_spec.global_shape)}")
+                    raise ValueError(
+                        f"tpcore: GPTModel: {name} has shape {list(state[name].shape)} in the "
+                        f"dense state dict, expected {list(param.shard_spec.global_shape)}"
+                    )
                 piece = shard(state[name], param.shard_spec)
                 if piece.shape != param.shape:
-                    raise ValueError(f"tpcore: GPTModel: {name} shard has shape {list(piece.shape)}, expected {list(param.shape)}")
+                    raise ValueError(
+                        f"tpcore: GPTModel: {name} shard has "
+                        f"shape {list(piece.shape)}, expected {list(param.shape)}"
+                    )
                 param.copy_(piece)
 
     def to_dense(self) -> ReferenceGPT:
         """The full `ReferenceGPT` (a collective: call on every TP rank)."""
-        if not (self.pre_process and self.post_process and len(self.layers) == self.config.num_layers):
-            raise ValueError("tpcore: GPTModel.to_dense: this is one pipeline stage, not the whole model")
+        if not (
+            self.pre_process and self.post_process and len(self.layers) == self.config.num_layers
+        ):
+            raise ValueError(
+                "tpcore: GPTModel.to_dense: this is one pipeline stage, not the whole model"
+            )
         p = next(self.parameters())
         dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
         state = {
@@ -321,50 +423,101 @@ class GPTModel(SharesProcessGroups, nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-        """`ids` `[b, s]`, or on a stage without the embedding the hidden states `[s(/tp), b, h]`."""
+    def forward(
+        self,
+        ids: torch.Tensor,
+        target: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """`ids` `[b, s]`, or on a stage without the embedding the hidden states
+        `[s(/tp), b, h]`."""
         c = self.config
         if self.pre_process and ids.dim() != 2:
-            raise ValueError(f"tpcore: GPTModel: ids must be [batch, seq], got shape {list(ids.shape)}")
+            raise ValueError(
+                f"tpcore: GPTModel: ids must be [batch, seq], got shape {list(ids.shape)}"
+            )
         if not self.pre_process and ids.dim() != 3:
-            raise ValueError(f"tpcore: GPTModel: this pipeline stage takes hidden states [seq, batch, hidden], got shape {list(ids.shape)}")
-        batch, seq = (ids.shape[0], ids.shape[1]) if self.pre_process else (ids.shape[1], ids.shape[0] * (self.tp_size if c.sequence_parallel else 1))
+            raise ValueError(
+                "tpcore: GPTModel: this pipeline stage takes hidden "
+                f"states [seq, batch, hidden], got shape {list(ids.shape)}"
+            )
+        batch, seq = (
+            (ids.shape[0], ids.shape[1])
+            if self.pre_process
+            else (ids.shape[1], ids.shape[0] * (self.tp_size if c.sequence_parallel else 1))
+        )
         if seq > c.max_position_embeddings:
-            raise ValueError(f"tpcore: GPTModel: sequence length {seq} exceeds max_position_embeddings {c.max_position_embeddings}")
+            raise ValueError(
+                f"tpcore: GPTModel: sequence length {seq} exceeds "
+                f"max_position_embeddings {c.max_position_embeddings}"
+            )
         if c.sliding_window is not None and seq > c.sliding_window:
-            raise ValueError(f"tpcore: GPTModel: sequence length {seq} exceeds sliding_window {c.sliding_window} (sliding-window attention is not implemented)")
+            raise ValueError(
+                f"tpcore: GPTModel: sequence length {seq} exceeds "
+                f"sliding_window {c.sliding_window} (sliding-window attention is not implemented)"
+            )
         if target is not None and tuple(target.shape) != (batch, seq):
-            raise ValueError(f"tpcore: GPTModel: target shape {list(target.shape)} does not match the input's [batch, seq] = {[batch, seq]}")
+            raise ValueError(
+                f"tpcore: GPTModel: target shape {list(target.shape)} "
+                f"does not match the input's [batch, seq] = {[batch, seq]}"
+            )
         if target is not None and not self.post_process:
-            raise ValueError("tpcore: GPTModel: this pipeline stage has no LM head; pass the target to the last stage")
+            raise ValueError(
+                "tpcore: GPTModel: this pipeline stage has no "
+                "LM head; pass the target to the last stage"
+            )
         x = self.embedding(ids) if self.pre_process else ids
         rope = None
         if c.position_embedding == "rotary":
-            rope = rotary_tables(seq, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling)
+            rope = rotary_tables(
+                seq, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling
+            )
         if self.training and c.recompute != "none" and (c.dropout > 0 or c.attention_dropout > 0):
             _create_dropout_counters(x.device)
         for layer in self.layers:
             # Full recompute keeps only each block's input.
-            x = checkpoint(partial(layer, rope=rope), x) if c.recompute == "full" else layer(x, rope)
+            x = (
+                checkpoint(partial(layer, rope=rope), x)
+                if c.recompute == "full"
+                else layer(x, rope)
+            )
         if not self.post_process:
             return x
         x = self.final_norm(x)
         weight = self.head_weight()
         if target is None or not c.fused_lm_head_loss:
             # f (or the sequence all-gather) then the vocab-sharded GEMM: [s, b, V/tp].
-            logits = _op_entry.column_parallel_linear(x, weight, None, live_group_name(self.group), False, c.sequence_parallel)
+            logits = _op_entry.column_parallel_linear(
+                x, weight, None, live_group_name(self.group), False, c.sequence_parallel
+            )
             if target is None:
                 return logits.transpose(0, 1)
             # The logits never leave forward: the loss may write its gradient into them.
             loss = vocab_parallel_cross_entropy(
-                logits, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction, inplace_backward=True
+                logits,
+                target.t(),
+                self.group,
+                vocab_size=c.vocab_size,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                inplace_backward=True,
             )
         else:
             if c.sequence_parallel:
                 # The fused loss sums the hidden gradient over TP itself: the gather's
                 # backward must only keep this rank's chunk, not reduce-scatter again.
                 x = gather_from_sequence_parallel(x, self.group, reduce_scatter_grad=False)
-            loss = vocab_parallel_linear_cross_entropy(x, weight, target.t(), self.group, vocab_size=c.vocab_size, ignore_index=ignore_index, reduction=reduction)
+            loss = vocab_parallel_linear_cross_entropy(
+                x,
+                weight,
+                target.t(),
+                self.group,
+                vocab_size=c.vocab_size,
+                ignore_index=ignore_index,
+                reduction=reduction,
+            )
         return loss.t() if reduction == "none" else loss
 
 
@@ -373,17 +526,32 @@ def attach_gpt_shard_specs(module: nn.Module, config: GPTConfig, group: dist.Pro
     `layers.i.…`) its spec from `gpt_shard_spec`, placed on this rank of `group`: the layers'
     own specs call the fused QKV and fc1 one part each. Parameters marked `sequence_parallel`
     get `partial_grad`."""
-    shapes = {name: tuple(t.shape) for name, t in ReferenceGPT(dataclasses.replace(config, num_layers=1), device="meta").state_dict().items()}
+    shapes = {
+        name: tuple(t.shape)
+        for name, t in ReferenceGPT(dataclasses.replace(config, num_layers=1), device="meta")
+        .state_dict()
+        .items()
+    }
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     for name, p in module.named_parameters():
-        spec = gpt_shard_spec(name, config, shapes[re.sub(r"^layers\.\d+\.", "layers.0.", name)]).at(tp, rank, group)
-        set_shard_spec(p, dataclasses.replace(spec, partial_grad=getattr(p, "sequence_parallel", False)))
+        spec = gpt_shard_spec(
+            name, config, shapes[re.sub(r"^layers\.\d+\.", "layers.0.", name)]
+        ).at(tp, rank, group)
+        set_shard_spec(
+            p, dataclasses.replace(spec, partial_grad=getattr(p, "sequence_parallel", False))
+        )
 
 
-def finalize_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def finalize_sequence_parallel_grads(
+    model: nn.Module, group: dist.ProcessGroup | None = None
+) -> None:
     """Sum over TP the gradients of parameters whose shard spec says `partial_grad` (norms
-    and positions under sequence parallelism; the row layers' biases are summed by the layers themselves): each rank saw only its sequence shard. Call after backward, before the step."""
-    grads = [p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None]
+    and positions under sequence parallelism; the row layers' biases are summed by the
+    layers themselves): each rank saw only its sequence shard. Call after backward, before
+    the step."""
+    grads = [
+        p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None
+    ]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them

@@ -31,7 +31,9 @@ def gpt_shard_spec(name: str, config: GPTConfig, shape: tuple[int, ...]) -> Shar
         f = c.ffn_hidden_size
         return ShardSpec(shape, 0, (Part("gate", f, f), Part("up", f, f)) if c.gated_mlp else ())
     if name.endswith("attention.proj.weight"):
-        return ShardSpec(shape, 1, (Part("", c.num_attention_heads * c.head_dim, c.num_attention_heads),))
+        return ShardSpec(
+            shape, 1, (Part("", c.num_attention_heads * c.head_dim, c.num_attention_heads),)
+        )
     if name.endswith("mlp.fc2.weight"):
         return ShardSpec(shape, 1)
     return ShardSpec(shape)

@@ -38,7 +38,9 @@ class ReplicatedKVGrad(torch.autograd.Function):
     slot: no sub-groups are needed, and every rank gets the same bits."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, q_rows: int, head: int, kv_heads: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, weight: torch.Tensor, q_rows: int, head: int, kv_heads: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.q_rows, ctx.head, ctx.kv_heads, ctx.group = q_rows, head, kv_heads, group
         return weight.view_as(weight)
 

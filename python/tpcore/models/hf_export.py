@@ -34,21 +34,36 @@ from .._atomic import atomic_output
 from ..safetensors_io import SafetensorsWriter
 from ..tensor_parallel.shard_spec import ShardSpec, merged_views
 from .config import GPTConfig
-from .hf_config import config_to_hf, hf_family
 from .gpt_specs import gpt_shard_spec
+from .hf_config import config_to_hf, hf_family
 from .hf_weights import hf_sources, source_shapes
 from .reference_gpt import ReferenceGPT
 
-__all__ = ["export_hf", "write_hf_folder", "plan_hf_files", "check_export_folder", "TOKENIZER_FILES", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = [
+    "export_hf",
+    "write_hf_folder",
+    "plan_hf_files",
+    "check_export_folder",
+    "TOKENIZER_FILES",
+    "DEFAULT_MAX_SHARD_SIZE",
+]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per weights file above which the export is sharded (transformers' default, 5 GB)."""
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
 """The files of a Hugging Face tokenizer copied with the export, where the source has them."""
-_TAG = 1 << 15  # point-to-point tags of the export (below the 2**16 the backend allows), above the schedules'
+_TAG = (
+    1 << 15
+)  # point-to-point tags of the export (below the 2**16 the backend allows), above the schedules'
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,9 @@ class HFEntry:
     shape: tuple[int, ...]
 
 
-def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[tuple[str, list[HFEntry]]]:
+def plan_hf_files(
+    config: GPTConfig, dtype: torch.dtype, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+) -> list[tuple[str, list[HFEntry]]]:
     """The weights files (name, entries in writing order) of `config`'s export: GPTModel
     parameters in the dense model's order, each's Hugging Face tensors consecutively;
     a new file starts where one would pass `max_shard_size` bytes."""
@@ -73,8 +90,18 @@ def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = D
     for name, param in ReferenceGPT(config, device="meta").state_dict().items():
         sources = hf_sources(name, family)
         spec = gpt_shard_spec(name, config, tuple(param.shape))
-        for part, ((key, transposed), shape) in enumerate(zip(sources, source_shapes(spec, len(sources)))):
-            entries.append(HFEntry(key, name, part, transposed and len(shape) == 2, tuple(shape[::-1] if transposed else shape)))
+        for part, ((key, transposed), shape) in enumerate(
+            zip(sources, source_shapes(spec, len(sources)))
+        ):
+            entries.append(
+                HFEntry(
+                    key,
+                    name,
+                    part,
+                    transposed and len(shape) == 2,
+                    tuple(shape[::-1] if transposed else shape),
+                )
+            )
     files: list[list[HFEntry]] = [[]]
     size = 0
     for entry in entries:
@@ -89,7 +116,9 @@ def plan_hf_files(config: GPTConfig, dtype: torch.dtype, max_shard_size: int = D
     return [(f"model-{i + 1:05d}-of-{len(files):05d}.safetensors", f) for i, f in enumerate(files)]
 
 
-def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, spec: ShardSpec, count: int) -> tuple[int, list[torch.Tensor]]:
+def _hf_parts(
+    pieces: list[torch.Tensor], entry: HFEntry, spec: ShardSpec, count: int
+) -> tuple[int, list[torch.Tensor]]:
     """Entry's Hugging Face tensor as `(dim, views)` of the GPTModel parameter's TP
     `pieces` (rank order; `spec` its logical shard spec) that concatenate along `dim` to it:
     nothing is copied here."""
@@ -100,12 +129,19 @@ def _hf_parts(pieces: list[torch.Tensor], entry: HFEntry, spec: ShardSpec, count
 
 
 def _tokenizer_files(tokenizer: str) -> list[tuple[str, str]]:
-    """(source path, name in the export) of each file of `tokenizer` (a folder, or one tokenizer.json) to copy."""
+    """(source path, name in the export) of each file of `tokenizer` (a folder, or one
+    tokenizer.json) to copy."""
     if os.path.isfile(tokenizer):
         return [(tokenizer, "tokenizer.json")]
     if not os.path.isdir(tokenizer):
-        raise FileNotFoundError(f"tpcore: tokenizer {tokenizer} to copy into the export does not exist")
-    return [(os.path.join(tokenizer, name), name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, name))]
+        raise FileNotFoundError(
+            f"tpcore: tokenizer {tokenizer} to copy into the export does not exist"
+        )
+    return [
+        (os.path.join(tokenizer, name), name)
+        for name in TOKENIZER_FILES
+        if os.path.isfile(os.path.join(tokenizer, name))
+    ]
 
 
 def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
@@ -117,7 +153,8 @@ def _copy_tokenizer(tokenizer: str, out_dir: str) -> list[str]:
 
 
 def _is_weights_file(name: str) -> bool:
-    """A weights file (or index, or unfinished `.tmp`) of a Hugging Face export: an export replaces them all."""
+    """A weights file (or index, or unfinished `.tmp`) of a Hugging Face export: an export replaces
+    them all."""
     return name.startswith("model") and ".safetensors" in name
 
 
@@ -131,24 +168,34 @@ def check_export_folder(out_dir: str, tokenizer: str | None = None) -> None:
     replaced, so re-running an export is fine. Also refuses a `tokenizer` whose files are
     `out_dir`'s own: the export would overwrite that model's weights, then fail copying the
     tokenizer onto itself."""
-    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # else a bare "[Errno 17] File exists"
-        raise FileExistsError(f"tpcore: {out_dir} is a file; the export writes a folder there: give a new or empty folder")
+    if os.path.lexists(out_dir) and not os.path.isdir(
+        out_dir
+    ):  # else a bare "[Errno 17] File exists"
+        raise FileExistsError(
+            f"tpcore: {out_dir} is a file; the export writes "
+            "a folder there: give a new or empty folder"
+        )
     if not os.path.isdir(out_dir):
         return  # missing: made by the export
     copied = _tokenizer_files(tokenizer) if tokenizer is not None else []
-    if any(os.path.realpath(source) == os.path.realpath(os.path.join(out_dir, name)) for source, name in copied):
+    if any(
+        os.path.realpath(source) == os.path.realpath(os.path.join(out_dir, name))
+        for source, name in copied
+    ):
         raise FileExistsError(
-            f"tpcore: the export into {out_dir} would overwrite the model whose tokenizer ({tokenizer}) it copies: "
-            "export into an empty or new folder"
+            f"tpcore: the export into {out_dir} would overwrite the model whose "
+            f"tokenizer ({tokenizer}) it copies: export into an empty or new folder"
         )
     owned = {"config.json", "generation_config.json", *(name for _, name in copied)}
-    foreign = sorted(name for name in os.listdir(out_dir) if name not in owned and not _is_weights_file(name))
+    foreign = sorted(
+        name for name in os.listdir(out_dir) if name not in owned and not _is_weights_file(name)
+    )
     if foreign:
         more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
         raise FileExistsError(
-            f"tpcore: {out_dir} already holds {foreign[:8]}{more}, which the export would not write or replace: "
-            "they would be left beside the new model (another tokenizer's files break it at the first lookup). "
-            "Export into an empty or new folder, or remove them"
+            f"tpcore: {out_dir} already holds {foreign[:8]}{more}, which the export would not "
+            "write or replace: they would be left beside the new model (another tokenizer's files "
+            "break it at the first lookup). Export into an empty or new folder, or remove them"
         )
 
 
@@ -159,9 +206,17 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def write_hf_folder(
-    out_dir: str, config: GPTConfig, fetch: Callable[[str], list[torch.Tensor] | None], *, dtype: torch.dtype, write: bool = True,
-    hf_config: dict | None = None, tokenizer: str | None = None, eos_token_id: int | None = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, specs: dict[str, ShardSpec] | None = None,
+    out_dir: str,
+    config: GPTConfig,
+    fetch: Callable[[str], list[torch.Tensor] | None],
+    *,
+    dtype: torch.dtype,
+    write: bool = True,
+    hf_config: dict | None = None,
+    tokenizer: str | None = None,
+    eos_token_id: int | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    specs: dict[str, ShardSpec] | None = None,
 ) -> BaseException | None:
     """Stream `config`'s export into `out_dir`. `fetch(name)` gives GPTModel parameter
     `name` as every TP rank's piece, in rank order (a list of one: the full tensor), which
@@ -173,17 +228,24 @@ def write_hf_folder(
     the error that stopped the writing (fetching goes on to the end regardless, so the
     peers of a collective `fetch` never wait in vain), or None."""
     error: BaseException | None = None
-    out = config_to_hf(config, hf_config)  # raises alike everywhere, before any fetch, when no family fits
+    out = config_to_hf(
+        config, hf_config
+    )  # raises alike everywhere, before any fetch, when no family fits
     files = plan_hf_files(config, dtype, max_shard_size)
     if specs is None:
-        specs = {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in ReferenceGPT(config, device="meta").state_dict().items()}
+        specs = {
+            name: gpt_shard_spec(name, config, tuple(t.shape))
+            for name, t in ReferenceGPT(config, device="meta").state_dict().items()
+        }
     counts: dict[str, int] = {}  # Hugging Face tensors per GPTModel parameter
     for _, entries in files:
         for e in entries:
             counts[e.param] = counts.get(e.param, 0) + 1
     if write:
         try:
-            check_export_folder(out_dir, tokenizer)  # no stale files of another model beside this one
+            check_export_folder(
+                out_dir, tokenizer
+            )  # no stale files of another model beside this one
             os.makedirs(out_dir, exist_ok=True)
             # Weights of an earlier export here would be mixed with these: they go.
             for name in os.listdir(out_dir):
@@ -196,15 +258,23 @@ def write_hf_folder(
         writer = None
         if write and error is None:
             try:
-                writer = SafetensorsWriter(os.path.join(out_dir, file_name + ".tmp"), [(e.key, dtype, e.shape) for e in entries], {"format": "pt"})
+                writer = SafetensorsWriter(
+                    os.path.join(out_dir, file_name + ".tmp"),
+                    [(e.key, dtype, e.shape) for e in entries],
+                    {"format": "pt"},
+                )
             except OSError as e:
                 error = e
         for entry in entries:
-            if cached[0] != entry.param:  # each parameter fetched once, its parts written consecutively
+            if (
+                cached[0] != entry.param
+            ):  # each parameter fetched once, its parts written consecutively
                 cached = (entry.param, fetch(entry.param))
             if writer is not None and error is None:
                 try:
-                    dim, parts = _hf_parts(cached[1], entry, specs[entry.param], counts[entry.param])
+                    dim, parts = _hf_parts(
+                        cached[1], entry, specs[entry.param], counts[entry.param]
+                    )
                     writer.add_parts(parts, dim)
                     weight_map[entry.key] = file_name
                 except (OSError, ValueError) as e:
@@ -222,7 +292,10 @@ def write_hf_folder(
         return error
     try:
         if len(files) > 1:
-            _write_json(os.path.join(out_dir, "model.safetensors.index.json"), {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(
+                os.path.join(out_dir, "model.safetensors.index.json"),
+                {"metadata": {"total_size": total}, "weight_map": weight_map},
+            )
         if eos_token_id is not None and out.get("eos_token_id") is None:
             out["eos_token_id"] = eos_token_id
             if hf_config is None and out.get("bos_token_id") is None:
@@ -230,9 +303,18 @@ def write_hf_folder(
                 # outside a small vocabulary, and warns at every load. GPT-2 uses one id for both.
                 out["bos_token_id"] = eos_token_id
         name = str(dtype).removeprefix("torch.")
-        _write_json(os.path.join(out_dir, "config.json"), {**out, "torch_dtype": name, "dtype": name})
-        generation = {k: out[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if out.get(k) is not None}
-        _write_json(os.path.join(out_dir, "generation_config.json"), {"_from_model_config": True, **generation})
+        _write_json(
+            os.path.join(out_dir, "config.json"), {**out, "torch_dtype": name, "dtype": name}
+        )
+        generation = {
+            k: out[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if out.get(k) is not None
+        }
+        _write_json(
+            os.path.join(out_dir, "generation_config.json"),
+            {"_from_model_config": True, **generation},
+        )
         if tokenizer is not None:
             _copy_tokenizer(tokenizer, out_dir)
     except OSError as e:
@@ -241,17 +323,29 @@ def write_hf_folder(
 
 
 def export_hf(
-    model_or_chunks: nn.Module | Sequence[nn.Module], out_dir: str, *, dtype: torch.dtype | None = None, hf_config: dict | None = None,
-    tokenizer: str | None = None, eos_token_id: int | None = None, pp_group: dist.ProcessGroup | None = None,
-    dp_group: dist.ProcessGroup | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    model_or_chunks: nn.Module | Sequence[nn.Module],
+    out_dir: str,
+    *,
+    dtype: torch.dtype | None = None,
+    hf_config: dict | None = None,
+    tokenizer: str | None = None,
+    eos_token_id: int | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> str:
     """Write a running GPTModel (or this rank's pipeline chunks) as a Hugging Face folder.
-    A collective: call on every rank (TP, PP and DP; the groups default to `parallel_state`'s). The first
-    stage's TP rank 0 of DP replica 0 writes, receiving one parameter's gathered pieces at
-    a time: a rank's host memory peaks near the largest tensor (on gloo groups about twice
-    that: gloo's all-gather stages through a buffer of its own). `dtype`: default the parameters'. Raises on
-    every rank when writing failed on the writer. Returns `out_dir`."""
-    from ..parallel_state import get_data_parallel_group, get_pipeline_model_parallel_group, is_initialized
+    A collective: call on every rank (TP, PP and DP; the groups default to
+    `parallel_state`'s). The first stage's TP rank 0 of DP replica 0 writes, receiving one
+    parameter's gathered pieces at a time: a rank's host memory peaks near the largest
+    tensor (on gloo groups about twice that: gloo's all-gather stages through a buffer of
+    its own). `dtype`: default the parameters'. Raises on every rank when writing failed on
+    the writer. Returns `out_dir`."""
+    from ..parallel_state import (
+        get_data_parallel_group,
+        get_pipeline_model_parallel_group,
+        is_initialized,
+    )
     from ..pipeline_parallel import duplicate_parameter_names, p2p
     from ..train.layout import current_layout
 
@@ -266,13 +360,24 @@ def export_hf(
     pp_rank = 0 if pp == 1 else dist.get_rank(pp_group)
     writer = pp_rank == 0 and tp_rank == 0 and (dp_group is None or dist.get_rank(dp_group) == 0)
     skip = duplicate_parameter_names(chunks)
-    mine = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters() if name not in skip}
+    mine = {
+        name: p.detach()
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if name not in skip
+    }
     param = next(first.parameters())
     # One message in flight at a time, so tags may repeat; distinct ones name the tensor in errors.
-    tags = {name: _TAG + i % _TAG for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())}
+    tags = {
+        name: _TAG + i % _TAG
+        for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())
+    }
     tp = dist.get_world_size(tp_group)
     # The specs of the parameters other stages hold are GPTModel's (a stage holds only its own).
-    specs = {name: gpt_shard_spec(name, config, tuple(t.shape)).at(tp, 0) for name, t in ReferenceGPT(config, device="meta").state_dict().items()}
+    specs = {
+        name: gpt_shard_spec(name, config, tuple(t.shape)).at(tp, 0)
+        for name, t in ReferenceGPT(config, device="meta").state_dict().items()
+    }
 
     def gathered_shape(name: str) -> list[int]:
         """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""
@@ -284,28 +389,55 @@ def export_hf(
         replicated = specs[name].kind == "replicated"
         gathered = None
         if pp_rank == owner:  # every piece along dim 0 into one buffer: no merged copy
-            gathered = mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
-        if owner != 0 and tp_rank == 0:  # this stage's TP rank 0 sends the buffer to the first stage's
+            gathered = (
+                mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
+            )
+        if (
+            owner != 0 and tp_rank == 0
+        ):  # this stage's TP rank 0 sends the buffer to the first stage's
             if pp_rank == owner:
-                p2p.batch_send_recv([(gathered.contiguous(), 0, tags[name], name)], [], dtype=param.dtype, device=param.device, group=pp_group)
+                p2p.batch_send_recv(
+                    [(gathered.contiguous(), 0, tags[name], name)],
+                    [],
+                    dtype=param.dtype,
+                    device=param.device,
+                    group=pp_group,
+                )
                 gathered = None
             elif pp_rank == 0:
                 gathered = p2p.batch_send_recv(
-                    [], [(gathered_shape(name), owner, tags[name], name)], dtype=param.dtype, device=param.device, group=pp_group
+                    [],
+                    [(gathered_shape(name), owner, tags[name], name)],
+                    dtype=param.dtype,
+                    device=param.device,
+                    group=pp_group,
                 )[0]
         if gathered is None or tp_rank != 0 or pp_rank != 0:
             return None
         return [gathered] if replicated else list(gathered.chunk(tp, 0))
 
     error = write_hf_folder(
-        out_dir, config, fetch, dtype=dtype or param.dtype, write=writer, hf_config=hf_config, tokenizer=tokenizer,
-        eos_token_id=eos_token_id, max_shard_size=max_shard_size, specs=specs,
+        out_dir,
+        config,
+        fetch,
+        dtype=dtype or param.dtype,
+        write=writer,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        max_shard_size=max_shard_size,
+        specs=specs,
     )
     # Every rank learns whether the writer failed (one all-reduce), and raises alike.
     failed = torch.tensor([float(error is not None)], device=param.device)
     dist.all_reduce(failed)
     if error is not None:
-        raise RuntimeError(f"tpcore: exporting to {out_dir} failed: {type(error).__name__}: {error}") from error
+        raise RuntimeError(
+            f"tpcore: exporting to {out_dir} failed: {type(error).__name__}: {error}"
+        ) from error
     if failed.item():
-        raise RuntimeError(f"tpcore: exporting to {out_dir} failed on the writing rank (global rank of the first stage's TP rank 0)")
+        raise RuntimeError(
+            f"tpcore: exporting to {out_dir} failed on the writing "
+            "rank (global rank of the first stage's TP rank 0)"
+        )
     return out_dir

@@ -34,11 +34,29 @@ from .reference_gpt import ReferenceGPT
 __all__ = ["load_hf_weights", "hf_sources", "source_shapes", "ARCHITECTURE_FIELDS"]
 
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm", "norm", "norm_eps",
-    "activation", "position_embedding", "rotary_base", "rotary_scaling", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "kv_channels",
+    "qk_norm",
+    "norm",
+    "norm_eps",
+    "activation",
+    "position_embedding",
+    "rotary_base",
+    "rotary_scaling",
+    "tie_embeddings",
+    "bias",
+    "qkv_bias",
+    "proj_bias",
+    "mlp_bias",
     "embedding_scale",
 )
-"""GPTConfig fields a Hugging Face folder fixes (max_position_embeddings too, with learned positions)."""
+"""GPTConfig fields a Hugging Face folder fixes (max_position_embeddings too, with learned
+positions)."""
 
 _LLAMA_LAYER = {
     "input_norm": ["input_layernorm"],
@@ -51,12 +69,25 @@ _LLAMA_LAYER = {
     "mlp.fc2": ["mlp.down_proj"],
 }
 _GPT2_LAYER = {
-    "input_norm": ["ln_1"], "attention.qkv": ["attn.c_attn"], "attention.proj": ["attn.c_proj"],
-    "post_attention_norm": ["ln_2"], "mlp.fc1": ["mlp.c_fc"], "mlp.fc2": ["mlp.c_proj"],
+    "input_norm": ["ln_1"],
+    "attention.qkv": ["attn.c_attn"],
+    "attention.proj": ["attn.c_proj"],
+    "post_attention_norm": ["ln_2"],
+    "mlp.fc1": ["mlp.c_fc"],
+    "mlp.fc2": ["mlp.c_proj"],
 }
 _TOP = {
-    "llama": {"embedding.word": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"},
-    "gpt2": {"embedding.word": "transformer.wte", "embedding.position": "transformer.wpe", "final_norm": "transformer.ln_f", "lm_head": "lm_head"},
+    "llama": {
+        "embedding.word": "model.embed_tokens",
+        "final_norm": "model.norm",
+        "lm_head": "lm_head",
+    },
+    "gpt2": {
+        "embedding.word": "transformer.wte",
+        "embedding.position": "transformer.wpe",
+        "final_norm": "transformer.ln_f",
+        "lm_head": "lm_head",
+    },
 }
 _PREFIX = {"llama": "model.", "gpt2": "transformer."}
 
@@ -73,7 +104,13 @@ def hf_sources(name: str, family: str) -> list[tuple[str, bool]]:
             raise KeyError(f"tpcore: no Hugging Face tensor for {name}")
         # GPT-2's Conv1D weights are [in, out]: transposed against nn.Linear's [out, in].
         transposed = family == "gpt2" and kind == "weight" and not rest.endswith("norm")
-        return [(f"{_PREFIX[family]}{'h' if family == 'gpt2' else 'layers'}.{index}.{part}.{kind}", transposed) for part in table[rest]]
+        return [
+            (
+                f"{_PREFIX[family]}{'h' if family == 'gpt2' else 'layers'}.{index}.{part}.{kind}",
+                transposed,
+            )
+            for part in table[rest]
+        ]
     if module not in _TOP[family]:
         raise KeyError(f"tpcore: no Hugging Face tensor for {name}")
     return [(f"{_TOP[family][module]}.{kind}", False)]
@@ -86,7 +123,9 @@ def source_shapes(spec: ShardSpec, count: int) -> list[list[int]]:
     if count == 1:
         return [shape]
     if len(spec.parts) != count:
-        raise ValueError(f"tpcore: {count} Hugging Face tensors for a parameter of {len(spec.parts)} parts")
+        raise ValueError(
+            f"tpcore: {count} Hugging Face tensors for a parameter of {len(spec.parts)} parts"
+        )
     return [[p.size if d == spec.dim else n for d, n in enumerate(shape)] for p in spec.parts]
 
 
@@ -101,10 +140,18 @@ class HFFolder:
         hf = read_hf_config(path)
         self.family = hf_family(hf.get("model_type"))
         folder_config = config_from_hf(hf)
-        fields = ARCHITECTURE_FIELDS + (("max_position_embeddings",) if config.position_embedding == "learned" else ())
-        diff = [f"{k}: folder {getattr(folder_config, k)!r}, model {getattr(config, k)!r}" for k in fields if getattr(folder_config, k) != getattr(config, k)]
+        fields = ARCHITECTURE_FIELDS + (
+            ("max_position_embeddings",) if config.position_embedding == "learned" else ()
+        )
+        diff = [
+            f"{k}: folder {getattr(folder_config, k)!r}, model {getattr(config, k)!r}"
+            for k in fields
+            if getattr(folder_config, k) != getattr(config, k)
+        ]
         if diff:
-            raise ValueError(f"tpcore: {path}/config.json does not describe this model ({'; '.join(diff)})")
+            raise ValueError(
+                f"tpcore: {path}/config.json does not describe this model ({'; '.join(diff)})"
+            )
         self.tensors = SafetensorsFolder(path)
 
     def key(self, key: str) -> str:
@@ -124,14 +171,18 @@ class HFFolder:
                 try:
                     found = self.key(key)
                 except KeyError:
-                    raise ValueError(f"tpcore: {self.path} has no tensor {key!r} (GPTModel's {name}); a shard missing from the index?") from None
+                    raise ValueError(
+                        f"tpcore: {self.path} has no tensor {key!r} "
+                        f"(GPTModel's {name}); a shard missing from the index?"
+                    ) from None
                 stored, file = self.tensors.stored_shape(found)
                 stored = stored[::-1] if transposed else stored
                 if stored != want:
                     shown = want[::-1] if transposed else want
                     raise ValueError(
-                        f"tpcore: {self.path}/config.json contradicts the weights: tensor {found!r} is "
-                        f"{self.tensors.stored_shape(found)[0]} in {file}, the config gives {shown}"
+                        f"tpcore: {self.path}/config.json contradicts the weights: "
+                        f"tensor {found!r} is {self.tensors.stored_shape(found)[0]} "
+                        f"in {file}, the config gives {shown}"
                     )
 
     def sources(self, name: str) -> list[tuple[str, bool]]:
@@ -142,7 +193,7 @@ class HFFolder:
         """Fill `out` (the piece `spec` describes of parameter `name`) from the folder."""
         sources = self.sources(name)
         if spec.kind == "replicated":
-            (key, transposed), = sources
+            ((key, transposed),) = sources
             full = self.tensors.read(self.key(key))
             out.copy_(full.t() if transposed else full)
             return
@@ -154,11 +205,20 @@ class HFFolder:
         for (key, transposed), source_shape in zip(sources, source_shapes(spec, len(sources))):
             length = source_shape[dim]
             # This rank's ranges inside [offset, offset + length), in source coordinates.
-            wanted = [(local + max(start, offset) - start, max(start, offset) - offset, min(start + n, offset + length) - offset)
-                      for local, start, n in ranges if max(start, offset) < min(start + n, offset + length)]
+            wanted = [
+                (
+                    local + max(start, offset) - start,
+                    max(start, offset) - offset,
+                    min(start + n, offset + length) - offset,
+                )
+                for local, start, n in ranges
+                if max(start, offset) < min(start + n, offset + length)
+            ]
             if wanted:
                 stored_dim = (1 - dim) if transposed and out.dim() == 2 else dim
-                piece = self.tensors.read(self.key(key), stored_dim, [(lo, hi) for _, lo, hi in wanted])
+                piece = self.tensors.read(
+                    self.key(key), stored_dim, [(lo, hi) for _, lo, hi in wanted]
+                )
                 piece = piece.t() if transposed and out.dim() == 2 else piece
                 at = 0
                 for local, lo, hi in wanted:

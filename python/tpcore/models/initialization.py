@@ -65,4 +65,6 @@ def initialize_gpt_parameters(
             continue
         spec = shard_spec(param)
         dim, ranges = spec.ranges()
-        init_shard_(param, init, seed=seed, key=key, full_shape=spec.global_shape, dim=dim, ranges=ranges)
+        init_shard_(
+            param, init, seed=seed, key=key, full_shape=spec.global_shape, dim=dim, ranges=ranges
+        )

@@ -11,10 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import apply_rotary, attention_core, make_norm, mlp_activation, rotary_tables, scale_embedding
+from ..tensor_parallel.initialization import draw_seed
+from .common import (
+    apply_rotary,
+    attention_core,
+    make_norm,
+    mlp_activation,
+    rotary_tables,
+    scale_embedding,
+)
 from .config import GPTConfig
 from .initialization import initialize_gpt_parameters
-from ..tensor_parallel.initialization import draw_seed
 
 __all__ = ["ReferenceGPT"]
 
@@ -24,15 +31,36 @@ class DenseAttention(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.qkv = nn.Linear(c.hidden_size, (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias, dtype=dtype, device=device)
-        self.proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.proj_bias, dtype=dtype, device=device)
+        self.qkv = nn.Linear(
+            c.hidden_size,
+            (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim,
+            bias=c.qkv_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.proj = nn.Linear(
+            c.num_attention_heads * c.head_dim,
+            c.hidden_size,
+            bias=c.proj_bias,
+            dtype=dtype,
+            device=device,
+        )
         if c.qk_norm:
             self.q_norm = make_norm(c, dtype, device, c.head_dim)
             self.k_norm = make_norm(c, dtype, device, c.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         c, (s, b) = self.config, x.shape[:2]
-        q, k, v = self.qkv(x).split([c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q, k, v = self.qkv(x).split(
+            [
+                c.num_attention_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim,
+            ],
+            -1,
+        )
         q = q.view(s, b, c.num_attention_heads, c.head_dim)
         k, v = (t.view(s, b, c.num_kv_heads, c.head_dim) for t in (k, v))
         if c.qk_norm:
@@ -48,7 +76,9 @@ class DenseMLP(nn.Module):
         c = self.config = config
         width = c.ffn_hidden_size * (2 if c.gated_mlp else 1)  # SwiGLU, GeGLU: [gate; up]
         self.fc1 = nn.Linear(c.hidden_size, width, bias=c.mlp_bias, dtype=dtype, device=device)
-        self.fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(
+            c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(mlp_activation(self.config, self.fc1(x)))
@@ -74,7 +104,9 @@ class DenseEmbedding(nn.Module):
         self.config = config
         self.word = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         if config.position_embedding == "learned":
-            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device)
+            self.position = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device
+            )
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -97,10 +129,14 @@ class ReferenceGPT(nn.Module):
         self.config = config
         # Built on meta (nn.Linear would draw its own init), then allocated and drawn once.
         self.embedding = DenseEmbedding(config, dtype, "meta")
-        self.layers = nn.ModuleList(DenseBlock(config, dtype, "meta") for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DenseBlock(config, dtype, "meta") for _ in range(config.num_layers)
+        )
         self.final_norm = make_norm(config, dtype, "meta")
         if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta"
+            )
         device = torch.empty(0, device=device).device  # None: the default device
         if device.type != "meta":
             self.to_empty(device=device)
@@ -114,15 +150,21 @@ class ReferenceGPT(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, target: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
         x = self.embedding(ids)
         rope = None
         if self.config.position_embedding == "rotary":
             c = self.config
-            rope = rotary_tables(ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling)
+            rope = rotary_tables(
+                ids.shape[1], c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling
+            )
         for layer in self.layers:
             x = layer(x, rope)
         logits = F.linear(self.final_norm(x), self.head_weight()).transpose(0, 1)  # [b, s, V]
         if target is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index
+        )

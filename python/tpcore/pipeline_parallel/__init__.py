@@ -5,17 +5,24 @@ from . import p2p
 from .gpt_stages import (
     activation_shape,
     build_gpt_stages,
+    duplicate_parameter_names,
     finalize_model_grads,
     gpt_forward_step,
-    duplicate_parameter_names,
-    split_layers,
-    sync_tied_embeddings,
     head_only_tied_weights,
     lookup_and_head_weights,
     lookup_only_weights,
+    split_layers,
+    sync_tied_embeddings,
     tied_embedding_copies,
 )
-from .schedule_table import SCHEDULES, Action, ScheduleTable, check_schedule, rank_actions, schedule_table
+from .schedule_table import (
+    SCHEDULES,
+    Action,
+    ScheduleTable,
+    check_schedule,
+    rank_actions,
+    schedule_table,
+)
 from .schedules import PipelineStats, forward_backward
 
 __all__ = [

@@ -35,7 +35,11 @@ __all__ = [
 TIED_WEIGHT = "embedding.word.weight"
 
 
-def split_layers(num_layers: int, num_stages: int, layers_per_stage: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+def split_layers(
+    num_layers: int,
+    num_stages: int,
+    layers_per_stage: Sequence[int] | Sequence[Sequence[int]] | None = None,
+) -> list[list[int]]:
     """The global layer indices of each of `num_stages` (virtual) stages, in order.
 
     Default: an even split (when `num_layers` does not divide, the first stages get one
@@ -44,16 +48,25 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: Sequence[in
     stage, else a ValueError says what is wrong.
     """
     if num_layers < num_stages:
-        raise ValueError(f"tpcore: pipeline: {num_layers} layers cannot fill {num_stages} stages (each needs at least one layer)")
+        raise ValueError(
+            f"tpcore: pipeline: {num_layers} layers cannot fill {num_stages} stages (each needs at "
+            "least one layer)"
+        )
     if layers_per_stage is None:
         base, extra = divmod(num_layers, num_stages)
         layers_per_stage = [base + (s < extra) for s in range(num_stages)]
     spec = list(layers_per_stage)
     if len(spec) != num_stages:
-        raise ValueError(f"tpcore: pipeline: the layer list has {len(spec)} entries for {num_stages} stages: {spec}")
+        raise ValueError(
+            f"tpcore: pipeline: the layer list has {len(spec)} entries for {num_stages} stages: "
+            f"{spec}"
+        )
     if all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
         if any(n < 1 for n in spec) or sum(spec) != num_layers:
-            raise ValueError(f"tpcore: pipeline: layers per stage {spec} must be >= 1 each and sum to num_layers={num_layers} (they sum to {sum(spec)})")
+            raise ValueError(
+                f"tpcore: pipeline: layers per stage {spec} must be >= 1 each and sum to "
+                f"num_layers={num_layers} (they sum to {sum(spec)})"
+            )
         bounds = [sum(spec[:s]) for s in range(num_stages + 1)]
         return [list(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
     stages = [list(x) for x in spec]
@@ -63,12 +76,17 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: Sequence[in
             raise ValueError(f"tpcore: pipeline: stage {s} has no layers: {stages}")
     for i in sorted(set(flat)):
         if flat.count(i) > 1:
-            raise ValueError(f"tpcore: pipeline: layer {i} is placed {flat.count(i)} times: {stages}")
+            raise ValueError(
+                f"tpcore: pipeline: layer {i} is placed {flat.count(i)} times: {stages}"
+            )
     missing = sorted(set(range(num_layers)) - set(flat))
     if missing:
         raise ValueError(f"tpcore: pipeline: layers {missing} are placed on no stage: {stages}")
     if flat != list(range(num_layers)):
-        raise ValueError(f"tpcore: pipeline: stages must hold consecutive layers in order (0..{num_layers - 1}), got {stages}")
+        raise ValueError(
+            "tpcore: pipeline: stages must hold consecutive layers in order "
+            f"(0..{num_layers - 1}), got {stages}"
+        )
     return stages
 
 
@@ -96,22 +114,42 @@ def build_gpt_stages(
     for chunk in range(num_model_chunks):
         torch.set_rng_state(rng)
         stage = chunk * p + rank
-        chunks.append(GPTModel(
-            config, group=tp_group, dtype=dtype, device=device, _init=_init,
-            layers=stages[stage], pre_process=stage == 0, post_process=stage == len(stages) - 1,
-        ))
+        chunks.append(
+            GPTModel(
+                config,
+                group=tp_group,
+                dtype=dtype,
+                device=device,
+                _init=_init,
+                layers=stages[stage],
+                pre_process=stage == 0,
+                post_process=stage == len(stages) - 1,
+            )
+        )
     return chunks
 
 
-def activation_shape(config: GPTConfig, micro_batch_size: int, seq_length: int, tp_size: int = 1) -> list[int]:
+def activation_shape(
+    config: GPTConfig, micro_batch_size: int, seq_length: int, tp_size: int = 1
+) -> list[int]:
     """What flows between stages: `[s, b, h]`, or `[s/tp, b, h]` with sequence parallelism."""
     if config.sequence_parallel and seq_length % tp_size:
-        raise ValueError(f"tpcore: pipeline: sequence length {seq_length} is not divisible by the tensor-parallel size {tp_size}")
-    return [seq_length // tp_size if config.sequence_parallel else seq_length, micro_batch_size, config.hidden_size]
+        raise ValueError(
+            f"tpcore: pipeline: sequence length {seq_length} is not divisible by the "
+            f"tensor-parallel size {tp_size}"
+        )
+    return [
+        seq_length // tp_size if config.sequence_parallel else seq_length,
+        micro_batch_size,
+        config.hidden_size,
+    ]
 
 
 def gpt_forward_step(
-    chunks: Sequence[GPTModel], batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, tensor_shape: Sequence[int] | None = None,
+    chunks: Sequence[GPTModel],
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    tensor_shape: Sequence[int] | None = None,
     autocast_dtype: torch.dtype | None = None,
 ):
     """The `forward_step` of `forward_backward` for GPT chunks and micro-batches
@@ -124,48 +162,71 @@ def gpt_forward_step(
         c, tp = chunks[0].config, chunks[0].tp_size
         for i, (ids, target) in enumerate(batches):
             if ids.dim() != 2 or tuple(target.shape) != tuple(ids.shape):
-                raise ValueError(f"tpcore: pipeline: micro-batch {i}: ids {list(ids.shape)} and target {list(target.shape)} must both be [batch, seq]")
+                raise ValueError(
+                    f"tpcore: pipeline: micro-batch {i}: ids {list(ids.shape)} and target "
+                    f"{list(target.shape)} must both be [batch, seq]"
+                )
             made = activation_shape(c, ids.shape[0], ids.shape[1], tp)
             if made != list(tensor_shape):
                 raise ValueError(
-                    f"tpcore: pipeline: micro-batch {i} of [batch, seq] = {list(ids.shape)} makes activations {made}, "
-                    f"but the pipeline sends {list(tensor_shape)}"
+                    f"tpcore: pipeline: micro-batch {i} of [batch, seq] = {list(ids.shape)} makes "
+                    f"activations {made}, but the pipeline sends {list(tensor_shape)}"
                 )
 
     def step(chunk: int, micro: int, x: torch.Tensor | None) -> torch.Tensor:
         model, (ids, target) = chunks[chunk], batches[micro]
-        with torch.autocast(ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        with torch.autocast(
+            ids.device.type,
+            dtype=autocast_dtype or torch.bfloat16,
+            enabled=autocast_dtype is not None,
+        ):
             return model(ids if model.pre_process else x, target if model.post_process else None)
 
     return step
 
 
-def _word_weights(chunks: Sequence[GPTModel], keep: Callable[[GPTModel], bool]) -> list[nn.Parameter]:
+def _word_weights(
+    chunks: Sequence[GPTModel], keep: Callable[[GPTModel], bool]
+) -> list[nn.Parameter]:
     """`embedding.word.weight` of every chunk that has one and passes `keep`."""
-    return [p for chunk in chunks if keep(chunk) for name, p in chunk.named_parameters() if name == TIED_WEIGHT]
+    return [
+        p
+        for chunk in chunks
+        if keep(chunk)
+        for name, p in chunk.named_parameters()
+        if name == TIED_WEIGHT
+    ]
 
 
 def tied_embedding_copies(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding weights on this rank (first and/or last stage chunk)."""
-    return _word_weights(chunks, lambda c: c.config.tie_embeddings and (c.pre_process or c.post_process))
+    return _word_weights(
+        chunks, lambda c: c.config.tie_embeddings and (c.pre_process or c.post_process)
+    )
 
 
 def lookup_and_head_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding weights this rank uses both for the lookup and as the LM head
     of one chunk (a chunk holding the first and the last stage: no pipeline parallelism)."""
-    return _word_weights(chunks, lambda c: c.config.tie_embeddings and c.pre_process and c.post_process)
+    return _word_weights(
+        chunks, lambda c: c.config.tie_embeddings and c.pre_process and c.post_process
+    )
 
 
 def lookup_only_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The word-embedding weights this rank uses only for the lookup: untied, or a first
     pipeline stage's tied copy. Their gradient is zero outside the looked-up rows."""
-    return _word_weights(chunks, lambda c: c.pre_process and not (c.config.tie_embeddings and c.post_process))
+    return _word_weights(
+        chunks, lambda c: c.pre_process and not (c.config.tie_embeddings and c.post_process)
+    )
 
 
 def head_only_tied_weights(chunks: Sequence[GPTModel]) -> list[nn.Parameter]:
     """The tied word-embedding copies this rank uses only as the LM head (a last pipeline
     stage's chunk without the embedding): their gradient is complete early in the backward."""
-    return _word_weights(chunks, lambda c: c.config.tie_embeddings and c.post_process and not c.pre_process)
+    return _word_weights(
+        chunks, lambda c: c.config.tie_embeddings and c.post_process and not c.pre_process
+    )
 
 
 def duplicate_parameter_names(chunks: Sequence[GPTModel]) -> set[str]:
@@ -177,13 +238,17 @@ def duplicate_parameter_names(chunks: Sequence[GPTModel]) -> set[str]:
     return {TIED_WEIGHT} if tied_embedding_copies(chunks) else set()
 
 
-def _embedding_group(chunks: Sequence[GPTModel], group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def _embedding_group(
+    chunks: Sequence[GPTModel], group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
     if not tied_embedding_copies(chunks):
         return None
     return group if group is not None else get_parallel_state().embedding_group
 
 
-def sync_tied_embeddings(chunks: Sequence[GPTModel], group: dist.ProcessGroup | None = None) -> None:
+def sync_tied_embeddings(
+    chunks: Sequence[GPTModel], group: dist.ProcessGroup | None = None
+) -> None:
     """Copy the first stage's word embedding into the last stage's (a collective over the
     embedding group: call on the first and the last stage; others return at once)."""
     group = _embedding_group(chunks, group)
@@ -194,7 +259,12 @@ def sync_tied_embeddings(chunks: Sequence[GPTModel], group: dist.ProcessGroup | 
             p.copy_(comm.broadcast(p.detach(), 0, group))
 
 
-def finalize_model_grads(chunks: Sequence[GPTModel], *, tp_group: dist.ProcessGroup | None = None, embedding_group: dist.ProcessGroup | None = None) -> None:
+def finalize_model_grads(
+    chunks: Sequence[GPTModel],
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    embedding_group: dist.ProcessGroup | None = None,
+) -> None:
     """After `forward_backward`, before the optimizer: sum over TP the gradients of
     sequence-parallel parameters, and over the embedding group (first + last stage) the
     gradients of the tied word embedding, so both copies take the same step."""

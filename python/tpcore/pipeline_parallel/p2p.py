@@ -57,7 +57,9 @@ def batch_send_recv(
     """Post all `sends` and `recvs` at once, wait for all; the received tensors in `recvs` order."""
     group = resolve_pipeline_group(group)
     sends = [(t, int(peer), int(tag), what) for t, peer, tag, what in sends]
-    recvs = [([int(d) for d in shape], int(peer), int(tag), what) for shape, peer, tag, what in recvs]
+    recvs = [
+        ([int(d) for d in shape], int(peer), int(tag), what) for shape, peer, tag, what in recvs
+    ]
     return _C.batch_isend_irecv(group, sends, recvs, dtype, torch.device(device), check_shapes)
 
 
@@ -65,59 +67,128 @@ def _neighbour(group: dist.ProcessGroup, step: int, what: str) -> int:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     peer = rank + step
     if not 0 <= peer < size:
-        raise ValueError(f"tpcore: pipeline stage {rank} of {size} has no {'next' if step > 0 else 'previous'} stage to {what}")
+        raise ValueError(
+            f"tpcore: pipeline stage {rank} of {size} has no {'next' if step > 0 else 'previous'} "
+            f"stage to {what}"
+        )
     return peer
 
 
-def send_forward(output: torch.Tensor, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> None:
+def send_forward(
+    output: torch.Tensor, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True
+) -> None:
     """Send this stage's output `[s(/tp), b, h]` to the next stage."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, 1, "send an activation to")
-    batch_send_recv([(output, peer, FORWARD_TAG, "an activation")], [], dtype=output.dtype, device=output.device, group=group, check_shapes=check_shapes)
+    batch_send_recv(
+        [(output, peer, FORWARD_TAG, "an activation")],
+        [],
+        dtype=output.dtype,
+        device=output.device,
+        group=group,
+        check_shapes=check_shapes,
+    )
 
 
-def recv_forward(shape: Sequence[int], *, dtype: torch.dtype, device="cpu", group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> torch.Tensor:
+def recv_forward(
+    shape: Sequence[int],
+    *,
+    dtype: torch.dtype,
+    device="cpu",
+    group: dist.ProcessGroup | None = None,
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """The previous stage's output, of the `shape` this stage expects."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, -1, "receive an activation from")
-    return batch_send_recv([], [(shape, peer, FORWARD_TAG, "an activation")], dtype=dtype, device=device, group=group, check_shapes=check_shapes)[0]
+    return batch_send_recv(
+        [],
+        [(shape, peer, FORWARD_TAG, "an activation")],
+        dtype=dtype,
+        device=device,
+        group=group,
+        check_shapes=check_shapes,
+    )[0]
 
 
-def send_backward(grad: torch.Tensor, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> None:
+def send_backward(
+    grad: torch.Tensor, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True
+) -> None:
     """Send the gradient of this stage's input to the previous stage."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, -1, "send a gradient to")
-    batch_send_recv([(grad, peer, BACKWARD_TAG, "a gradient")], [], dtype=grad.dtype, device=grad.device, group=group, check_shapes=check_shapes)
+    batch_send_recv(
+        [(grad, peer, BACKWARD_TAG, "a gradient")],
+        [],
+        dtype=grad.dtype,
+        device=grad.device,
+        group=group,
+        check_shapes=check_shapes,
+    )
 
 
-def recv_backward(shape: Sequence[int], *, dtype: torch.dtype, device="cpu", group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> torch.Tensor:
+def recv_backward(
+    shape: Sequence[int],
+    *,
+    dtype: torch.dtype,
+    device="cpu",
+    group: dist.ProcessGroup | None = None,
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """The gradient of this stage's output, from the next stage."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, 1, "receive a gradient from")
-    return batch_send_recv([], [(shape, peer, BACKWARD_TAG, "a gradient")], dtype=dtype, device=device, group=group, check_shapes=check_shapes)[0]
+    return batch_send_recv(
+        [],
+        [(shape, peer, BACKWARD_TAG, "a gradient")],
+        dtype=dtype,
+        device=device,
+        group=group,
+        check_shapes=check_shapes,
+    )[0]
 
 
-def send_forward_recv_backward(output: torch.Tensor, grad_shape: Sequence[int] | None = None, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> torch.Tensor:
+def send_forward_recv_backward(
+    output: torch.Tensor,
+    grad_shape: Sequence[int] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """Send `output` to the next stage and receive the gradient of an earlier output from it,
     in one batch (1F1B's steady state after a forward). `grad_shape` defaults to `output`'s."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, 1, "exchange with")
     shape = list(output.shape) if grad_shape is None else grad_shape
     return batch_send_recv(
-        [(output, peer, FORWARD_TAG, "an activation")], [(shape, peer, BACKWARD_TAG, "a gradient")],
-        dtype=output.dtype, device=output.device, group=group, check_shapes=check_shapes,
+        [(output, peer, FORWARD_TAG, "an activation")],
+        [(shape, peer, BACKWARD_TAG, "a gradient")],
+        dtype=output.dtype,
+        device=output.device,
+        group=group,
+        check_shapes=check_shapes,
     )[0]
 
 
-def send_backward_recv_forward(grad: torch.Tensor, activation_shape: Sequence[int] | None = None, *, group: dist.ProcessGroup | None = None, check_shapes: bool = True) -> torch.Tensor:
+def send_backward_recv_forward(
+    grad: torch.Tensor,
+    activation_shape: Sequence[int] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """Send `grad` to the previous stage and receive its next activation, in one batch
     (1F1B's steady state after a backward). `activation_shape` defaults to `grad`'s."""
     group = resolve_pipeline_group(group)
     peer = _neighbour(group, -1, "exchange with")
     shape = list(grad.shape) if activation_shape is None else activation_shape
     return batch_send_recv(
-        [(grad, peer, BACKWARD_TAG, "a gradient")], [(shape, peer, FORWARD_TAG, "an activation")],
-        dtype=grad.dtype, device=grad.device, group=group, check_shapes=check_shapes,
+        [(grad, peer, BACKWARD_TAG, "a gradient")],
+        [(shape, peer, FORWARD_TAG, "an activation")],
+        dtype=grad.dtype,
+        device=grad.device,
+        group=group,
+        check_shapes=check_shapes,
     )[0]
 
 

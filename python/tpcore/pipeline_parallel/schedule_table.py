@@ -16,7 +16,18 @@ from dataclasses import dataclass
 
 from .._validation import check_positive_ints
 
-__all__ = ["SCHEDULES", "Action", "Message", "ScheduleTable", "check_schedule", "rank_units", "rank_actions", "boundary_messages", "simulate", "schedule_table"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Message",
+    "ScheduleTable",
+    "check_schedule",
+    "rank_units",
+    "rank_actions",
+    "boundary_messages",
+    "simulate",
+    "schedule_table",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FORWARD, BACKWARD = "F", "B"
@@ -52,18 +63,29 @@ def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
     """Raise a ValueError naming what does not fit (the same on every rank, no processes)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"tpcore: pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
-    check_positive_ints("pipeline schedule", pipeline_size=p, num_micro_batches=m, num_model_chunks=v)
+    check_positive_ints(
+        "pipeline schedule", pipeline_size=p, num_micro_batches=m, num_model_chunks=v
+    )
     if schedule != "interleaved" and v != 1:
-        raise ValueError(f"tpcore: the {schedule} schedule runs one model chunk per rank, got {v}; use 'interleaved' for virtual stages")
+        raise ValueError(
+            f"tpcore: the {schedule} schedule runs one model chunk per rank, got {v}; use "
+            "'interleaved' for virtual stages"
+        )
     if schedule == "interleaved":
         if p < 2:
-            raise ValueError("tpcore: the interleaved schedule needs a pipeline of at least 2 ranks")
+            raise ValueError(
+                "tpcore: the interleaved schedule needs a pipeline of at least 2 ranks"
+            )
         if v < 2:
-            raise ValueError(f"tpcore: the interleaved schedule needs at least 2 model chunks per rank, got {v}; use '1f1b' for one")
+            raise ValueError(
+                "tpcore: the interleaved schedule needs at least 2 model chunks per rank, got "
+                f"{v}; use '1f1b' for one"
+            )
         if m % p:
             raise ValueError(
-                f"tpcore: the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of "
-                f"the pipeline size ({p}): micro-batches go through the chunks in groups of p"
+                f"tpcore: the interleaved schedule needs the number of micro-batches ({m}) to be a "
+                f"multiple of the pipeline size ({p}): micro-batches go through the chunks in "
+                "groups of p"
             )
 
 
@@ -84,7 +106,9 @@ def _interleaved_pass(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
     return (chunk if forward else v - 1 - chunk), group * p + within % p
 
 
-def rank_units(schedule: str, p: int, m: int, v: int, rank: int, forward_only: bool = False) -> list[list[Action]]:
+def rank_units(
+    schedule: str, p: int, m: int, v: int, rank: int, forward_only: bool = False
+) -> list[list[Action]]:
     """The F/B passes of pipeline rank `rank` in the order it runs them, grouped into the
     units between two batches of messages. A unit is one pass, except in the steady state
     of the interleaved schedule where it is a forward and a backward run back to back
@@ -98,12 +122,16 @@ def rank_units(schedule: str, p: int, m: int, v: int, rank: int, forward_only: b
     bwd = [Action(BACKWARD, *_interleaved_pass(k, p, v, False)) for k in range(total)]
     warmup = warmup_count(schedule, p, m, v, rank)
     steady = [[fwd[warmup + k], bwd[k]] for k in range(total - warmup)]
-    if schedule != "interleaved":  # 1F1B: a batch after every pass (send forward + receive backward, ...)
+    if (
+        schedule != "interleaved"
+    ):  # 1F1B: a batch after every pass (send forward + receive backward, ...)
         steady = [[a] for pair in steady for a in pair]
     return [[a] for a in fwd[:warmup]] + steady + [[a] for a in bwd[total - warmup :]]
 
 
-def rank_actions(schedule: str, p: int, m: int, v: int, rank: int, forward_only: bool = False) -> list[Action]:
+def rank_actions(
+    schedule: str, p: int, m: int, v: int, rank: int, forward_only: bool = False
+) -> list[Action]:
     """The F/B passes of pipeline rank `rank`, in the order it runs them."""
     return [a for unit in rank_units(schedule, p, m, v, rank, forward_only) for a in unit]
 
@@ -124,14 +152,18 @@ def _messages_out(action: Action, rank: int, p: int, v: int) -> list[Message]:
     return [Message(BACKWARD, stage, stage - 1, action.micro)] if stage > 0 else []
 
 
-def boundary_messages(units: list[list[Action]], rank: int, p: int, v: int) -> list[tuple[list[Message], list[Message]]]:
+def boundary_messages(
+    units: list[list[Action]], rank: int, p: int, v: int
+) -> list[tuple[list[Message], list[Message]]]:
     """One batch of messages before each unit and one after the last: batch k sends what
     unit k - 1 produced and receives what unit k needs (Megatron's fused send-forward +
     receive-backward and the reverse)."""
     out = []
     for k in range(len(units) + 1):
         sends = [msg for a in units[k - 1] for msg in _messages_out(a, rank, p, v)] if k > 0 else []
-        recvs = [msg for a in units[k] for msg in _messages_in(a, rank, p, v)] if k < len(units) else []
+        recvs = (
+            [msg for a in units[k] for msg in _messages_in(a, rank, p, v)] if k < len(units) else []
+        )
         out.append((sends, recvs))
     return out
 
@@ -160,7 +192,9 @@ class ScheduleTable:
     @property
     def busy_time(self) -> float:
         """Compute time of one rank (the same on every rank)."""
-        return sum(self.forward_time if a.kind == FORWARD else self.backward_time for a in self.actions[0])
+        return sum(
+            self.forward_time if a.kind == FORWARD else self.backward_time for a in self.actions[0]
+        )
 
     @property
     def bubble_fraction(self) -> float:
@@ -182,7 +216,10 @@ class ScheduleTable:
 
     def __str__(self) -> str:
         unit = 4 if self.v == 1 else 6  # characters per time unit
-        lines = [f"{self.schedule}: p={self.p} m={self.m} v={self.v}, bubble {self.bubble_fraction:.3f} (idle / compute)"]
+        lines = [
+            f"{self.schedule}: p={self.p} m={self.m} v={self.v}, bubble {self.bubble_fraction:.3f} "
+            "(idle / compute)"
+        ]
         for rank, (acts, starts) in enumerate(zip(self.actions, self.starts)):
             row, t = "", 0.0
             for a, start in zip(acts, starts):
@@ -208,13 +245,19 @@ def _match(p: int, batches: list[list[tuple[list[Message], list[Message]]]]) -> 
                 received.setdefault((msg.src % p, rank), []).append((b, TAGS[msg.kind], msg))
     partner, tagless = {}, True
     for link in sent.keys() | received.keys():
-        out, inc = sorted(sent.get(link, []), key=_order), sorted(received.get(link, []), key=_order)
+        out, inc = (
+            sorted(sent.get(link, []), key=_order),
+            sorted(received.get(link, []), key=_order),
+        )
         tagless &= [m for *_, m in out] == [m for *_, m in inc]
         for kind in TAGS:
             kind_out = [(b, m) for b, _, m in out if m.kind == kind]
             kind_in = [(b, m) for b, _, m in inc if m.kind == kind]
             if [m for _, m in kind_out] != [m for _, m in kind_in]:
-                raise RuntimeError(f"tpcore: schedule sends and receives the {kind} messages of link {link[0]}->{link[1]} in different orders")
+                raise RuntimeError(
+                    f"tpcore: schedule sends and receives the {kind} messages of link "
+                    f"{link[0]}->{link[1]} in different orders"
+                )
             for (bs, msg), (br, _) in zip(kind_out, kind_in):
                 partner[(link[0], bs, msg)] = (link[1], br)
                 partner[(link[1], br, msg)] = (link[0], bs)
@@ -225,7 +268,13 @@ def _order(entry: tuple) -> tuple[int, int]:
     return entry[0], entry[1]  # (batch, tag)
 
 
-def simulate(units: list[list[list[Action]]], p: int, v: int, forward_time: float = 1.0, backward_time: float = 2.0) -> tuple[list[list[float]], float, bool]:
+def simulate(
+    units: list[list[list[Action]]],
+    p: int,
+    v: int,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+) -> tuple[list[list[float]], float, bool]:
     """Run every rank's `units` on the executor's model: batch k of a rank completes when
     every message in it has been posted by both ends, then the rank runs unit k.
     Returns (start time of each pass per rank, step time, whether the link orders agree
@@ -233,7 +282,9 @@ def simulate(units: list[list[list[Action]]], p: int, v: int, forward_time: floa
     batches = [boundary_messages(u, r, p, v) for r, u in enumerate(units)]
     partner, tagless = _match(p, batches)
     duration = {FORWARD: forward_time, BACKWARD: backward_time}
-    posted: list[list[float | None]] = [[0.0] + [None] * len(u) for u in units]  # when rank r posts batch b
+    posted: list[list[float | None]] = [
+        [0.0] + [None] * len(u) for u in units
+    ]  # when rank r posts batch b
     starts: list[list[float]] = [[] for _ in units]
     pos, finish = [0] * p, [None] * p
     progress = True
@@ -259,12 +310,21 @@ def simulate(units: list[list[list[Action]]], p: int, v: int, forward_time: floa
             progress = True
     if None in finish:
         stuck = {r: batches[r][pos[r]] for r in range(p) if finish[r] is None}
-        raise RuntimeError(f"tpcore: pipeline order deadlocks: ranks stuck at their (sends, receives) {stuck}")
+        raise RuntimeError(
+            f"tpcore: pipeline order deadlocks: ranks stuck at their (sends, receives) {stuck}"
+        )
     return starts, max(finish), tagless
 
 
 def schedule_table(
-    p: int, m: int, v: int = 1, schedule: str | None = None, *, forward_only: bool = False, forward_time: float = 1.0, backward_time: float = 2.0
+    p: int,
+    m: int,
+    v: int = 1,
+    schedule: str | None = None,
+    *,
+    forward_only: bool = False,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
 ) -> ScheduleTable:
     """The schedule of p ranks, m micro-batches and v chunks per rank ("interleaved" when
     v > 1, else "1f1b", unless `schedule` says otherwise), timed by `simulate` (which
@@ -274,4 +334,6 @@ def schedule_table(
     units = [rank_units(schedule, p, m, v, r, forward_only) for r in range(p)]
     starts, step_time, tagless = simulate(units, p, v, forward_time, backward_time)
     actions = [[a for unit in u for a in unit] for u in units]
-    return ScheduleTable(schedule, p, m, v, actions, starts, step_time, forward_time, backward_time, tagless)
+    return ScheduleTable(
+        schedule, p, m, v, actions, starts, step_time, forward_time, backward_time, tagless
+    )

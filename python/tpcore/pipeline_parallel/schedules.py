@@ -24,7 +24,16 @@ import torch.distributed as dist
 
 from .. import comm
 from . import p2p
-from .schedule_table import BACKWARD, FORWARD, TAGS, Action, Message, boundary_messages, check_schedule, rank_units
+from .schedule_table import (
+    BACKWARD,
+    FORWARD,
+    TAGS,
+    Action,
+    Message,
+    boundary_messages,
+    check_schedule,
+    rank_units,
+)
 
 __all__ = ["forward_backward", "PipelineStats"]
 
@@ -53,19 +62,34 @@ def _check_args(num_micro_batches, tensor_shape, dtype, loss_scale, schedule, p,
     check_schedule(schedule, p, num_micro_batches, v)
     shape = list(tensor_shape)
     if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
-        raise ValueError(f"tpcore: forward_backward: tensor_shape must be positive ints, got {tensor_shape!r}")
+        raise ValueError(
+            f"tpcore: forward_backward: tensor_shape must be positive ints, got {tensor_shape!r}"
+        )
     if not dtype.is_floating_point:
-        raise ValueError(f"tpcore: forward_backward: activations must be floating point, got {dtype}")
+        raise ValueError(
+            f"tpcore: forward_backward: activations must be floating point, got {dtype}"
+        )
     if not loss_scale > 0:
         raise ValueError(f"tpcore: forward_backward: loss_scale must be > 0, got {loss_scale}")
     return shape
 
 
-_AGREED = ("num_micro_batches", "num_model_chunks", "schedule", "forward_only", "loss_scale", "tensor_shape", "dtype", "check_shapes")
+_AGREED = (
+    "num_micro_batches",
+    "num_model_chunks",
+    "schedule",
+    "forward_only",
+    "loss_scale",
+    "tensor_shape",
+    "dtype",
+    "check_shapes",
+)
 
 
 def _ints(shape) -> tuple[int, ...]:
-    if not all(isinstance(d, numbers.Integral) for d in shape):  # 4.0 is not 4 here: _check_args refuses it
+    if not all(
+        isinstance(d, numbers.Integral) for d in shape
+    ):  # 4.0 is not 4 here: _check_args refuses it
         raise TypeError("not ints")
     return tuple(int(d) for d in shape)
 
@@ -87,15 +111,18 @@ def _check_ranks_agree(group: dist.ProcessGroup, device: torch.device, values: t
     that disagree would otherwise wait on a message that never comes, or leave unread
     ones behind and return (forward_only on one rank only)."""
     codes = [zlib.crc32(repr(v).encode()) for v in values]  # hash() differs between processes
-    everyone = comm.all_gather(torch.tensor(codes, dtype=torch.int64, device=device), 0, group).view(-1, len(codes))
+    everyone = comm.all_gather(
+        torch.tensor(codes, dtype=torch.int64, device=device), 0, group
+    ).view(-1, len(codes))
     rows = everyone.tolist()
     for i, name in enumerate(_AGREED):
         if len({row[i] for row in rows}) > 1:
             mine = values[i]
             raise ValueError(
-                f"tpcore: forward_backward: the ranks of the pipeline group disagree on {name} (this rank, "
-                f"{dist.get_rank(group)}, has {mine!r}; stage ranks with the same value: "
-                f"{[r for r, row in enumerate(rows) if row[i] == codes[i]]}); call it with the same arguments on every rank"
+                f"tpcore: forward_backward: the ranks of the pipeline group disagree on {name} "
+                f"(this rank, {dist.get_rank(group)}, has {mine!r}; stage ranks with the same "
+                f"value: {[r for r, row in enumerate(rows) if row[i] == codes[i]]}); call it with "
+                "the same arguments on every rank"
             )
 
 
@@ -129,10 +156,28 @@ def forward_backward(
     """
     start = time.perf_counter()
     group = p2p.resolve_pipeline_group(group)
-    p, rank, v, m = dist.get_world_size(group), dist.get_rank(group), num_model_chunks, num_micro_batches
+    p, rank, v, m = (
+        dist.get_world_size(group),
+        dist.get_rank(group),
+        num_model_chunks,
+        num_micro_batches,
+    )
     device = torch.device(device)
     if p > 1:
-        _check_ranks_agree(group, device, (m, v, schedule, bool(forward_only), _plain(loss_scale, float), _plain(tensor_shape, _ints), str(dtype), bool(check_shapes)))
+        _check_ranks_agree(
+            group,
+            device,
+            (
+                m,
+                v,
+                schedule,
+                bool(forward_only),
+                _plain(loss_scale, float),
+                _plain(tensor_shape, _ints),
+                str(dtype),
+                bool(check_shapes),
+            ),
+        )
     shape = _check_args(m, tensor_shape, dtype, loss_scale, schedule, p, v)
     last_stage = p * v - 1
     units = rank_units(schedule, p, m, v, rank, forward_only)
@@ -154,14 +199,17 @@ def forward_backward(
                 out = forward_step(action.chunk, action.micro, x)
             if stage == last_stage:
                 if out.numel() != 1:
-                    raise ValueError(f"tpcore: forward_backward: the last stage must return the micro-batch loss (one element), got shape {list(out.shape)}")
+                    raise ValueError(
+                        "tpcore: forward_backward: the last stage must return the micro-batch loss "
+                        f"(one element), got shape {list(out.shape)}"
+                    )
                 out = out / m
                 loss_sum = loss_sum + out.detach().double().reshape(())
             else:
                 if list(out.shape) != shape or out.dtype != dtype:
                     raise ValueError(
-                        f"tpcore: forward_backward: stage {stage} produced an activation {list(out.shape)} {out.dtype}, "
-                        f"but the pipeline sends {shape} {dtype}"
+                        f"tpcore: forward_backward: stage {stage} produced an activation "
+                        f"{list(out.shape)} {out.dtype}, but the pipeline sends {shape} {dtype}"
                     )
                 outgoing[Message(FORWARD, stage, stage + 1, action.micro)] = out
             if not forward_only:
@@ -174,15 +222,27 @@ def forward_backward(
         p2p.backward_from(out, grad)
         if stage > 0:
             if x.grad is None:
-                raise RuntimeError(f"tpcore: forward_backward: the input of stage {stage} got no gradient; does its output depend on it?")
+                raise RuntimeError(
+                    f"tpcore: forward_backward: the input of stage {stage} got no gradient; does "
+                    "its output depend on it?"
+                )
             outgoing[Message(BACKWARD, stage, stage - 1, action.micro)] = x.grad
 
     for b, (sends, recvs) in enumerate(batches):
-        send_specs = [(outgoing[msg], msg.dst % p, TAGS[msg.kind], _describe(msg, p, v)) for msg in sends]
+        send_specs = [
+            (outgoing[msg], msg.dst % p, TAGS[msg.kind], _describe(msg, p, v)) for msg in sends
+        ]
         recv_specs = [(shape, msg.src % p, TAGS[msg.kind], _describe(msg, p, v)) for msg in recvs]
         if send_specs or recv_specs:
             t0 = time.perf_counter()
-            received = p2p.batch_send_recv(send_specs, recv_specs, dtype=dtype, device=device, group=group, check_shapes=check_shapes)
+            received = p2p.batch_send_recv(
+                send_specs,
+                recv_specs,
+                dtype=dtype,
+                device=device,
+                group=group,
+                check_shapes=check_shapes,
+            )
             wait_s += time.perf_counter() - t0
             for msg, t in zip(recvs, received):
                 key = (msg.dst // p, msg.micro)
@@ -202,5 +262,9 @@ def forward_backward(
 
     loss = comm.broadcast(loss_sum, p - 1, group)  # the last stage's loss, on every stage
     if stats is not None:
-        stats.wait_s, stats.step_s, stats.released_bytes = wait_s, time.perf_counter() - start, released
+        stats.wait_s, stats.step_s, stats.released_bytes = (
+            wait_s,
+            time.perf_counter() - start,
+            released,
+        )
     return loss

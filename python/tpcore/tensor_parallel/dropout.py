@@ -19,7 +19,9 @@ from .random import MODEL_PARALLEL_RNG, get_rng_tracker
 __all__ = ["tracked_dropout"]
 
 
-def tracked_dropout(x: torch.Tensor, p: float, stream: str = MODEL_PARALLEL_RNG, training: bool = True) -> torch.Tensor:
+def tracked_dropout(
+    x: torch.Tensor, p: float, stream: str = MODEL_PARALLEL_RNG, training: bool = True
+) -> torch.Tensor:
     """`F.dropout(x, p)` (any shape and floating dtype; the result is contiguous) with the mask
     from the tracker's counter `stream`: `MODEL_PARALLEL_RNG` (differs across TP ranks: a
     tensor-parallel or sequence-parallel region) or `REPLICATED_RNG` (identical on them: a

@@ -31,15 +31,19 @@ _disable_dynamo_lazily = getattr(torch, "_disable_dynamo", torch.compiler.disabl
 
 
 def vocab_shard(table: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
-    """Rank `rank`'s `[rows, ...]` slice of a full `[vocab, ...]` table, zero-padded past its end."""
+    """Rank `rank`'s `[rows, ...]` slice of a full `[vocab, ...]` table, zero-padded past its
+    end."""
     local = table.new_zeros(rows, *table.shape[1:])
     mine = table[rank * rows : (rank + 1) * rows]
     local[: mine.shape[0]] = mine
     return local
 
 
-def pad_vocab_size(vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
-    """`vocab_size` rounded up to a multiple of `make_vocab_size_divisible_by * tensor_parallel_size`."""
+def pad_vocab_size(
+    vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128
+) -> int:
+    """`vocab_size` rounded up to a multiple of
+    `make_vocab_size_divisible_by * tensor_parallel_size`."""
     check_positive_ints(
         "pad_vocab_size",
         vocab_size=vocab_size,
@@ -74,33 +78,51 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
         make_vocab_size_divisible_by: int = 128,
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
-        init_method: Union[ShardedInit, Callable[[torch.Tensor], object], Literal["dense"], None] = None,
+        init_method: Union[
+            ShardedInit, Callable[[torch.Tensor], object], Literal["dense"], None
+        ] = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_positive_ints("VocabParallelEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        check_positive_ints(
+            "VocabParallelEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim
+        )
         check_init_method("VocabParallelEmbedding", init_method)
         self.group = resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padded_num_embeddings = pad_vocab_size(num_embeddings, self.tp_size, make_vocab_size_divisible_by)
+        self.padded_num_embeddings = pad_vocab_size(
+            num_embeddings, self.tp_size, make_vocab_size_divisible_by
+        )
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"tpcore: VocabParallelEmbedding: padding_idx {padding_idx} is outside [-{num_embeddings}, {num_embeddings})")
+                raise ValueError(
+                    f"tpcore: VocabParallelEmbedding: padding_idx {padding_idx} "
+                    f"is outside [-{num_embeddings}, {num_embeddings})"
+                )
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
         self.sequence_parallel = sequence_parallel
         rows = self.padded_num_embeddings // self.tp_size
         self.vocab_start, self.vocab_end = self.tp_rank * rows, (self.tp_rank + 1) * rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype, device=device))
-        spec = ShardSpec((num_embeddings, embedding_dim), 0, vocab_multiple=make_vocab_size_divisible_by, tp_size=self.tp_size, tp_rank=self.tp_rank, group=self.group)
+        spec = ShardSpec(
+            (num_embeddings, embedding_dim),
+            0,
+            vocab_multiple=make_vocab_size_divisible_by,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            group=self.group,
+        )
         set_shard_spec(self.weight, spec)
         if self.weight.device.type != "meta":
             self._initialize(init_method)
 
     def _initialize(self, init_method) -> None:
-        if init_method is not None and not isinstance(init_method, ShardedInit):  # "dense" or a callable
+        if init_method is not None and not isinstance(
+            init_method, ShardedInit
+        ):  # "dense" or a callable
             master = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
             if init_method == "dense":
                 nn.init.normal_(master)
@@ -113,23 +135,35 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
         rows = self.weight.shape[0]
         real = max(0, min(rows, self.num_embeddings - self.vocab_start))
         init_shard_(
-            self.weight, init_method or ShardedInit.normal(1.0), seed=draw_seed(), key="weight",
-            full_shape=(self.num_embeddings, self.embedding_dim), ranges=[(0, self.vocab_start, real)],
+            self.weight,
+            init_method or ShardedInit.normal(1.0),
+            seed=draw_seed(),
+            key="weight",
+            full_shape=(self.num_embeddings, self.embedding_dim),
+            ranges=[(0, self.vocab_start, real)],
         )  # rows past the real vocabulary (padding) are zeroed
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
             with torch.no_grad():
                 self.weight[self.padding_idx - self.vocab_start] = 0
 
     def _load_rows(self, table: torch.Tensor) -> None:
-        """Keep this rank's rows of the full `[num_embeddings, dim]` table; padding rows are zero."""
+        """Keep this rank's rows of the full `[num_embeddings, dim]` table; padding rows are
+        zero."""
         with torch.no_grad():
             self.weight.copy_(vocab_shard(table, self.tp_rank, self.weight.shape[0]))
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
-        """This rank's rows of `embedding` (same dtype, device and padding_idx); kwargs as the constructor."""
+        """This rank's rows of `embedding` (same dtype, device and padding_idx); kwargs as the
+        constructor."""
         kwargs.setdefault("padding_idx", embedding.padding_idx)
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, dtype=embedding.weight.dtype, device="meta", **kwargs)
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            dtype=embedding.weight.dtype,
+            device="meta",
+            **kwargs,
+        )
         to_empty_keeping_attributes(layer, embedding.weight.device)
         layer._load_rows(embedding.weight.detach())
         return layer
@@ -137,14 +171,21 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
     def to_dense(self) -> nn.Embedding:
         """The full `nn.Embedding` (padding rows dropped); a collective: call on all TP ranks."""
         table = comm.all_gather(self.weight.detach(), 0, self.group)[: self.num_embeddings]
-        dense = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, dtype=table.dtype, device="meta")
+        dense = nn.Embedding(
+            self.num_embeddings,
+            self.embedding_dim,
+            padding_idx=self.padding_idx,
+            dtype=table.dtype,
+            device="meta",
+        )
         dense.to_empty(device=table.device)
         with torch.no_grad():
             dense.weight.copy_(table)
         return dense
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` `[...]` -> `[..., embedding_dim]` (with sequence parallelism, dim 0 split over TP)."""
+        """`ids` `[...]` -> `[..., embedding_dim]` (with sequence parallelism, dim 0 split over
+        TP)."""
         if has_gradient_sink(self.weight):  # the gradient goes to a sink (see gradient_sink.py)
             return self._lookup_to_sink(ids)
         return self._lookup(ids, self.weight)
@@ -152,7 +193,12 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
     def _lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         return _op_entry.vocab_parallel_embedding(
-            ids, weight, live_group_name(self.group), self.num_embeddings, padding_idx, self.sequence_parallel
+            ids,
+            weight,
+            live_group_name(self.group),
+            self.num_embeddings,
+            padding_idx,
+            self.sequence_parallel,
         )
 
     # torch.compiler.disable, applied at the first call: the decorator imports torch._dynamo
@@ -161,8 +207,17 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
     def _lookup_to_sink(self, ids: torch.Tensor) -> torch.Tensor:
         # The same forward on the detached weight; the backward hands each token's gradient
         # to the sink, after the all-gather over the sequence that the op's own backward makes.
-        gather = (lambda g: comm.all_gather(g, 0, self.group)) if self.sequence_parallel and self.tp_size > 1 else None
-        return route_lookup_gradient(self.weight, lambda: self._lookup(ids, self.weight.detach()), self._local_rows(ids), gather)
+        gather = (
+            (lambda g: comm.all_gather(g, 0, self.group))
+            if self.sequence_parallel and self.tp_size > 1
+            else None
+        )
+        return route_lookup_gradient(
+            self.weight,
+            lambda: self._lookup(ids, self.weight.detach()),
+            self._local_rows(ids),
+            gather,
+        )
 
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """`[n]` int64: the local row each id looks up, `rows` (one past the last) for ids
@@ -178,6 +233,7 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.num_embeddings}, {self.embedding_dim}, padded_num_embeddings={self.padded_num_embeddings}, "
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"padded_num_embeddings={self.padded_num_embeddings}, "
             f"tp_size={self.tp_size}, rows=[{self.vocab_start}, {self.vocab_end})"
         )

@@ -28,7 +28,12 @@ from typing import Callable
 
 import torch
 
-__all__ = ["attach_gradient_sink", "detach_gradient_sink", "has_gradient_sink", "route_lookup_gradient"]
+__all__ = [
+    "attach_gradient_sink",
+    "detach_gradient_sink",
+    "has_gradient_sink",
+    "route_lookup_gradient",
+]
 
 GradientSink = Callable[[torch.Tensor, torch.Tensor], None]
 """`sink(rows, grads)`: `rows` int64 `[n]`, the row of the weight each token read
@@ -56,8 +61,14 @@ class _LookupToSink(torch.autograd.Function):
     in-place changes to it (`x += positions`) work as without a sink."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, lookup: Callable[[], torch.Tensor], sink: GradientSink, rows: torch.Tensor,
-                gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        anchor: torch.Tensor,
+        lookup: Callable[[], torch.Tensor],
+        sink: GradientSink,
+        rows: torch.Tensor,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
         ctx.sink, ctx.rows, ctx.gather = sink, rows, gather
         return lookup()
 
@@ -69,13 +80,22 @@ class _LookupToSink(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def attach_gradient_sink(weight: torch.nn.Parameter, sink: GradientSink, on_use: OnUse | None = None) -> None:
+def attach_gradient_sink(
+    weight: torch.nn.Parameter, sink: GradientSink, on_use: OnUse | None = None
+) -> None:
     """From now on, the gradient of every lookup of `weight` that goes through
     `route_lookup_gradient` is passed to `sink(rows, grads)` and not accumulated into
     `weight.grad`; `on_use(rows)`, if given, is called at each such lookup."""
     if _entry(weight) is not None:
-        raise RuntimeError("tpcore: attach_gradient_sink: this parameter already has a gradient sink")
-    _SINKS[id(weight)] = (weakref.ref(weight), sink, on_use, weakref.finalize(weight, _forget, id(weight)))
+        raise RuntimeError(
+            "tpcore: attach_gradient_sink: this parameter already has a gradient sink"
+        )
+    _SINKS[id(weight)] = (
+        weakref.ref(weight),
+        sink,
+        on_use,
+        weakref.finalize(weight, _forget, id(weight)),
+    )
 
 
 def detach_gradient_sink(weight: torch.nn.Parameter, sink: GradientSink | None = None) -> None:
@@ -100,18 +120,24 @@ def has_gradient_sink(weight: torch.Tensor) -> bool:
     return _entry(weight) is not None and weight.requires_grad and torch.is_grad_enabled()
 
 
-def route_lookup_gradient(weight: torch.Tensor, lookup: Callable[[], torch.Tensor], rows: torch.Tensor,
-                          gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def route_lookup_gradient(
+    weight: torch.Tensor,
+    lookup: Callable[[], torch.Tensor],
+    rows: torch.Tensor,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """`lookup()`, a lookup of `weight.detach()`, made differentiable so that its gradient
     goes to the weight's sink: `rows` `[n]` as the sink takes them, in the order of the
     output's tokens once `gather` (if given) has been applied to the output's gradient
     (sequence parallelism: the all-gather of the lookup's own backward)."""
     entry = _entry(weight)
     if entry is None:
-        raise RuntimeError("tpcore: route_lookup_gradient: this weight has no gradient sink (check has_gradient_sink first)")
+        raise RuntimeError(
+            "tpcore: route_lookup_gradient: this weight has "
+            "no gradient sink (check has_gradient_sink first)"
+        )
     _, sink, on_use, _ = entry
     if on_use is not None:
         on_use(rows)
     anchor = torch.empty(0, device=weight.device, requires_grad=True)
     return _LookupToSink.apply(anchor, lookup, sink, rows, gather)
-

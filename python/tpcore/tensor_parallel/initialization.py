@@ -20,7 +20,15 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["ShardedInit", "init_shard_", "draw_seed", "check_init_method", "Range", "TILE_2D", "TILE_1D"]
+__all__ = [
+    "ShardedInit",
+    "init_shard_",
+    "draw_seed",
+    "check_init_method",
+    "Range",
+    "TILE_2D",
+    "TILE_1D",
+]
 
 TILE_2D = (128, 512)
 """Tile of a matrix `[rows, cols]` (and of the last two dims of higher-rank tensors)."""
@@ -45,11 +53,15 @@ class ShardedInit:
 
     @staticmethod
     def normal(std: float, mean: float = 0.0) -> "ShardedInit":
-        return ShardedInit(lambda t, g: t.normal_(mean, std, generator=g), f"normal(mean={mean}, std={std})")
+        return ShardedInit(
+            lambda t, g: t.normal_(mean, std, generator=g), f"normal(mean={mean}, std={std})"
+        )
 
     @staticmethod
     def uniform(low: float, high: float) -> "ShardedInit":
-        return ShardedInit(lambda t, g: t.uniform_(low, high, generator=g), f"uniform({low}, {high})")
+        return ShardedInit(
+            lambda t, g: t.uniform_(low, high, generator=g), f"uniform({low}, {high})"
+        )
 
     @staticmethod
     def constant(value: float) -> "ShardedInit":
@@ -65,7 +77,10 @@ def check_init_method(owner: str, init_method: object) -> None:
         return
     if isinstance(init_method, str) and init_method == "dense":
         return
-    raise ValueError(f"tpcore: {owner}: init_method must be None, a ShardedInit, 'dense' or a callable, got {init_method!r}")
+    raise ValueError(
+        f"tpcore: {owner}: init_method must be None, a "
+        f"ShardedInit, 'dense' or a callable, got {init_method!r}"
+    )
 
 
 def draw_seed() -> int:
@@ -109,11 +124,22 @@ def init_shard_(
     if full_shape:
         expected[dim] = out.shape[dim]
     if list(out.shape) != expected:
-        raise ValueError(f"tpcore: init_shard_: {key}: piece shape {list(out.shape)} does not fit full shape {list(full_shape)} split along dim {dim}")
+        raise ValueError(
+            f"tpcore: init_shard_: {key}: piece shape {list(out.shape)} does "
+            f"not fit full shape {list(full_shape)} split along dim {dim}"
+        )
     ranges = [r for r in ranges if r[2] > 0]
     for local, start, length in ranges:
-        if local < 0 or local + length > out.shape[dim] or start < 0 or start + length > full_shape[dim]:
-            raise ValueError(f"tpcore: init_shard_: {key}: range {(local, start, length)} is outside the piece or the full tensor")
+        if (
+            local < 0
+            or local + length > out.shape[dim]
+            or start < 0
+            or start + length > full_shape[dim]
+        ):
+            raise ValueError(
+                f"tpcore: init_shard_: {key}: range {(local, start, length)} "
+                "is outside the piece or the full tensor"
+            )
     tile_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     generator = torch.Generator()
     with torch.no_grad():
@@ -126,7 +152,9 @@ def init_shard_(
         tile_shape = _tile_shape(len(full_shape))
         per_dim = [range(-(-n // t)) for n, t in zip(full_shape, tile_shape)]
         size = tile_shape[dim]
-        per_dim[dim] = sorted({i for _, g, n in ranges for i in range(g // size, (g + n - 1) // size + 1)})
+        per_dim[dim] = sorted(
+            {i for _, g, n in ranges for i in range(g // size, (g + n - 1) // size + 1)}
+        )
         for index in itertools.product(*per_dim):
             lo = [i * t for i, t in zip(index, tile_shape)]
             shape = [min(t, n - s) for t, n, s in zip(tile_shape, full_shape, lo)]
@@ -139,7 +167,11 @@ def init_shard_(
                     piece = tile.narrow(dim, a - lo[dim], b - a)
                     target = out
                     for d, (s, n) in enumerate(zip(lo, shape)):
-                        target = target.narrow(d, local + a - start, b - a) if d == dim else target.narrow(d, s, n)
+                        target = (
+                            target.narrow(d, local + a - start, b - a)
+                            if d == dim
+                            else target.narrow(d, s, n)
+                        )
                     target.copy_(piece)
     return out
 

@@ -46,7 +46,8 @@ InitMethod = Union[ShardedInit, Callable[[torch.Tensor], object], Literal["dense
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(
-            f"tpcore: {what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})"
+            f"tpcore: {what} ({numerator}) is not divisible "
+            f"by the tensor-parallel size ({denominator})"
         )
     return numerator // denominator
 
@@ -101,24 +102,37 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
         self.skip_bias_add, self.sequence_parallel = skip_bias_add, sequence_parallel
         full = [out_features, in_features]
         what = ("out_features", "in_features")[self.shard_dim]
-        full[self.shard_dim] = _divide(full[self.shard_dim], self.tp_size, f"{type(self).__name__} {what}")
+        full[self.shard_dim] = _divide(
+            full[self.shard_dim], self.tp_size, f"{type(self).__name__} {what}"
+        )
         dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(full, dtype=dtype, device=device))
         placement = dict(tp_size=self.tp_size, tp_rank=self.tp_rank, group=self.group)
-        set_shard_spec(self.weight, ShardSpec((out_features, in_features), self.shard_dim, **placement))
+        set_shard_spec(
+            self.weight, ShardSpec((out_features, in_features), self.shard_dim, **placement)
+        )
         bias_size = full[0]
-        self.bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device)) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device)) if bias else None
+        )
         if self.bias is not None:
             # A column bias is sharded with the weight; a row bias is replicated (its
             # gradient is whole on every rank: the layer sums it under sequence parallelism).
-            set_shard_spec(self.bias, ShardSpec((out_features,), 0 if self.shard_dim == 0 else None, **placement))
+            set_shard_spec(
+                self.bias,
+                ShardSpec((out_features,), 0 if self.shard_dim == 0 else None, **placement),
+            )
         if self.weight.device.type != "meta":
             self._initialize(init_method)
 
     def _initialize(self, init_method: InitMethod) -> None:
         if init_method is not None and not isinstance(init_method, ShardedInit):
             has_bias = self.bias is not None
-            self._load_master(*_master_parameters(self.out_features, self.in_features, has_bias, init_method, self.weight.dtype))
+            self._load_master(
+                *_master_parameters(
+                    self.out_features, self.in_features, has_bias, init_method, self.weight.dtype
+                )
+            )
             return
         seed = draw_seed()
         bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)) and nn.Linear's bias
@@ -126,10 +140,29 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
         full = (self.out_features, self.in_features)
         n = self.weight.shape[self.shard_dim]
         mine = [(0, self.tp_rank * n, n)]
-        init_shard_(self.weight, weight_init, seed=seed, key="weight", full_shape=full, dim=self.shard_dim, ranges=mine)
+        init_shard_(
+            self.weight,
+            weight_init,
+            seed=seed,
+            key="weight",
+            full_shape=full,
+            dim=self.shard_dim,
+            ranges=mine,
+        )
         if self.bias is not None:
-            bias_init = ShardedInit.uniform(-bound, bound) if init_method is None else ShardedInit.constant(0.0)
-            init_shard_(self.bias, bias_init, seed=seed, key="bias", full_shape=full[:1], ranges=mine if self.shard_dim == 0 else None)
+            bias_init = (
+                ShardedInit.uniform(-bound, bound)
+                if init_method is None
+                else ShardedInit.constant(0.0)
+            )
+            init_shard_(
+                self.bias,
+                bias_init,
+                seed=seed,
+                key="bias",
+                full_shape=full[:1],
+                ranges=mine if self.shard_dim == 0 else None,
+            )
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         return full.chunk(self.tp_size, dim)[self.tp_rank]
@@ -143,7 +176,8 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, **kwargs) -> "_ParallelLinear":
-        """The shards of `linear` for this rank (same dtype and device); kwargs as the constructor."""
+        """The shards of `linear` for this rank (same dtype and device); kwargs as the
+        constructor."""
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -153,7 +187,9 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
             **kwargs,
         )
         to_empty_keeping_attributes(layer, linear.weight.device)
-        layer._load_master(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        layer._load_master(
+            linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        )
         return layer
 
     def to_dense(self) -> nn.Linear:
@@ -169,16 +205,21 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
             dense.weight.copy_(comm.all_gather(self.weight.detach(), self.shard_dim, self.group))
             if self.bias is not None:
                 bias = self.bias.detach()
-                dense.bias.copy_(comm.all_gather(bias, 0, self.group) if self.shard_dim == 0 else bias)
+                dense.bias.copy_(
+                    comm.all_gather(bias, 0, self.group) if self.shard_dim == 0 else bias
+                )
         return dense
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, tp_size={self.tp_size}, weight_shard={list(self.weight.shape)}"
+            f"in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp_size={self.tp_size}, weight_shard={list(self.weight.shape)}"
         )
 
-    def _result(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def _result(
+        self, output: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         return (output, self.bias) if self.skip_bias_add else output
 
     def _forward_bias(self) -> torch.Tensor | None:
@@ -213,7 +254,10 @@ class ColumnParallelLinear(_ParallelLinear):
         device: torch.device | str | None = None,
     ) -> None:
         if gather_output and sequence_parallel:
-            raise ValueError("tpcore: ColumnParallelLinear: gather_output=True cannot be used with sequence_parallel=True")
+            raise ValueError(
+                "tpcore: ColumnParallelLinear: gather_output=True "
+                "cannot be used with sequence_parallel=True"
+            )
         super().__init__(
             in_features,
             out_features,
@@ -229,7 +273,12 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         out = _op_entry.column_parallel_linear(
-            x, self.weight, self._forward_bias(), live_group_name(self.group), self.gather_output, self.sequence_parallel
+            x,
+            self.weight,
+            self._forward_bias(),
+            live_group_name(self.group),
+            self.gather_output,
+            self.sequence_parallel,
         )
         return self._result(out)
 
@@ -263,7 +312,9 @@ class RowParallelLinear(_ParallelLinear):
         device: torch.device | str | None = None,
     ) -> None:
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("tpcore: RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+            raise ValueError(
+                "tpcore: RowParallelLinear: sequence_parallel=True needs input_is_parallel=True"
+            )
         super().__init__(
             in_features,
             out_features,
@@ -279,7 +330,12 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         out = _op_entry.row_parallel_linear(
-            x, self.weight, self._forward_bias(), live_group_name(self.group), self.input_is_parallel, self.sequence_parallel
+            x,
+            self.weight,
+            self._forward_bias(),
+            live_group_name(self.group),
+            self.input_is_parallel,
+            self.sequence_parallel,
         )
         if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
             # The caller adds the bias to a sequence shard: hand it over through f, whose

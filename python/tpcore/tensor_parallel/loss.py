@@ -23,9 +23,18 @@ def _loss_args(
 ) -> tuple:
     """The arguments both C++ entry points share, after `group` and before their own."""
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"tpcore: reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+        raise ValueError(
+            f"tpcore: reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}"
+        )
     vocab = -1 if vocab_size is None else vocab_size
-    return resolve_tensor_group(group).group_name, vocab, label_smoothing, ignore_index, _REDUCTIONS[reduction], z_loss
+    return (
+        resolve_tensor_group(group).group_name,
+        vocab,
+        label_smoothing,
+        ignore_index,
+        _REDUCTIONS[reduction],
+        z_loss,
+    )
 
 
 def vocab_parallel_cross_entropy(
@@ -42,10 +51,11 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of logits sharded along the vocabulary over the TP group.
 
-    Equal to `F.cross_entropy(gathered_logits[..., :vocab_size].flatten(0, -2), target.flatten(), ...)`
+    Equal to
+    `F.cross_entropy(gathered_logits[..., :vocab_size].flatten(0, -2), target.flatten(), ...)`
     with the same `label_smoothing` (over the global vocabulary, so the result does not
-    depend on the TP size), `ignore_index` and `reduction`, plus `z_loss * logsumexp^2`
-    per token when `z_loss > 0`.
+    depend on the TP size), `ignore_index` and `reduction`, plus `z_loss * logsumexp^2` per
+    token when `z_loss > 0`.
 
     Shapes: logits `[..., vocab_padded/tp]` (float32, bfloat16 or float16; fp32 math),
     target `[...]` integer; returns a scalar, or `[...]` for `reduction="none"`.
@@ -92,4 +102,6 @@ def vocab_parallel_linear_cross_entropy(
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
     shared = _loss_args(group, vocab_size, label_smoothing, ignore_index, reduction, z_loss)
-    return _op_entry.vocab_parallel_linear_cross_entropy(hidden, weight, target, *shared, chunk_size)
+    return _op_entry.vocab_parallel_linear_cross_entropy(
+        hidden, weight, target, *shared, chunk_size
+    )

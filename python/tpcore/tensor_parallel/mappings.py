@@ -4,7 +4,8 @@ f and g are the conjugate pair of Shoeybi et al. 2019 (section 3): f enters a
 tensor-parallel region (identity forward, all-reduce backward), g leaves it
 (all-reduce forward, identity backward). The scatter / gather pairs split and
 concatenate the last dim; the sequence-parallel pairs act on dim 0, the sequence
-(Korthikanti et al. 2022). All are custom operators (`torch.ops.tpcore.*`) whose autograd runs in C++.
+(Korthikanti et al. 2022). All are custom operators (`torch.ops.tpcore.*`) whose
+autograd runs in C++.
 """
 
 from __future__ import annotations
@@ -26,28 +27,41 @@ __all__ = [
 ]
 
 
-def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def copy_to_tensor_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """f: forward identity; backward all-reduce (sum) of the gradient over the TP group."""
     return _op_entry.copy_to_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
-def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def reduce_from_tensor_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """g: forward all-reduce (sum) over the TP group; backward identity."""
     return _op_entry.reduce_from_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
-def scatter_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Forward keeps this rank's chunk of the last dim `[..., h] -> [..., h/tp]`; backward all-gathers it."""
+def scatter_to_tensor_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward keeps this rank's chunk of the last dim `[..., h] -> [..., h/tp]`; backward
+    all-gathers it."""
     return _op_entry.scatter_to_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
-def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Forward all-gathers the last dim `[..., h/tp] -> [..., h]`; backward keeps this rank's chunk."""
+def gather_from_tensor_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward all-gathers the last dim `[..., h/tp] -> [..., h]`; backward keeps this rank's
+    chunk."""
     return _op_entry.gather_from_tensor_parallel(x, resolve_tensor_group(group).group_name)
 
 
-def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Forward keeps this rank's chunk of dim 0 `[s, ...] -> [s/tp, ...]`; backward all-gathers dim 0."""
+def scatter_to_sequence_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward keeps this rank's chunk of dim 0 `[s, ...] -> [s/tp, ...]`; backward
+    all-gathers dim 0."""
     return _op_entry.scatter_to_sequence_parallel(x, resolve_tensor_group(group).group_name)
 
 
@@ -57,9 +71,13 @@ def gather_from_sequence_parallel(
     """Forward all-gathers dim 0 `[s/tp, ...] -> [s, ...]`; backward reduce-scatters the gradient
     along dim 0, or with `reduce_scatter_grad=False` (the consumer already summed it over TP)
     keeps this rank's chunk."""
-    return _op_entry.gather_from_sequence_parallel(x, resolve_tensor_group(group).group_name, reduce_scatter_grad)
+    return _op_entry.gather_from_sequence_parallel(
+        x, resolve_tensor_group(group).group_name, reduce_scatter_grad
+    )
 
 
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward reduce-scatters dim 0 `[s, ...] -> [s/tp, ...]` (sum); backward all-gathers dim 0."""
     return _op_entry.reduce_scatter_to_sequence_parallel(x, resolve_tensor_group(group).group_name)

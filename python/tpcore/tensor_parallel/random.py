@@ -27,8 +27,13 @@ import torch.distributed as dist
 from ..parallel_state import resolve_tensor_group
 
 __all__ = [
-    "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "MODEL_PARALLEL_RNG", "REPLICATED_RNG",
-    "device_rng_states", "set_device_rng_states",
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "MODEL_PARALLEL_RNG",
+    "REPLICATED_RNG",
+    "device_rng_states",
+    "set_device_rng_states",
 ]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -122,7 +127,10 @@ class RNGStatesTracker:
         counter = self._counters.get(key)
         if counter is None:
             if name not in self._seeds:
-                raise RuntimeError(f"tpcore: RNG stream {name!r} is not set; call tpcore.model_parallel_manual_seed(seed) first")
+                raise RuntimeError(
+                    f"tpcore: RNG stream {name!r} is not set; call "
+                    "tpcore.model_parallel_manual_seed(seed) first"
+                )
             counter = torch.tensor([self._seeds[name], 0], dtype=torch.int64, device=device)
             self._counters[key] = counter
         return counter
@@ -131,7 +139,9 @@ class RNGStatesTracker:
         """A snapshot `[seed, offset]` for a mask of `numel` elements; the stream moves past
         them (in whole Philox blocks of 4). No host synchronisation, traceable."""
         counter = self.counter(name, device)
-        drawn = torch.ops.tpcore.rng_state_copy.default(counter)  # not counter.clone(): see its schema
+        drawn = torch.ops.tpcore.rng_state_copy.default(
+            counter
+        )  # not counter.clone(): see its schema
         counter[1] += (numel + 3) // 4 * 4
         return drawn
 
@@ -157,19 +167,24 @@ class RNGStatesTracker:
     def set_counter_positions(self, positions: dict[str, dict[str, list[int]]]) -> None:
         """Restore `counter_positions()`; a device this process cannot use is skipped (its
         stream starts again from offset 0 there)."""
-        self.restore_counters({
-            (name, device): torch.tensor(value, dtype=torch.int64, device=device)
-            for name, by_device in positions.items()
-            for device, value in by_device.items()
-            if torch.device(device).type != "cuda" or torch.cuda.is_available()
-        })
+        self.restore_counters(
+            {
+                (name, device): torch.tensor(value, dtype=torch.int64, device=device)
+                for name, by_device in positions.items()
+                for device, value in by_device.items()
+                if torch.device(device).type != "cuda" or torch.cuda.is_available()
+            }
+        )
 
     def register_cuda_graph(self, graph: "torch.cuda.CUDAGraph") -> None:
         """Call before capturing `graph` with forks inside: gives each named state a graph-safe
         CUDA generator state, registered with `graph`, which `fork()` swaps in while capturing
         (set_rng_state cannot run during capture). Replays advance those generators."""
         if not hasattr(torch.Generator, "graphsafe_set_state"):
-            raise RuntimeError("tpcore: forking the RNG tracker inside a CUDA graph needs torch >= 2.4 (graph-safe generator states)")
+            raise RuntimeError(
+                "tpcore: forking the RNG tracker inside a CUDA graph "
+                "needs torch >= 2.4 (graph-safe generator states)"
+            )
         default = torch.cuda.default_generators[torch.cuda.current_device()]
         for name, (_, cuda) in self.states.items():
             if cuda is None:
@@ -184,11 +199,15 @@ class RNGStatesTracker:
         """Run the block with the named state as the default generators' state; it advances."""
         if torch.compiler.is_compiling():
             raise RuntimeError(
-                "tpcore: get_rng_tracker().fork() swaps torch's generator states, which torch.compile cannot trace; "
-                "draw dropout masks with tpcore.tracked_dropout(x, p, stream) instead"
+                "tpcore: get_rng_tracker().fork() swaps torch's generator "
+                "states, which torch.compile cannot trace; draw dropout "
+                "masks with tpcore.tracked_dropout(x, p, stream) instead"
             )
         if name not in self.states:
-            raise RuntimeError(f"tpcore: RNG state {name!r} is not set; call tpcore.model_parallel_manual_seed(seed) first")
+            raise RuntimeError(
+                f"tpcore: RNG state {name!r} is not set; call "
+                "tpcore.model_parallel_manual_seed(seed) first"
+            )
         cpu, cuda = self.states[name]
         swap_cuda = cuda is not None and _cuda_live()
         if swap_cuda and torch.cuda.is_current_stream_capturing():

@@ -27,7 +27,9 @@ from .random import get_rng_tracker
 __all__ = ["checkpoint"]
 
 
-def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def _tracker_contexts() -> tuple[
+    contextlib.AbstractContextManager, contextlib.AbstractContextManager
+]:
     """(forward context, recompute context): the first records the tracker's states as the
     forward starts, the second swaps them in for the recompute and restores the live ones."""
     tracker = get_rng_tracker()
@@ -72,7 +74,13 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
         # snapshots its draws copy, which must be kept too (recomputed, they would read the
         # counters as advanced by the whole step): the policy saves them. Forks do not trace
         # (they swap generator states), so nothing else of the tracker's needs replaying.
-        if create_selective_checkpoint_contexts is None:  # torch 2.4: compiled recompute without dropout only
+        if (
+            create_selective_checkpoint_contexts is None
+        ):  # torch 2.4: compiled recompute without dropout only
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_keep_rng_snapshots)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_tracker_contexts)
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=_keep_rng_snapshots
+        )
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=_tracker_contexts
+    )

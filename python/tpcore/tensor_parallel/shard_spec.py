@@ -37,8 +37,19 @@ from torch import nn
 from .. import comm
 
 __all__ = [
-    "Part", "ShardSpec", "shard_spec", "set_shard_spec", "module_shard_specs", "attach_replicated_specs",
-    "shard", "merge", "merged_views", "unshard", "copy_overlap", "shares_indices", "part_chunks",
+    "Part",
+    "ShardSpec",
+    "shard_spec",
+    "set_shard_spec",
+    "module_shard_specs",
+    "attach_replicated_specs",
+    "shard",
+    "merge",
+    "merged_views",
+    "unshard",
+    "copy_overlap",
+    "shares_indices",
+    "part_chunks",
 ]
 
 
@@ -61,7 +72,10 @@ def part_chunks(units: int, tp: int) -> int:
         return tp
     if tp % units == 0:
         return units
-    raise ValueError(f"tpcore: a part of {units} heads cannot be split over the tensor-parallel size {tp} (neither divides the other)")
+    raise ValueError(
+        f"tpcore: a part of {units} heads cannot be split over the "
+        f"tensor-parallel size {tp} (neither divides the other)"
+    )
 
 
 @dataclass(frozen=True)
@@ -89,32 +103,47 @@ class ShardSpec:
         shape = tuple(int(s) for s in self.global_shape)
         object.__setattr__(self, "global_shape", shape)
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tpcore: ShardSpec: rank {self.tp_rank} is outside a group of {self.tp_size}")
+            raise ValueError(
+                f"tpcore: ShardSpec: rank {self.tp_rank} is outside a group of {self.tp_size}"
+            )
         if self.dim is None:
             if self.parts or self.vocab_multiple is not None:
-                raise ValueError("tpcore: ShardSpec: a replicated tensor (dim=None) has no parts and no vocabulary padding")
+                raise ValueError(
+                    "tpcore: ShardSpec: a replicated tensor "
+                    "(dim=None) has no parts and no vocabulary padding"
+                )
             return
         if not 0 <= self.dim < len(shape):
-            raise ValueError(f"tpcore: ShardSpec: dim {self.dim} is outside a tensor of shape {list(shape)}")
+            raise ValueError(
+                f"tpcore: ShardSpec: dim {self.dim} is outside a tensor of shape {list(shape)}"
+            )
         if self.vocab_multiple is not None:
             if self.dim != 0 or self.parts:
-                raise ValueError("tpcore: ShardSpec: a vocabulary split is along dim 0, in one part")
+                raise ValueError(
+                    "tpcore: ShardSpec: a vocabulary split is along dim 0, in one part"
+                )
             return
         parts = self.parts or (Part("", shape[self.dim], shape[self.dim]),)
         object.__setattr__(self, "parts", tuple(parts))
         if sum(p.size for p in parts) != shape[self.dim]:
-            raise ValueError(f"tpcore: ShardSpec: parts {[p.size for p in parts]} do not add up to dim {self.dim} of {list(shape)}")
+            raise ValueError(
+                f"tpcore: ShardSpec: parts {[p.size for p in parts]} "
+                f"do not add up to dim {self.dim} of {list(shape)}"
+            )
         for p in parts:
             chunks = part_chunks(p.units, self.tp_size)
             if p.size % p.units or p.size % chunks:
-                raise ValueError(f"tpcore: ShardSpec: part {p.name!r} of size {p.size} is not {p.units} whole units in {chunks} chunks")
+                raise ValueError(
+                    f"tpcore: ShardSpec: part {p.name!r} of size {p.size} "
+                    f"is not {p.units} whole units in {chunks} chunks"
+                )
 
     def __deepcopy__(self, memo: dict) -> "ShardSpec":
         return self  # immutable; its group cannot be copied
 
     @property
     def kind(self) -> str:
-        """"replicated", "vocab" or "parts"."""
+        """ "replicated", "vocab" or "parts"."""
         if self.dim is None:
             return "replicated"
         return "vocab" if self.vocab_multiple is not None else "parts"
@@ -181,7 +210,12 @@ class ShardSpec:
         """Whether `other` cuts the same global tensor along the same dim into the same parts
         (vocabulary padding, gradient handling and placement aside): pieces of one can be
         copied into pieces of the other."""
-        return (self.global_shape, self.dim, self.parts, self.vocab_multiple is None) == (other.global_shape, other.dim, other.parts, other.vocab_multiple is None)
+        return (self.global_shape, self.dim, self.parts, self.vocab_multiple is None) == (
+            other.global_shape,
+            other.dim,
+            other.parts,
+            other.vocab_multiple is None,
+        )
 
     def to_dict(self) -> dict:
         """The logical spec (no rank, no group), for JSON metadata."""
@@ -197,7 +231,15 @@ class ShardSpec:
     @classmethod
     def from_dict(cls, data: dict, tp_size: int = 1, tp_rank: int = 0) -> "ShardSpec":
         parts = tuple(Part(str(n), int(s), int(u)) for n, s, u in data.get("parts", ()))
-        return cls(tuple(data["global_shape"]), data["dim"], parts, data.get("vocab_multiple"), bool(data.get("partial_grad")), tp_size, tp_rank)
+        return cls(
+            tuple(data["global_shape"]),
+            data["dim"],
+            parts,
+            data.get("vocab_multiple"),
+            bool(data.get("partial_grad")),
+            tp_size,
+            tp_rank,
+        )
 
 
 def shard_spec(param: torch.Tensor) -> ShardSpec:
@@ -210,18 +252,25 @@ def shard_spec(param: torch.Tensor) -> ShardSpec:
 def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> None:
     """Attach `spec` to `param`, checking that it describes a tensor of param's shape."""
     if tuple(param.shape) != spec.local_shape:
-        raise ValueError(f"tpcore: shard spec of local shape {list(spec.local_shape)} attached to a parameter of shape {list(param.shape)}")
+        raise ValueError(
+            f"tpcore: shard spec of local shape {list(spec.local_shape)} "
+            f"attached to a parameter of shape {list(param.shape)}"
+        )
     param.shard_spec = spec
 
 
-def attach_replicated_specs(module: nn.Module, group: dist.ProcessGroup, *, partial_grad: Sequence[torch.Tensor] = ()) -> None:
+def attach_replicated_specs(
+    module: nn.Module, group: dist.ProcessGroup, *, partial_grad: Sequence[torch.Tensor] = ()
+) -> None:
     """Give every parameter of `module` without a spec a replicated one over `group`
     (`partial_grad`: those whose gradients each rank holds a share of)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     partial = {id(p) for p in partial_grad}
     for p in module.parameters():
         if getattr(p, "shard_spec", None) is None:
-            p.shard_spec = ShardSpec(tuple(p.shape), partial_grad=id(p) in partial, tp_size=tp, tp_rank=rank, group=group)
+            p.shard_spec = ShardSpec(
+                tuple(p.shape), partial_grad=id(p) in partial, tp_size=tp, tp_rank=rank, group=group
+            )
 
 
 def module_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
@@ -232,7 +281,10 @@ def module_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
 def shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """`spec`'s piece of the global tensor `full` (zero padding rows of a vocabulary split)."""
     if tuple(full.shape) != spec.global_shape:
-        raise ValueError(f"tpcore: shard: tensor of shape {list(full.shape)} for a spec of global shape {list(spec.global_shape)}")
+        raise ValueError(
+            f"tpcore: shard: tensor of shape {list(full.shape)} "
+            f"for a spec of global shape {list(spec.global_shape)}"
+        )
     if spec.kind == "replicated":
         return full
     dim, ranges = spec.ranges()
@@ -244,7 +296,9 @@ def shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return torch.cat([full.narrow(dim, start, n) for _, start, n in ranges], dim)
 
 
-def merged_views(pieces: Sequence[torch.Tensor], spec: ShardSpec, part: int | None = None) -> tuple[int, list[torch.Tensor]]:
+def merged_views(
+    pieces: Sequence[torch.Tensor], spec: ShardSpec, part: int | None = None
+) -> tuple[int, list[torch.Tensor]]:
     """The global tensor (or its part number `part`) as `(dim, views)`: views of `pieces`
     (every rank's piece, in rank order, at `spec.tp_size`) whose concatenation along `dim`
     it is. A streaming writer writes the views in turn and never builds the whole."""
@@ -278,7 +332,9 @@ def merge(pieces: Sequence[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return torch.cat(views, dim)
 
 
-def unshard(local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def unshard(
+    local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The global tensor from every rank's piece: a collective over `group` (default the
     spec's) for split tensors; `local` itself when replicated."""
     if spec.kind == "replicated":
@@ -291,14 +347,19 @@ def unshard(local: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | Non
     return merge(list(gathered.chunk(dist.get_world_size(group), dim)), spec)
 
 
-def copy_overlap(out: torch.Tensor, spec: ShardSpec, piece: torch.Tensor, piece_spec: ShardSpec) -> bool:
+def copy_overlap(
+    out: torch.Tensor, spec: ShardSpec, piece: torch.Tensor, piece_spec: ShardSpec
+) -> bool:
     """Copy into `out` (the piece `spec` describes) the indices it shares with `piece` (the
     piece `piece_spec` describes: the same global tensor at another rank or TP size, e.g.
     from a checkpoint). Only the overlap is read, so `piece` can be memory-mapped. Padding
     rows of `out` are zeroed. Call once per saved piece; a replicated tensor is taken from
     piece rank 0. Returns whether any index was shared."""
     if list(piece.shape) != list(piece_spec.local_shape):
-        raise ValueError(f"tpcore: piece of rank {piece_spec.tp_rank} of {piece_spec.tp_size} has shape {list(piece.shape)}, expected {list(piece_spec.local_shape)}")
+        raise ValueError(
+            f"tpcore: piece of rank {piece_spec.tp_rank} of {piece_spec.tp_size} "
+            f"has shape {list(piece.shape)}, expected {list(piece_spec.local_shape)}"
+        )
     if spec.kind == "replicated" and piece_spec.tp_rank != 0:
         return False
     dim, mine = spec.ranges()
@@ -312,7 +373,9 @@ def copy_overlap(out: torch.Tensor, spec: ShardSpec, piece: torch.Tensor, piece_
             for their_local, their_start, their_length in theirs:
                 a, b = max(start, their_start), min(start + length, their_start + their_length)
                 if a < b:
-                    out.narrow(dim, local + a - start, b - a).copy_(piece.narrow(dim, their_local + a - their_start, b - a))
+                    out.narrow(dim, local + a - start, b - a).copy_(
+                        piece.narrow(dim, their_local + a - their_start, b - a)
+                    )
                     copied = True
     return copied
 

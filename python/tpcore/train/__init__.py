@@ -1,25 +1,55 @@
 """GPT pretraining: arguments, the training loop, checkpoints, metrics (`tpcore.train`)."""
 
 from .arguments import TrainArgs, load_config_file, parse_args
-from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_dense_state_dict, require_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    load_dense_state_dict,
+    require_checkpoint,
+    save_checkpoint,
+)
 from .convert import export_safetensors, load_dense_gpt
-from .logger import MetricsLogger, plot_loss_curve, read_metrics
-from .optimizer import LossScaler, ParallelAdamW, average_data_parallel_grads, grad_norm
 from .data_parallel import DataParallelGrads
 from .distributed_optimizer import DistributedAdamW
+from .errors import TrainingError
+from .logger import MetricsLogger, plot_loss_curve, read_metrics
+from .optimizer import LossScaler, ParallelAdamW, average_data_parallel_grads, grad_norm
 from .optimizer_setup import DataParallelOptions, make_optimizer
 from .sampling import gather_model_on_first_stage
-from .errors import TrainingError
 from .schedule import learning_rate
 from .startup import report_startup_error
 from .trainer import init_distributed, pretrain
 
 __all__ = [
-    "TrainArgs", "parse_args", "load_config_file", "pretrain", "init_distributed",
-    "save_checkpoint", "load_checkpoint", "find_checkpoint", "require_checkpoint", "load_dense_state_dict", "CheckpointError", "TrainingError",
-    "export_safetensors", "load_dense_gpt", "gather_model_on_first_stage",
-    "MetricsLogger", "read_metrics", "plot_loss_curve",
-    "ParallelAdamW", "DistributedAdamW", "DataParallelGrads", "DataParallelOptions", "make_optimizer", "LossScaler", "average_data_parallel_grads", "grad_norm", "learning_rate", "main",
+    "TrainArgs",
+    "parse_args",
+    "load_config_file",
+    "pretrain",
+    "init_distributed",
+    "save_checkpoint",
+    "load_checkpoint",
+    "find_checkpoint",
+    "require_checkpoint",
+    "load_dense_state_dict",
+    "CheckpointError",
+    "TrainingError",
+    "export_safetensors",
+    "load_dense_gpt",
+    "gather_model_on_first_stage",
+    "MetricsLogger",
+    "read_metrics",
+    "plot_loss_curve",
+    "ParallelAdamW",
+    "DistributedAdamW",
+    "DataParallelGrads",
+    "DataParallelOptions",
+    "make_optimizer",
+    "LossScaler",
+    "average_data_parallel_grads",
+    "grad_norm",
+    "learning_rate",
+    "main",
 ]
 
 

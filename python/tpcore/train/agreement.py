@@ -23,7 +23,10 @@ _MAX_MESSAGE = 600  # characters of each failed rank's error carried to the othe
 
 
 def all_or_none(
-    fn: Callable[[], T], what: str, device: torch.device | str, group: dist.ProcessGroup | None = None,
+    fn: Callable[[], T],
+    what: str,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
     error_type: type[Exception] = CheckpointError,
 ) -> T:
     """Run `fn` on this rank and return its result, or raise on every rank of `group`
@@ -46,7 +49,11 @@ def all_or_none(
     dist.all_gather_object(messages, mine, group=group)
     if error is not None:
         raise error
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     failed = [(r, m) for r, m in zip(ranks, messages) if m is not None]
     details = "; ".join(f"rank {r}: {m}" for r, m in failed)
     raise error_type(f"tpcore: {what} failed on rank(s) {[r for r, _ in failed]}: {details}")
@@ -54,7 +61,16 @@ def all_or_none(
 
 # Paths may legitimately differ between hosts (node-local copies of the same data); only
 # whether each is given is compared. Cosmetic flags that act on rank 0 alone are left out.
-_PATH_FIELDS = ("data_path", "data_cache_path", "tokenizer", "load_hf", "save_hf", "log_dir", "save", "load")
+_PATH_FIELDS = (
+    "data_path",
+    "data_cache_path",
+    "tokenizer",
+    "load_hf",
+    "save_hf",
+    "log_dir",
+    "save",
+    "load",
+)
 _NOT_COMPARED = ("progress", "log_interval")
 
 
@@ -81,9 +97,16 @@ def check_same_arguments(args: TrainArgs) -> None:
             by_value: dict[str, list[int]] = {}
             for rank, value in enumerate(values):
                 by_value.setdefault(repr(value), []).append(rank)
-            differing.append(f"--{name.replace('_', '-')}: " + ", ".join(f"{v} on rank(s) {r}" for v, r in by_value.items()))
+            differing.append(
+                f"--{name.replace('_', '-')}: "
+                + ", ".join(f"{v} on rank(s) {r}" for v, r in by_value.items())
+            )
     if differing:
         raise ValueError(
-            "tpcore: the ranks were given different training arguments: " + "; ".join(differing)
-            + ". Launch every rank with the same flags and --config file (a per-rank environment variable or config?)"
+            "tpcore: the ranks were given different training arguments: "
+            + "; ".join(differing)
+            + (
+                ". Launch every rank with the same flags and --config file (a per-rank environment "
+                "variable or config?)"
+            )
         )

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from ..models import GPTConfig
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
-from .hf_bridge import apply_hf_architecture, check_given_flags, check_save_hf_paths, hf_model_config
+from .hf_bridge import (
+    apply_hf_architecture,
+    check_given_flags,
+    check_save_hf_paths,
+    hf_model_config,
+)
 from .optimizer_setup import DataParallelOptions
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
@@ -35,53 +40,112 @@ class TrainArgs:
     num_layers: int = _arg(4, "transformer blocks")
     hidden_size: int = _arg(256, "model width")
     num_attention_heads: int = _arg(8, "query heads (divisible by the TP size)")
-    num_kv_heads: int | None = _arg(None, "key/value heads for GQA (default: as many as query heads)")
+    num_kv_heads: int | None = _arg(
+        None, "key/value heads for GQA (default: as many as query heads)"
+    )
     ffn_hidden_size: int | None = _arg(None, "MLP width (default 4 * hidden)")
     kv_channels: int | None = _arg(None, "width of each attention head (default hidden / heads)")
     qk_layernorm: bool = _arg(False, "normalise each query and key head (Qwen3's q / k norms)")
     seq_length: int = _arg(128, "tokens per sample")
-    max_position_embeddings: int | None = _arg(None, "longest sequence the model accepts (default seq-length)")
-    norm: str = _arg("layernorm", "normalisation (gemma_rmsnorm: x / rms(x) * (1 + weight))", ("layernorm", "rmsnorm", "gemma_rmsnorm"))
-    activation: str = _arg("gelu", "MLP activation (gelu: tanh approximation)", ("gelu", "gelu_exact", "swiglu", "geglu"))
-    embedding_scale: float | None = _arg(None, "multiply the word embeddings by this (Gemma: sqrt(hidden-size))")
+    max_position_embeddings: int | None = _arg(
+        None, "longest sequence the model accepts (default seq-length)"
+    )
+    norm: str = _arg(
+        "layernorm",
+        "normalisation (gemma_rmsnorm: x / rms(x) * (1 + weight))",
+        ("layernorm", "rmsnorm", "gemma_rmsnorm"),
+    )
+    activation: str = _arg(
+        "gelu",
+        "MLP activation (gelu: tanh approximation)",
+        ("gelu", "gelu_exact", "swiglu", "geglu"),
+    )
+    embedding_scale: float | None = _arg(
+        None, "multiply the word embeddings by this (Gemma: sqrt(hidden-size))"
+    )
     position_embedding: str = _arg("learned", "positions", ("learned", "rotary"))
     dropout: float = _arg(0.0, "hidden dropout")
     attention_dropout: float = _arg(0.0, "attention-probability dropout")
     untie_embeddings: bool = _arg(False, "separate LM head instead of the tied word embedding")
     disable_bias: bool = _arg(False, "no biases in linear layers and norms")
-    fused_lm_head_loss: bool = _arg(False, "LM head + loss chunk by chunk (logits never materialised)")
-    load_hf: str | None = _arg(None, "start from a Hugging Face model folder: its architecture (a contradicting model flag raises), weights and tokenizer.json")
-    save_hf: str | None = _arg(None, "at the end, export the model as a Hugging Face folder here (a new or empty folder, or an earlier export's; not --load-hf's)")
+    fused_lm_head_loss: bool = _arg(
+        False, "LM head + loss chunk by chunk (logits never materialised)"
+    )
+    load_hf: str | None = _arg(
+        None,
+        "start from a Hugging Face model folder: its architecture (a contradicting model flag "
+        "raises), weights and tokenizer.json",
+    )
+    save_hf: str | None = _arg(
+        None,
+        "at the end, export the model as a Hugging Face folder here (a new or empty folder, or an "
+        "earlier export's; not --load-hf's)",
+    )
     # Parallelism and memory
-    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (the rest of the world is data parallel)")
+    tensor_parallel_size: int = _arg(
+        1, "tensor-parallel ranks (the rest of the world is data parallel)"
+    )
     pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
-    virtual_pipeline_model_parallel_size: int | None = _arg(None, "model chunks per pipeline rank (N > 1 selects the interleaved schedule)")
-    pipeline_schedule: str | None = _arg(None, "pipeline schedule (default: interleaved with --virtual-pipeline-model-parallel-size > 1, else 1f1b)", SCHEDULES)
-    pipeline_stage_layers: str | None = _arg(None, 'layers per (virtual) pipeline stage, e.g. "3,5" (default: an even split)')
+    virtual_pipeline_model_parallel_size: int | None = _arg(
+        None, "model chunks per pipeline rank (N > 1 selects the interleaved schedule)"
+    )
+    pipeline_schedule: str | None = _arg(
+        None,
+        "pipeline schedule (default: interleaved with --virtual-pipeline-model-parallel-size > "
+        "1, else 1f1b)",
+        SCHEDULES,
+    )
+    pipeline_stage_layers: str | None = _arg(
+        None, 'layers per (virtual) pipeline stage, e.g. "3,5" (default: an even split)'
+    )
     sequence_parallel: bool = _arg(False, "sequence parallelism in norm/dropout regions")
     recompute: str = _arg("none", "activation recomputation", ("none", "selective", "full"))
-    use_distributed_optimizer: bool = _arg(False, "shard fp32 master weights and AdamW moments over data parallelism (gradients reduce-scattered, parameters all-gathered)")
-    overlap_grad_reduce: bool = _arg(False, "reduce each gradient bucket over DP during the backward, as soon as it is complete")
-    overlap_param_gather: bool = _arg(False, "all-gather each parameter bucket during the next forward, just before its first use (needs --use-distributed-optimizer)")
-    ddp_bucket_size: int | None = _arg(None, "elements per gradient bucket (default 40M on GPU, 1M on CPU)")
-    grad_reduce_in_bf16: bool = _arg(False, "accumulate and reduce gradients in bf16 instead of fp32")
-    realtime_comm_threads: bool = _arg(False, "run gloo's communication threads at real-time priority (SCHED_RR 1; needs CAP_SYS_NICE or `ulimit -r 1`), "
-                                       "so that CPU collectives overlapped with compute get a core at once; for groups on gloo "
-                                       "(across hosts, or TPCORE_CPU_BACKEND=gloo): one host's groups use shared memory")
+    use_distributed_optimizer: bool = _arg(
+        False,
+        "shard fp32 master weights and AdamW moments over data parallelism (gradients "
+        "reduce-scattered, parameters all-gathered)",
+    )
+    overlap_grad_reduce: bool = _arg(
+        False, "reduce each gradient bucket over DP during the backward, as soon as it is complete"
+    )
+    overlap_param_gather: bool = _arg(
+        False,
+        "all-gather each parameter bucket during the next forward, just before its first use "
+        "(needs --use-distributed-optimizer)",
+    )
+    ddp_bucket_size: int | None = _arg(
+        None, "elements per gradient bucket (default 40M on GPU, 1M on CPU)"
+    )
+    grad_reduce_in_bf16: bool = _arg(
+        False, "accumulate and reduce gradients in bf16 instead of fp32"
+    )
+    realtime_comm_threads: bool = _arg(
+        False,
+        "run gloo's communication threads at real-time priority (SCHED_RR 1; needs CAP_SYS_NICE or "
+        "`ulimit -r 1`), so that CPU collectives overlapped with compute get a core at once; for "
+        "groups on gloo (across hosts, or TPCORE_CPU_BACKEND=gloo): one host's groups use "
+        "shared memory",
+    )
     # Data
     data_path: str | None = _arg(None, "prefix of the .bin/.idx dataset (tpcore-preprocess output)")
     tokenizer: str = _arg("byte", '"byte" or the path of a tokenizer.json (must match the data)')
     valid_fraction: float = _arg(0.05, "fraction of the documents held out for validation")
-    data_cache_path: str | None = _arg(None, "folder for the sample-index cache (default: beside the data)")
+    data_cache_path: str | None = _arg(
+        None, "folder for the sample-index cache (default: beside the data)"
+    )
     # Optimisation
     micro_batch_size: int = _arg(4, "samples per forward/backward on one data-parallel rank")
-    global_batch_size: int | None = _arg(None, "samples per optimizer step over all DP ranks (default micro * DP)")
+    global_batch_size: int | None = _arg(
+        None, "samples per optimizer step over all DP ranks (default micro * DP)"
+    )
     train_iters: int = _arg(100, "optimizer steps")
     lr: float = _arg(3e-4, "peak learning rate")
     min_lr: float = _arg(0.0, "learning rate at the end of the decay")
     lr_warmup_iters: int = _arg(0, "linear warmup steps from 0 to lr")
     lr_decay_style: str = _arg("cosine", "decay after warmup", ("cosine", "linear", "constant"))
-    lr_decay_iters: int | None = _arg(None, "steps over which lr decays to min-lr (default train-iters)")
+    lr_decay_iters: int | None = _arg(
+        None, "steps over which lr decays to min-lr (default train-iters)"
+    )
     weight_decay: float = _arg(0.1, "AdamW weight decay (not applied to biases and norms)")
     adam_beta1: float = _arg(0.9, "AdamW beta1")
     adam_beta2: float = _arg(0.95, "AdamW beta2")
@@ -89,22 +153,49 @@ class TrainArgs:
     clip_grad: float = _arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     bf16: bool = _arg(False, "bfloat16 model, fp32 master weights")
     fp16: bool = _arg(False, "float16 model, fp32 master weights, dynamic loss scaling")
-    autocast: str = _arg("none", "mixed precision with fp32 weights: forward under torch.autocast in this dtype (fp16 adds loss scaling)", ("none", "bf16", "fp16"))
+    autocast: str = _arg(
+        "none",
+        "mixed precision with fp32 weights: forward under torch.autocast in this dtype (fp16 adds "
+        "loss scaling)",
+        ("none", "bf16", "fp16"),
+    )
     initial_loss_scale: float = _arg(2.0**16, "fp16: starting loss scale")
     loss_scale_window: int = _arg(1000, "fp16: clean steps before the loss scale doubles")
     seed: int = _arg(1234, "random seed (initialisation, dropout, data order)")
     # Evaluation, logging, checkpoints
     eval_interval: int = _arg(100, "evaluate every this many steps (and at the end)")
     eval_iters: int = _arg(10, "validation batches per evaluation (0: no evaluation)")
-    log_interval: int = _arg(10, "print a metrics line every this many steps (metrics.csv and TensorBoard get every step)")
-    log_dir: str | None = _arg(None, "metrics.csv, loss_curve.png, TensorBoard (default: --save, else no files)")
+    log_interval: int = _arg(
+        10,
+        "print a metrics line every this many steps (metrics.csv and TensorBoard get every step)",
+    )
+    log_dir: str | None = _arg(
+        None, "metrics.csv, loss_curve.png, TensorBoard (default: --save, else no files)"
+    )
     save: str | None = _arg(None, "checkpoint directory")
-    save_interval: int | None = _arg(None, "checkpoint every this many steps (always at the end with --save)")
-    load: str | None = _arg(None, "resume from (or reshard) the latest checkpoint in this directory")
-    verify_checkpoint: bool = _arg(True, "check each checkpoint file's size and CRC-32 before loading it (--no-verify-checkpoint skips that extra read on huge checkpoints)")
-    max_skipped_steps: int = _arg(10, "stop with an error after this many consecutive steps skipped for NaN/inf gradients that fp16 loss scaling does not explain")
-    distributed_timeout_minutes: float = _arg(10.0, "a collective that waits longer than this for a peer rank fails, naming the training phase")
-    exit_interval: int | None = _arg(None, "stop after this many steps of this run (after any save due)")
+    save_interval: int | None = _arg(
+        None, "checkpoint every this many steps (always at the end with --save)"
+    )
+    load: str | None = _arg(
+        None, "resume from (or reshard) the latest checkpoint in this directory"
+    )
+    verify_checkpoint: bool = _arg(
+        True,
+        "check each checkpoint file's size and CRC-32 before loading it (--no-verify-checkpoint "
+        "skips that extra read on huge checkpoints)",
+    )
+    max_skipped_steps: int = _arg(
+        10,
+        "stop with an error after this many consecutive steps skipped for NaN/inf gradients that "
+        "fp16 loss scaling does not explain",
+    )
+    distributed_timeout_minutes: float = _arg(
+        10.0,
+        "a collective that waits longer than this for a peer rank fails, naming the training phase",
+    )
+    exit_interval: int | None = _arg(
+        None, "stop after this many steps of this run (after any save due)"
+    )
     device: str = _arg("auto", "cpu, cuda, or auto (cuda when available)", ("auto", "cpu", "cuda"))
     sample_tokens: int = _arg(0, "at the end, generate this many tokens from --sample-prompt")
     sample_prompt: str = _arg("\n", "prompt of the final sample")
@@ -117,31 +208,66 @@ class TrainArgs:
 
         if self.load_hf:  # first: the model flags below are checked as the folder sets them
             apply_hf_architecture(self, {name: f.default for name, f in _FIELDS.items()}, need)
-        for name in ("tensor_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length", "loss_scale_window"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_model_parallel_size",
+            "micro_batch_size",
+            "train_iters",
+            "log_interval",
+            "eval_interval",
+            "seq_length",
+            "loss_scale_window",
+        ):
+            need(
+                isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}",
+            )
         for name in ("lr_warmup_iters", "eval_iters", "sample_tokens"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
         for name, (kind, low, high) in _RANGES.items():
             _check_range(name, getattr(self, name), kind, low, high, need)
-        need(self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
-             f"--max-position-embeddings {self.max_position_embeddings} is shorter than --seq-length {self.seq_length}")
+        need(
+            self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
+            f"--max-position-embeddings {self.max_position_embeddings} is shorter than "
+            f"--seq-length {self.seq_length}",
+        )
         need(not (self.bf16 and self.fp16), "--bf16 and --fp16 exclude each other")
-        need(self.autocast == "none" or not (self.bf16 or self.fp16), "--autocast keeps fp32 weights: it excludes --bf16 and --fp16")
+        need(
+            self.autocast == "none" or not (self.bf16 or self.fp16),
+            "--autocast keeps fp32 weights: it excludes --bf16 and --fp16",
+        )
         need(0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
-        need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
+        need(
+            self.global_batch_size is None or self.global_batch_size >= 1,
+            "--global-batch-size must be >= 1",
+        )
         need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
-        need(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1")
-        need(type(self.max_skipped_steps) is int and self.max_skipped_steps >= 1, f"--max-skipped-steps must be an int >= 1, got {self.max_skipped_steps!r}")
-        need(type(self.distributed_timeout_minutes) in (int, float) and 0 < self.distributed_timeout_minutes < float("inf"),
-             f"--distributed-timeout-minutes must be a finite number > 0, got {self.distributed_timeout_minutes!r}")
+        need(
+            self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1"
+        )
+        need(
+            type(self.max_skipped_steps) is int and self.max_skipped_steps >= 1,
+            f"--max-skipped-steps must be an int >= 1, got {self.max_skipped_steps!r}",
+        )
+        need(
+            type(self.distributed_timeout_minutes) in (int, float)
+            and 0 < self.distributed_timeout_minutes < float("inf"),
+            "--distributed-timeout-minutes must be a finite number > 0, got "
+            f"{self.distributed_timeout_minutes!r}",
+        )
         try:
             self.data_parallel_options()
         except ValueError as e:
             need(False, str(e).removeprefix("tpcore: "))
         for name, f in _FIELDS.items():
             choices = f.metadata["choices"]
-            need(choices is None or getattr(self, name) in choices or (getattr(self, name) is None and "None" in str(f.type)), f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}")
+            need(
+                choices is None
+                or getattr(self, name) in choices
+                or (getattr(self, name) is None and "None" in str(f.type)),
+                f"--{name.replace('_', '-')} must be one of {choices}, got {getattr(self, name)!r}",
+            )
         config = self.model_config()  # validates the model shape now, with the GPTConfig message
         if self.save_hf:
             check_save_hf_paths(self, need)
@@ -153,13 +279,27 @@ class TrainArgs:
 
     def _check_pipeline(self, need) -> None:
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
-        need(v is None or (isinstance(v, int) and v >= 1), f"--virtual-pipeline-model-parallel-size must be an int >= 1, got {v!r}")
+        need(
+            v is None or (isinstance(v, int) and v >= 1),
+            f"--virtual-pipeline-model-parallel-size must be an int >= 1, got {v!r}",
+        )
         v = v or 1
         if self.schedule == "interleaved":
-            need(v >= 2, "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
-            need(pp >= 2, f"the interleaved schedule (--virtual-pipeline-model-parallel-size {v}) needs --pipeline-model-parallel-size >= 2")
+            need(
+                v >= 2,
+                "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2",
+            )
+            need(
+                pp >= 2,
+                f"the interleaved schedule (--virtual-pipeline-model-parallel-size {v}) needs "
+                "--pipeline-model-parallel-size >= 2",
+            )
         else:
-            need(v == 1, f"--virtual-pipeline-model-parallel-size {v} runs the interleaved schedule, not --pipeline-schedule {self.schedule}")
+            need(
+                v == 1,
+                f"--virtual-pipeline-model-parallel-size {v} runs the interleaved schedule, not "
+                f"--pipeline-schedule {self.schedule}",
+            )
         try:
             self.stage_layers()
         except ValueError as e:
@@ -176,19 +316,28 @@ class TrainArgs:
     def data_parallel_options(self) -> DataParallelOptions:
         """The gradient-buffer and optimizer choices (raises ValueError on a bad combination)."""
         return DataParallelOptions(
-            overlap_grad_reduce=self.overlap_grad_reduce, use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_param_gather=self.overlap_param_gather, grad_reduce_in_bf16=self.grad_reduce_in_bf16, bucket_size=self.ddp_bucket_size,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_param_gather=self.overlap_param_gather,
+            grad_reduce_in_bf16=self.grad_reduce_in_bf16,
+            bucket_size=self.ddp_bucket_size,
         )
 
     def stage_layers(self) -> list[list[int]]:
-        """The layers of each (virtual) pipeline stage, from --pipeline-stage-layers or an even split."""
+        """The layers of each (virtual) pipeline stage, from --pipeline-stage-layers or an even
+        split."""
         counts = None
         if self.pipeline_stage_layers:
             try:
                 counts = [int(x) for x in str(self.pipeline_stage_layers).split(",")]
             except ValueError:
-                raise ValueError(f"tpcore: --pipeline-stage-layers must be comma-separated ints, got {self.pipeline_stage_layers!r}") from None
-        stages = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+                raise ValueError(
+                    "tpcore: --pipeline-stage-layers must be comma-separated ints, got "
+                    f"{self.pipeline_stage_layers!r}"
+                ) from None
+        stages = self.pipeline_model_parallel_size * (
+            self.virtual_pipeline_model_parallel_size or 1
+        )
         return split_layers(self.num_layers, stages, counts)
 
     def model_config(self, vocab_size: int = 1) -> GPTConfig:
@@ -229,7 +378,11 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
 # fail late or never. tests/test_train_arguments.py tries bad values on every numeric field.
 _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "max_position_embeddings": ("int", 1, None),
-    "seed": ("int", 0, 2**32 - 2),  # the data order seeds numpy's RandomState with seed and seed + 1 (< 2**32)
+    "seed": (
+        "int",
+        0,
+        2**32 - 2,
+    ),  # the data order seeds numpy's RandomState with seed and seed + 1 (< 2**32)
     "valid_fraction": ("[)", 0.0, 1.0),
     "lr": (">=", 0.0, None),
     "min_lr": (">=", 0.0, None),
@@ -250,7 +403,12 @@ def _check_range(name: str, value, kind: str, low, high, need) -> None:
     flag = "--" + name.replace("_", "-")
     if kind == "int":
         text = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
+        ok = (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and low <= value
+            and (high is None or value <= high)
+        )
     else:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if kind == "[)":
@@ -271,12 +429,16 @@ def load_config_file(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"tpcore: config file {path} is not UTF-8 ({e.reason} at byte {e.start})") from e
+        raise ValueError(
+            f"tpcore: config file {path} is not UTF-8 ({e.reason} at byte {e.start})"
+        ) from e
     if path.lower().endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError as e:
-            raise ImportError("tpcore: YAML config files need PyYAML (pip install pyyaml); JSON works without it") from e
+            raise ImportError(
+                "tpcore: YAML config files need PyYAML (pip install pyyaml); JSON works without it"
+            ) from e
         try:
             values = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:  # its message names no file
@@ -287,7 +449,9 @@ def load_config_file(path: str) -> dict:
         except json.JSONDecodeError as e:
             raise ValueError(f"tpcore: config file {path} is not valid JSON: {e}") from e
     if not isinstance(values, dict):
-        raise ValueError(f"tpcore: config file {path} must hold a mapping of argument names to values")
+        raise ValueError(
+            f"tpcore: config file {path} must hold a mapping of argument names to values"
+        )
     out = {}
     for key, value in values.items():
         name = key.lstrip("-").replace("-", "_")
@@ -317,17 +481,30 @@ def _coerce(name: str, value, path: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="GPT pretraining with tensor and data parallelism (tpcore)", argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="YAML or JSON file of argument values (command-line flags override it)")
+    p = argparse.ArgumentParser(
+        description="GPT pretraining with tensor and data parallelism (tpcore)",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--config", help="YAML or JSON file of argument values (command-line flags override it)"
+    )
     for name, f in _FIELDS.items():
         text = f.metadata["help"]
         # A help text that already says what the default means keeps it; others get the value.
-        flag, help = "--" + name.replace("_", "-"), text if "(default" in text else f"{text} (default: {f.default!r})"
+        flag, help = (
+            "--" + name.replace("_", "-"),
+            text if "(default" in text else f"{text} (default: {f.default!r})",
+        )
         kind = str(f.type).split(" ")[0]  # annotations are strings: "int", "int | None", ...
         if kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            p.add_argument(flag, type={"int": int, "float": float}.get(kind, str), choices=f.metadata["choices"], help=help)
+            p.add_argument(
+                flag,
+                type={"int": int, "float": float}.get(kind, str),
+                choices=f.metadata["choices"],
+                help=help,
+            )
     return p
 
 

@@ -20,7 +20,8 @@ leaves the previous checkpoint and `latest` intact.
 Loading at any (TP, PP, virtual) layout: each rank opens only the files holding pieces
 it shares (`ParallelLayout.pipeline_rank_of`, `shard_spec.shares_indices` on the parameters'
 shard specs), memory-maps them one at a time and copies into its parameters and AdamW state
-only the shared index ranges (`shard_spec.copy_overlap`): no rank builds a full tensor or reads more of a file than it needs.
+only the shared index ranges (`shard_spec.copy_overlap`): no rank builds a full tensor or
+reads more of a file than it needs.
 Formats 1 (TP only, `model_tpRR.pt`), 2 (no checksums, no shard identity) and 3 (no
 distributed-optimizer files) are still read. Saving lives in `checkpoint_save`.
 
@@ -42,24 +43,58 @@ from torch import nn
 
 from ..models import GPTConfig, ReferenceGPT
 from ..models.gpt_specs import gpt_shard_spec
-from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
+from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
 from .agreement import all_or_none
-from .checkpoint_index import READABLE_VERSIONS, find_checkpoint, model_file as _model_file, read_metadata, require_checkpoint, rng_file as _rng_file
+from .checkpoint_index import (
+    find_checkpoint,
+    read_metadata,
+    require_checkpoint,
+)
+from .checkpoint_index import (
+    model_file as _model_file,
+)
+from .checkpoint_index import (
+    rng_file as _rng_file,
+)
+from .checkpoint_integrity import check_identity, verify_file
 from .checkpoint_optimizer import SavedSlices
 from .checkpoint_save import save_checkpoint
-from .checkpoint_integrity import check_identity, verify_file
 from .errors import CheckpointError
 from .layout import ParallelLayout, current_layout, model_chunks
 
 _ = save_checkpoint  # re-exported: tpcore.train.checkpoint.save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "require_checkpoint", "read_metadata", "load_dense_state_dict", "CheckpointError"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "find_checkpoint",
+    "require_checkpoint",
+    "read_metadata",
+    "load_dense_state_dict",
+    "CheckpointError",
+]
 # GPTConfig fields that change the parameters; the others are run-time choices.
 _SHAPE_FIELDS = (
-    "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "kv_channels", "qk_norm",
-    "max_position_embeddings", "norm", "activation", "position_embedding", "tie_embeddings", "bias", "qkv_bias", "proj_bias", "mlp_bias",
-    "embedding_scale",  # (a checkpoint from before the field has none: None, as a model without the scale)
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "kv_channels",
+    "qk_norm",
+    "max_position_embeddings",
+    "norm",
+    "activation",
+    "position_embedding",
+    "tie_embeddings",
+    "bias",
+    "qkv_bias",
+    "proj_bias",
+    "mlp_bias",
+    # (a checkpoint from before the field has none: None, as a model without the scale)
+    "embedding_scale",
 )
 
 
@@ -74,10 +109,18 @@ def _load(path: str, mmap: bool = False) -> dict:
 
 
 def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
-    saved = dataclasses.asdict(GPTConfig(**meta["model_config"]))  # fields older checkpoints lack take their defaults
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, model {getattr(config, k)!r}" for k in _SHAPE_FIELDS if saved.get(k) != getattr(config, k)]
+    saved = dataclasses.asdict(
+        GPTConfig(**meta["model_config"])
+    )  # fields older checkpoints lack take their defaults
+    diff = [
+        f"{k}: checkpoint {saved.get(k)!r}, model {getattr(config, k)!r}"
+        for k in _SHAPE_FIELDS
+        if saved.get(k) != getattr(config, k)
+    ]
     if diff:
-        raise CheckpointError(f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})")
+        raise CheckpointError(
+            f"tpcore: checkpoint {directory} does not fit the model ({'; '.join(diff)})"
+        )
 
 
 def _check_specs(specs: dict[str, ShardSpec], stored: dict[str, ShardSpec], directory: str) -> None:
@@ -88,7 +131,10 @@ def _check_specs(specs: dict[str, ShardSpec], stored: dict[str, ShardSpec], dire
         if saved is None:
             continue  # named by the name check, which knows the pipeline stages
         if not spec.same_split(saved):
-            raise CheckpointError(f"tpcore: checkpoint {directory}: parameter {name} was saved as {saved.to_dict()}, the model splits it as {spec.to_dict()}")
+            raise CheckpointError(
+                f"tpcore: checkpoint {directory}: parameter {name} was saved as {saved.to_dict()}, "
+                f"the model splits it as {spec.to_dict()}"
+            )
 
 
 def _shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
@@ -97,11 +143,14 @@ def _shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
     layout = ParallelLayout.from_metadata(meta)
     files = {
         (t, p): _model_file(directory, t, p, meta["version"])
-        for p in range(layout.pipeline_parallel_size) for t in range(layout.tensor_parallel_size)
+        for p in range(layout.pipeline_parallel_size)
+        for t in range(layout.tensor_parallel_size)
     }
     missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
     if missing:
-        raise CheckpointError(f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing")
+        raise CheckpointError(
+            f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
+        )
     return files
 
 
@@ -130,12 +179,17 @@ class _MappedFile:
     def check_names(self, stored: list[str]) -> None:
         """The file holds exactly the parameters (and their optimizer state) of `stored`."""
         sections = [("model parameters", self.state["model"])]
-        if self.state["optimizer"] is not None and not self.state["optimizer"].get("data_parallel_size"):  # DP-sharded: SavedSlices checks
+        if self.state["optimizer"] is not None and not self.state["optimizer"].get(
+            "data_parallel_size"
+        ):  # DP-sharded: SavedSlices checks
             sections.append(("optimizer state", self.state["optimizer"]["params"]))
         for what, pieces in sections:
             missing, extra = sorted(set(stored) - set(pieces)), sorted(set(pieces) - set(stored))
             if missing or extra:
-                raise CheckpointError(f"tpcore: {self.path}: {what} do not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
+                raise CheckpointError(
+                    f"tpcore: {self.path}: {what} do not fit the model (missing {missing[:5]}, "
+                    f"unexpected {extra[:5]})"
+                )
 
 
 def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
@@ -143,11 +197,24 @@ def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_pieces(state: dict) -> dict[str, torch.Tensor]:
-    return {f"{n}/{k}": v for n, entry in state["optimizer"]["params"].items() for k, v in entry.items() if k != "step"}
+    return {
+        f"{n}/{k}": v
+        for n, entry in state["optimizer"]["params"].items()
+        for k, v in entry.items()
+        if k != "step"
+    }
 
 
-def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], specs: dict[str, ShardSpec], saved: dict[str, ShardSpec],
-               saved_rank: int, saved_tp: int, what: str) -> None:
+def _copy_from(
+    file: _MappedFile,
+    section,
+    targets: dict[str, torch.Tensor],
+    specs: dict[str, ShardSpec],
+    saved: dict[str, ShardSpec],
+    saved_rank: int,
+    saved_tp: int,
+    what: str,
+) -> None:
     """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
     state, which `specs` describe by parameter name) what they share with the pieces
     `section(state)` of one saved file (TP rank `saved_rank` of `saved_tp`, their logical
@@ -161,10 +228,18 @@ def _copy_from(file: _MappedFile, section, targets: dict[str, torch.Tensor], spe
             if copy_overlap(target, specs[param], piece, saved[param].at(saved_tp, saved_rank)):
                 file.count(piece.numel() * piece.element_size())
         except ValueError as e:
-            raise CheckpointError(f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}") from e
+            raise CheckpointError(
+                f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}"
+            ) from e
 
 
-def _add_optimizer_targets(state: dict, flat: dict[str, torch.Tensor], saved: dict, names: list[str], params: dict[str, torch.Tensor]) -> None:
+def _add_optimizer_targets(
+    state: dict,
+    flat: dict[str, torch.Tensor],
+    saved: dict,
+    names: list[str],
+    params: dict[str, torch.Tensor],
+) -> None:
     """Add to the optimizer state to fill (the saved layout, this rank's shapes) the entries
     of `names` not there yet, and their tensors to `flat` by "name/key" (the AdamW step is
     taken as it is)."""
@@ -176,10 +251,14 @@ def _add_optimizer_targets(state: dict, flat: dict[str, torch.Tensor], saved: di
             if key == "step":
                 entry[key] = value.clone()
             else:
-                flat[f"{name}/{key}"] = entry[key] = torch.empty(params[name].shape, dtype=value.dtype, device=params[name].device)
+                flat[f"{name}/{key}"] = entry[key] = torch.empty(
+                    params[name].shape, dtype=value.dtype, device=params[name].device
+                )
 
 
-def _opener(meta: dict, files: dict[tuple[int, int], str], verify: bool) -> Callable[[tuple[int, int]], "_MappedFile"]:
+def _opener(
+    meta: dict, files: dict[tuple[int, int], str], verify: bool
+) -> Callable[[tuple[int, int]], "_MappedFile"]:
     """Opens the saved shard at (TP rank, PP rank): its size and CRC-32 checked against the
     metadata first (format 3, unless `verify` is False: a damaged file is named before any
     of it is parsed), then the identity it records (rank, layout, run and save ids)."""
@@ -199,17 +278,30 @@ def _opener(meta: dict, files: dict[tuple[int, int], str], verify: bool) -> Call
     return open_shard
 
 
-def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], stored: dict[str, ShardSpec],
-          config: GPTConfig) -> dict[tuple[int, int], list[str]]:
+def _plan(
+    saved: ParallelLayout,
+    params: dict[str, torch.Tensor],
+    specs: dict[str, ShardSpec],
+    stored: dict[str, ShardSpec],
+    config: GPTConfig,
+) -> dict[tuple[int, int], list[str]]:
     """(saved TP rank, PP rank) -> the names of `params` (this rank's pieces, described by
     `specs`) to read from that file: the files sharing indices with them."""
     names = list(ReferenceGPT(config, device="meta").state_dict())
     unknown = sorted(set(params) - set(names))
     if unknown:
-        raise CheckpointError(f"tpcore: the model has parameters {unknown[:5]} that no GPT checkpoint holds")
+        raise CheckpointError(
+            f"tpcore: the model has parameters {unknown[:5]} that no GPT checkpoint holds"
+        )
 
-    def sources(name: str) -> list[int]:  # saved TP ranks to read `name` from (a piece of pure padding: rank 0)
-        shared = [r for r in range(saved.tensor_parallel_size) if shares_indices(specs[name], stored[name].at(saved.tensor_parallel_size, r))]
+    def sources(
+        name: str,
+    ) -> list[int]:  # saved TP ranks to read `name` from (a piece of pure padding: rank 0)
+        shared = [
+            r
+            for r in range(saved.tensor_parallel_size)
+            if shares_indices(specs[name], stored[name].at(saved.tensor_parallel_size, r))
+        ]
         return shared or [0]
 
     needed: dict[tuple[int, int], list[str]] = {}
@@ -219,20 +311,39 @@ def _plan(saved: ParallelLayout, params: dict[str, torch.Tensor], specs: dict[st
     return needed
 
 
-def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed: dict[tuple[int, int], list[str]], saved: ParallelLayout,
-                 params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], stored_specs: dict[str, ShardSpec], config: GPTConfig, with_optimizer: bool,
-                 open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None) -> dict | None:
+def _read_shards(
+    open_shard: Callable[[tuple[int, int]], "_MappedFile"],
+    needed: dict[tuple[int, int], list[str]],
+    saved: ParallelLayout,
+    params: dict[str, torch.Tensor],
+    specs: dict[str, ShardSpec],
+    stored_specs: dict[str, ShardSpec],
+    config: GPTConfig,
+    with_optimizer: bool,
+    open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None,
+) -> dict | None:
     """Fill `params` (this rank's pieces by name, described by `specs`) from the saved
     files `needed` names (`_plan`); returns the optimizer state to load (or None). A
     distributed optimizer's state comes from the DP slices `open_slices` opens."""
     names = list(ReferenceGPT(config, device="meta").state_dict())
     state, flat = None, {}
-    for (saved_rank, pp_rank), wanted in sorted(needed.items(), key=lambda item: (item[0][1], item[0][0])):
+    for (saved_rank, pp_rank), wanted in sorted(
+        needed.items(), key=lambda item: (item[0][1], item[0][0])
+    ):
         file = open_shard((saved_rank, pp_rank))  # one file mapped at a time
         stored = saved.names_on(pp_rank, names)
         file.check_names(stored)
         targets = {name: params[name] for name in wanted}
-        _copy_from(file, _model_pieces, targets, specs, stored_specs, saved_rank, saved.tensor_parallel_size, "model parameter")
+        _copy_from(
+            file,
+            _model_pieces,
+            targets,
+            specs,
+            stored_specs,
+            saved_rank,
+            saved.tensor_parallel_size,
+            "model parameter",
+        )
         saved_opt = file.state["optimizer"]
         if with_optimizer and saved_opt is not None:
             section = _optimizer_pieces
@@ -245,8 +356,22 @@ def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed:
             if state is None:
                 state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
             _add_optimizer_targets(state, flat, saved_opt, wanted, params)
-            pieces = {f"{name}/{key}": flat[f"{name}/{key}"] for name in wanted for key in state["params"][name] if key != "step"}
-            _copy_from(file, section, pieces, specs, stored_specs, saved_rank, saved.tensor_parallel_size, "optimizer state")
+            pieces = {
+                f"{name}/{key}": flat[f"{name}/{key}"]
+                for name in wanted
+                for key in state["params"][name]
+                if key != "step"
+            }
+            _copy_from(
+                file,
+                section,
+                pieces,
+                specs,
+                stored_specs,
+                saved_rank,
+                saved.tensor_parallel_size,
+                "optimizer state",
+            )
         del file
     if state is not None and len(state["params"]) != len(params):
         missing = sorted(set(params) - set(state["params"]))
@@ -255,8 +380,15 @@ def _read_shards(open_shard: Callable[[tuple[int, int]], "_MappedFile"], needed:
 
 
 def load_checkpoint(
-    path: str, model: nn.Module | Sequence[nn.Module], optimizer=None, *, tp_group: dist.ProcessGroup,
-    pp_group: dist.ProcessGroup | None = None, load_rng: bool = True, load_group: dist.ProcessGroup | None = None, verify: bool = True,
+    path: str,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer=None,
+    *,
+    tp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None = None,
+    load_rng: bool = True,
+    load_group: dist.ProcessGroup | None = None,
+    verify: bool = True,
 ) -> dict:
     """Load the checkpoint at `path` (a save directory or one `iter_N`) into this rank's
     model (a GPTModel, or its pipeline chunks with `pp_group`) and optimizer, whatever TP,
@@ -305,7 +437,17 @@ def load_checkpoint(
             loaded["rng"] = _load(rng_path)  # a missing file is named here
 
     def read() -> None:
-        loaded["state"] = _read_shards(open_shard, loaded["plan"], saved, params, specs, stored_specs, config, optimizer is not None, open_slices)
+        loaded["state"] = _read_shards(
+            open_shard,
+            loaded["plan"],
+            saved,
+            params,
+            specs,
+            stored_specs,
+            config,
+            optimizer is not None,
+            open_slices,
+        )
         slices.clear()  # unmapped
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
@@ -325,7 +467,9 @@ def load_checkpoint(
     return meta
 
 
-def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+def load_dense_state_dict(
+    path: str, *, verify: bool = True
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The full (dense) GPTConfig and ReferenceGPT state dict of a checkpoint (any TP x PP
     layout), on CPU, assembled from its memory-mapped shards in this process (no process
     group needed); the optimizer state is not read. Each shard's checksum (unless `verify`
@@ -346,7 +490,16 @@ def load_dense_state_dict(path: str, *, verify: bool = True) -> tuple[GPTConfig,
             dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
         targets = {name: dense[name] for name in stored}
-        _copy_from(file, _model_pieces, targets, specs, specs, saved_rank, saved.tensor_parallel_size, "model parameter")
+        _copy_from(
+            file,
+            _model_pieces,
+            targets,
+            specs,
+            specs,
+            saved_rank,
+            saved.tensor_parallel_size,
+            "model parameter",
+        )
         del file
     return config, dense
 
@@ -361,8 +514,15 @@ def saved_specs(meta: dict) -> dict[str, ShardSpec]:
         return {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in dense.items()}
     recorded = meta["shard_specs"]
     if not isinstance(recorded, dict) or set(recorded) != set(dense):
-        raise CheckpointError("tpcore: the checkpoint's metadata.json: 'shard_specs' does not name the model's parameters (the file is damaged)")
+        raise CheckpointError(
+            "tpcore: the checkpoint's metadata.json: 'shard_specs' does not name the model's "
+            "parameters (the file is damaged)"
+        )
     try:
-        return {name: ShardSpec.from_dict(recorded[name]) for name in dense}  # in the dense model's order
+        return {
+            name: ShardSpec.from_dict(recorded[name]) for name in dense
+        }  # in the dense model's order
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"tpcore: the checkpoint's metadata.json: 'shard_specs' is damaged ({e})") from e
+        raise CheckpointError(
+            f"tpcore: the checkpoint's metadata.json: 'shard_specs' is damaged ({e})"
+        ) from e

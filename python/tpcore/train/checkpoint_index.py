@@ -9,7 +9,18 @@ import re
 
 from .errors import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "find_checkpoint", "require_checkpoint", "read_latest", "newest_complete", "read_metadata", "model_file", "rng_file"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "READABLE_VERSIONS",
+    "find_checkpoint",
+    "require_checkpoint",
+    "read_latest",
+    "newest_complete",
+    "read_metadata",
+    "model_file",
+    "rng_file",
+]
 
 FORMAT = "tpcore-gpt-checkpoint"
 VERSION = 4
@@ -21,7 +32,9 @@ _FOLDER = re.compile(r"iter_(\d{7,})(\.old)?")
 
 
 def model_file(directory: str, tp_rank: int, pp_rank: int, version: int = VERSION) -> str:
-    name = f"model_tp{tp_rank:02d}.pt" if version == 1 else f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+    name = (
+        f"model_tp{tp_rank:02d}.pt" if version == 1 else f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+    )
     return os.path.join(directory, name)
 
 
@@ -46,8 +59,9 @@ def read_latest(save_dir: str) -> str | None:
         name = None
     if name is None or not _NAME.fullmatch(name):
         raise CheckpointError(
-            f"tpcore: {path} should hold the name of a checkpoint folder such as 'iter_0000100', but holds {raw[:40]!r}: "
-            "the file is damaged; delete it to resume from the newest complete iter_* folder, or write that folder's name into it"
+            f"tpcore: {path} should hold the name of a checkpoint folder such as 'iter_0000100', "
+            f"but holds {raw[:40]!r}: the file is damaged; delete it to resume from the newest "
+            "complete iter_* folder, or write that folder's name into it"
         )
     return name
 
@@ -75,7 +89,9 @@ def require_checkpoint(path: str) -> str:
         return directory
     if not os.path.exists(path):
         raise CheckpointError(f"tpcore: checkpoint path {path} does not exist (a typo?)")
-    raise CheckpointError(f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)")
+    raise CheckpointError(
+        f"tpcore: no checkpoint in {path} (no metadata.json and no 'latest' file)"
+    )
 
 
 def find_checkpoint(path: str) -> str | None:
@@ -93,16 +109,21 @@ def find_checkpoint(path: str) -> str | None:
             partial = sorted(e for e in os.listdir(path) if _FOLDER.fullmatch(e))
             if partial:
                 raise CheckpointError(
-                    f"tpcore: {path} holds checkpoint folders ({', '.join(partial[-3:])}) but no 'latest' file and none of them "
-                    "is complete (no metadata.json); refusing to start from scratch over them"
+                    f"tpcore: {path} holds checkpoint folders ({', '.join(partial[-3:])}) but no "
+                    "'latest' file and none of them is complete (no metadata.json); refusing to "
+                    "start from scratch over them"
                 )
         return newest
     latest = os.path.join(path, "latest")
     target = os.path.join(path, name)
-    if not os.path.exists(target) and os.path.isfile(os.path.join(target + ".old", "metadata.json")):
+    if not os.path.exists(target) and os.path.isfile(
+        os.path.join(target + ".old", "metadata.json")
+    ):
         target += ".old"  # killed while re-saving this iteration: the previous copy is complete
     if not os.path.isfile(os.path.join(target, "metadata.json")):
-        raise CheckpointError(f"tpcore: {latest} points to {target}, which is not a complete checkpoint")
+        raise CheckpointError(
+            f"tpcore: {latest} points to {target}, which is not a complete checkpoint"
+        )
     return target
 
 
@@ -124,8 +145,9 @@ def read_metadata(directory: str) -> dict:
         raise CheckpointError(f"tpcore: {path} is not a {FORMAT} checkpoint")
     if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"tpcore: {path} is a {FORMAT} of version {meta.get('version')!r}; this tpcore reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))} (was it written by a newer tpcore?)"
+            f"tpcore: {path} is a {FORMAT} of version {meta.get('version')!r}; this tpcore reads "
+            f"versions {', '.join(map(str, READABLE_VERSIONS))} (was it written by a "
+            "newer tpcore?)"
         )
     checks = {"iteration": 0, "tensor_parallel_size": 1, "world_size": 1}
     if "consumed_samples" in meta:
@@ -136,13 +158,22 @@ def read_metadata(directory: str) -> dict:
         checks["data_parallel_size"] = 1
     for key, low in checks.items():
         if not _is_int(meta.get(key), low):
-            raise CheckpointError(f"tpcore: {path}: {key!r} must be an integer >= {low}, got {meta.get(key)!r} (the file is damaged)")
+            raise CheckpointError(
+                f"tpcore: {path}: {key!r} must be an integer >= {low}, got {meta.get(key)!r} (the "
+                "file is damaged)"
+            )
     if not isinstance(meta.get("model_config"), dict):
-        raise CheckpointError(f"tpcore: {path}: 'model_config' is missing or not a mapping (the file is damaged)")
+        raise CheckpointError(
+            f"tpcore: {path}: 'model_config' is missing or not a mapping (the file is damaged)"
+        )
     if meta["version"] >= 3:
         files = meta.get("files")
-        if not isinstance(files, dict) or not all(isinstance(r, dict) and {"bytes", "crc32"} <= set(r) for r in files.values()):
-            raise CheckpointError(f"tpcore: {path}: 'files' (each file's size and CRC-32) is missing or damaged")
+        if not isinstance(files, dict) or not all(
+            isinstance(r, dict) and {"bytes", "crc32"} <= set(r) for r in files.values()
+        ):
+            raise CheckpointError(
+                f"tpcore: {path}: 'files' (each file's size and CRC-32) is missing or damaged"
+            )
         for key in ("run_id", "save_id"):
             if not isinstance(meta.get(key), str):
                 raise CheckpointError(f"tpcore: {path}: {key!r} is missing (the file is damaged)")

@@ -21,21 +21,33 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = [
-    "BLOCK_BYTES", "save_checked", "write_text_checked", "file_checksum", "verify_file", "describe_os_error",
-    "random_id", "shard_identity", "check_identity",
+    "BLOCK_BYTES",
+    "save_checked",
+    "write_text_checked",
+    "file_checksum",
+    "verify_file",
+    "describe_os_error",
+    "random_id",
+    "shard_identity",
+    "check_identity",
 ]
 
 BLOCK_BYTES = 1 << 20
 
 
 def describe_os_error(e: OSError, path: str, action: str = "writing") -> str:
-    """"{action} PATH: ENOSPC (No space left on device)": the errno's name, so that a full
+    """ "{action} PATH: ENOSPC (No space left on device)": the errno's name, so that a full
     disk or a read-only folder is recognisable at a glance whatever the library said."""
     name = errno.errorcode.get(e.errno, "error") if e.errno is not None else type(e).__name__
     reason = e.strerror or str(e)
-    hint = {errno.ENOSPC: ": the disk is full", errno.EROFS: ": the file system is read-only",
-            errno.EACCES: ": no permission", errno.EEXIST: ": a file stands where a folder should be",
-            errno.ENOTDIR: ": a file stands where a folder should be", errno.EDQUOT: ": disk quota exceeded"}.get(e.errno, "")
+    hint = {
+        errno.ENOSPC: ": the disk is full",
+        errno.EROFS: ": the file system is read-only",
+        errno.EACCES: ": no permission",
+        errno.EEXIST: ": a file stands where a folder should be",
+        errno.ENOTDIR: ": a file stands where a folder should be",
+        errno.EDQUOT: ": disk quota exceeded",
+    }.get(e.errno, "")
     return f"tpcore: {action} {path} failed: {name} ({reason}){hint}"
 
 
@@ -70,7 +82,7 @@ def save_checked(obj: Any, path: str) -> dict:
             torch.save(obj, writer)
     except OSError as e:
         raise CheckpointError(describe_os_error(e, path)) from e
-    except RuntimeError as e:
+    except RuntimeError:
         if writer is not None and writer.error is not None:
             raise CheckpointError(describe_os_error(writer.error, path)) from writer.error
         raise
@@ -102,28 +114,47 @@ def verify_file(path: str, records: dict[str, dict]) -> None:
     name = os.path.basename(path)
     want = records.get(name)
     if want is None:
-        raise CheckpointError(f"tpcore: {path}: the checkpoint's metadata records no checksum for this file")
+        raise CheckpointError(
+            f"tpcore: {path}: the checkpoint's metadata records no checksum for this file"
+        )
     try:
-        got = file_checksum(path) if os.path.getsize(path) == want["bytes"] else {"bytes": os.path.getsize(path), "crc32": None}
+        got = (
+            file_checksum(path)
+            if os.path.getsize(path) == want["bytes"]
+            else {"bytes": os.path.getsize(path), "crc32": None}
+        )
     except OSError as e:
         raise CheckpointError(describe_os_error(e, path, "reading")) from e
     if got == want:
         return
     twins = [other for other, record in records.items() if other != name and record == got]
     if twins:
-        raise CheckpointError(f"tpcore: {path} holds the bytes the metadata records for {twins[0]}: shard files swapped or renamed")
+        raise CheckpointError(
+            f"tpcore: {path} holds the bytes the metadata records for {twins[0]}: shard files "
+            "swapped or renamed"
+        )
     if got["bytes"] != want["bytes"]:
-        raise CheckpointError(f"tpcore: {path} is corrupt: {got['bytes']} bytes, the metadata records {want['bytes']} (truncated or replaced?)")
-    raise CheckpointError(f"tpcore: {path} is corrupt: CRC-32 {got['crc32']}, the metadata records {want['crc32']} (damaged on disk or replaced?)")
+        raise CheckpointError(
+            f"tpcore: {path} is corrupt: {got['bytes']} bytes, the metadata records "
+            f"{want['bytes']} (truncated or replaced?)"
+        )
+    raise CheckpointError(
+        f"tpcore: {path} is corrupt: CRC-32 {got['crc32']}, the metadata records {want['crc32']} "
+        "(damaged on disk or replaced?)"
+    )
 
 
 def random_id(device: torch.device | str, group: dist.ProcessGroup | None = None) -> str:
     """A random 16-hex-digit id, the same on every rank of `group` (rank 0 draws it from
     os.urandom, not from torch's generators, so training RNG streams are untouched; a
     broadcast shares it)."""
-    value = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device=device)
+    value = torch.tensor(
+        [int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device=device
+    )
     if dist.is_initialized():
-        dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.broadcast(
+            value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
     return f"{int(value.item()):016x}"
 
 
@@ -132,27 +163,47 @@ def shard_identity(meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None =
     its (TP, PP) rank and the layout; a distributed-optimizer file (`dp_rank` given) also
     its DP rank and the DP size. `meta` is (at least) the identity part of the checkpoint's
     metadata (with "data_parallel_size" for optimizer files)."""
-    keys = ("run_id", "save_id", "iteration", "tensor_parallel_size", "pipeline_parallel_size", "pipeline_stage_layers")
-    identity = {**{k: meta[k] for k in keys}, "tensor_parallel_rank": tp_rank, "pipeline_parallel_rank": pp_rank}
+    keys = (
+        "run_id",
+        "save_id",
+        "iteration",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "pipeline_stage_layers",
+    )
+    identity = {
+        **{k: meta[k] for k in keys},
+        "tensor_parallel_rank": tp_rank,
+        "pipeline_parallel_rank": pp_rank,
+    }
     if dp_rank is not None:
         identity.update(data_parallel_rank=dp_rank, data_parallel_size=meta["data_parallel_size"])
     return identity
 
 
-def check_identity(path: str, state: dict, meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> None:
+def check_identity(
+    path: str, state: dict, meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None
+) -> None:
     """Raise CheckpointError naming `path` and both values when the shard's recorded
     identity is not the one this checkpoint's metadata expects of the file at (TP rank,
     PP rank[, DP rank])."""
     want = shard_identity(meta, tp_rank, pp_rank, dp_rank)
     got = state.get("identity") if isinstance(state, dict) else None
     if not isinstance(got, dict):
-        raise CheckpointError(f"tpcore: {path} records no shard identity, which a version-{meta['version']} checkpoint's shards all do (a file of another format put here?)")
-    diff = [f"{k}: file {got.get(k)!r}, metadata {v!r}" for k, v in want.items() if _plain(got.get(k)) != _plain(v)]
+        raise CheckpointError(
+            f"tpcore: {path} records no shard identity, which a version-{meta['version']} "
+            "checkpoint's shards all do (a file of another format put here?)"
+        )
+    diff = [
+        f"{k}: file {got.get(k)!r}, metadata {v!r}"
+        for k, v in want.items()
+        if _plain(got.get(k)) != _plain(v)
+    ]
     if diff:
         raise CheckpointError(
-            f"tpcore: {path} is not the shard this checkpoint expects at TP rank {tp_rank}, PP rank {pp_rank}"
-            f"{'' if dp_rank is None else f', DP rank {dp_rank}'} "
-            f"(a file of another rank, save or run?): {'; '.join(diff)}"
+            f"tpcore: {path} is not the shard this checkpoint expects at TP rank {tp_rank}, PP "
+            f"rank {pp_rank}{'' if dp_rank is None else f', DP rank {dp_rank}'} (a file of "
+            f"another rank, save or run?): {'; '.join(diff)}"
         )
 
 

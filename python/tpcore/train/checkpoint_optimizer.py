@@ -42,7 +42,7 @@ def sharded_payload(optimizer, skip: set[str]) -> dict:
 
 
 class _Assembled(Mapping):
-    """"name/key" -> that optimizer tensor of the saved TP piece, built from the DP slices
+    """ "name/key" -> that optimizer tensor of the saved TP piece, built from the DP slices
     when asked for (one tensor at a time, never the whole state)."""
 
     def __init__(self, slices: "SavedSlices", shapes: dict[str, torch.Size]) -> None:
@@ -53,7 +53,9 @@ class _Assembled(Mapping):
         return self.slices.assemble(name, key, self.shapes[name])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(f"{n}/{k}" for n in self.slices.names for k in self.slices.template(n) if k != "step")
+        return iter(
+            f"{n}/{k}" for n in self.slices.names for k in self.slices.template(n) if k != "step"
+        )
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -64,12 +66,23 @@ class SavedSlices:
     each checked first (size + CRC-32 against the metadata unless `verify` is False, and the
     identity it records) like the model shards."""
 
-    def __init__(self, directory: str, meta: dict, tp_rank: int, pp_rank: int, verify: bool, load: Callable[..., dict]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        meta: dict,
+        tp_rank: int,
+        pp_rank: int,
+        verify: bool,
+        load: Callable[..., dict],
+    ) -> None:
         dp = meta["data_parallel_size"]
         self.paths = [optimizer_file(directory, tp_rank, pp_rank, d) for d in range(dp)]
         missing = [os.path.basename(p) for p in self.paths if not os.path.isfile(p)]
         if missing:
-            raise CheckpointError(f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing (distributed optimizer state)")
+            raise CheckpointError(
+                f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing "
+                "(distributed optimizer state)"
+            )
         self.states = []
         for d, path in enumerate(self.paths):
             if verify:
@@ -85,14 +98,23 @@ class SavedSlices:
 
     def check_names(self, stored: list[str], numels: dict[str, int]) -> None:
         """The slices hold exactly the parameters `stored`, each element once."""
-        missing, extra = sorted(set(stored) - set(self.where)), sorted(set(self.where) - set(stored))
+        missing, extra = (
+            sorted(set(stored) - set(self.where)),
+            sorted(set(self.where) - set(stored)),
+        )
         if missing or extra:
-            raise CheckpointError(f"tpcore: {self.paths[0]} (and its DP peers): optimizer state does not fit the model (missing {missing[:5]}, unexpected {extra[:5]})")
+            raise CheckpointError(
+                f"tpcore: {self.paths[0]} (and its DP peers): optimizer state does not fit the "
+                f"model (missing {missing[:5]}, unexpected {extra[:5]})"
+            )
         for name in stored:
             spans = sorted((lo, hi) for _, lo, hi in self.where[name])
             ends = [0] + [hi for _, hi in spans]
             if [lo for lo, _ in spans] != ends[:-1] or ends[-1] != numels[name]:
-                raise CheckpointError(f"tpcore: {self.paths[0]} (and its DP peers): the slices of {name} ({spans}) do not cover its {numels[name]} elements once each")
+                raise CheckpointError(
+                    f"tpcore: {self.paths[0]} (and its DP peers): the slices of {name} ({spans}) "
+                    f"do not cover its {numels[name]} elements once each"
+                )
 
     def template(self, name: str) -> dict:
         """The keys of `name`'s state: tensors of the saved dtype (for their dtype only), "step"."""

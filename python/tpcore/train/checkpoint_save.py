@@ -20,7 +20,13 @@ from ..tensor_parallel.random import device_rng_states, get_rng_tracker
 from ..tensor_parallel.shard_spec import shard_spec
 from .agreement import all_or_none
 from .checkpoint_index import FORMAT, VERSION, model_file, rng_file
-from .checkpoint_integrity import describe_os_error, random_id, save_checked, shard_identity, write_text_checked
+from .checkpoint_integrity import (
+    describe_os_error,
+    random_id,
+    save_checked,
+    shard_identity,
+    write_text_checked,
+)
 from .checkpoint_optimizer import is_sharded, optimizer_file, sharded_payload
 from .errors import CheckpointError
 from .layout import current_layout, model_chunks
@@ -32,28 +38,55 @@ def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
     """This rank's file: its chunks' parameters and AdamW state, without the last stage's
     copy of a tied embedding (the first stage's copy is stored)."""
     skip = duplicate_parameter_names(chunks)
-    model = {name: t for chunk in chunks for name, t in chunk.state_dict().items() if name not in skip}
+    model = {
+        name: t for chunk in chunks for name, t in chunk.state_dict().items() if name not in skip
+    }
     if is_sharded(optimizer):
         # The slices are in the DP ranks' optimizer files; this says how many there are.
         scaler = optimizer.scaler.state_dict() if optimizer.scaler else None
-        return {"model": model, "optimizer": {"params": {}, "loss_scaler": scaler, "data_parallel_size": optimizer.grads.dp_size}}
+        return {
+            "model": model,
+            "optimizer": {
+                "params": {},
+                "loss_scaler": scaler,
+                "data_parallel_size": optimizer.grads.dp_size,
+            },
+        }
     state = optimizer.state_dict() if optimizer else None
     if state is not None:
-        state = {**state, "params": {name: entry for name, entry in state["params"].items() if name not in skip}}
+        state = {
+            **state,
+            "params": {name: entry for name, entry in state["params"].items() if name not in skip},
+        }
     return {"model": model, "optimizer": state}
 
 
 def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
     """Refuse to save weights holding NaN or inf: a diverged run must not replace the last
     good checkpoint (`latest`) with one that every resume and export would inherit."""
-    bad = [name for name, t in model.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [
+        name
+        for name, t in model.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
     if bad:
-        raise CheckpointError(f"tpcore: not saving {where}: parameter(s) {bad[:5]} hold NaN or inf values (the run has diverged)")
+        raise CheckpointError(
+            f"tpcore: not saving {where}: parameter(s) {bad[:5]} hold NaN or inf values (the run "
+            "has diverged)"
+        )
 
 
 def save_checkpoint(
-    save_dir: str, iteration: int, model: nn.Module | Sequence[nn.Module], optimizer, *, consumed_samples: int,
-    tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None = None, extra: dict | None = None,
+    save_dir: str,
+    iteration: int,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer,
+    *,
+    consumed_samples: int,
+    tp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None = None,
+    extra: dict | None = None,
     run_id: str | None = None,
 ) -> str:
     """Write checkpoint `iter_{iteration}` (a collective: call on every rank). `model` is a
@@ -63,14 +96,21 @@ def save_checkpoint(
     EACCES, non-finite weights), and removes what it wrote, when any rank fails."""
     chunks = model_chunks(model)
     if optimizer is not None:
-        optimizer.finish_param_sync()  # parameter all-gathers still in flight (--overlap-param-gather)
+        # parameter all-gathers still in flight (--overlap-param-gather)
+        optimizer.finish_param_sync()
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     sharded, dp_size = is_sharded(optimizer), dist.get_world_size(dp_group)
     rank, name = dist.get_rank(), f"iter_{iteration:07d}"
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
     device = next(chunks[0].parameters()).device
     save_id = random_id(device)  # tells this save's shards from any other's, even of the same run
-    identity = {"run_id": run_id or save_id, "save_id": save_id, "iteration": iteration, **layout.to_metadata(), "data_parallel_size": dp_size}
+    identity = {
+        "run_id": run_id or save_id,
+        "save_id": save_id,
+        "iteration": iteration,
+        **layout.to_metadata(),
+        "data_parallel_size": dp_size,
+    }
     records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 
     def prepare() -> None:
@@ -82,31 +122,57 @@ def save_checkpoint(
                         shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
                 os.makedirs(tmp)
             except OSError as e:
-                raise CheckpointError(describe_os_error(e, e.filename or save_dir, "creating")) from e
+                raise CheckpointError(
+                    describe_os_error(e, e.filename or save_dir, "creating")
+                ) from e
 
     def write_files() -> None:
         if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-            tp_rank, pp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group)
+            tp_rank, pp_rank = (
+                dist.get_rank(tp_group),
+                0 if pp_group is None else dist.get_rank(pp_group),
+            )
             path = model_file(tmp, tp_rank, pp_rank)
             state = _shard_state(chunks, optimizer)
             _check_finite(state["model"], f"{final} (TP rank {tp_rank}, PP rank {pp_rank})")
-            records[os.path.basename(path)] = save_checked({**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path)
+            records[os.path.basename(path)] = save_checked(
+                {**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path
+            )
         if sharded:  # every DP rank writes its own slices: nothing is gathered
-            tp_rank, pp_rank, dp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group), dist.get_rank(dp_group)
+            tp_rank, pp_rank, dp_rank = (
+                dist.get_rank(tp_group),
+                0 if pp_group is None else dist.get_rank(pp_group),
+                dist.get_rank(dp_group),
+            )
             path = optimizer_file(tmp, tp_rank, pp_rank, dp_rank)
             payload = sharded_payload(optimizer, duplicate_parameter_names(chunks))
-            records[os.path.basename(path)] = save_checked({**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path)
+            records[os.path.basename(path)] = save_checked(
+                {**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path
+            )
         cpu, cuda = device_rng_states()
         tracker = get_rng_tracker()
         path = rng_file(tmp, rank)
-        records[os.path.basename(path)] = save_checked({"cpu": cpu, "cuda": cuda, "tracker": tracker.get_states(), "counters": tracker.counter_positions()}, path)
+        records[os.path.basename(path)] = save_checked(
+            {
+                "cpu": cpu,
+                "cuda": cuda,
+                "tracker": tracker.get_states(),
+                "counters": tracker.counter_positions(),
+            },
+            path,
+        )
 
     def publish() -> None:
         gathered: list = [None] * dist.get_world_size()
         # Every rank joins (the write phase succeeded everywhere) with its files and the
         # logical shard specs of its parameters: loaders without a model read them.
         skip = duplicate_parameter_names(chunks)
-        specs = {name: shard_spec(p).to_dict() for chunk in chunks for name, p in chunk.named_parameters() if name not in skip}
+        specs = {
+            name: shard_spec(p).to_dict()
+            for chunk in chunks
+            for name, p in chunk.named_parameters()
+            if name not in skip
+        }
         dist.all_gather_object(gathered, (records, specs))
         if rank == 0:
             metadata = {
@@ -123,28 +189,37 @@ def save_checkpoint(
                 **(extra or {}),
             }
             write_text_checked(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1))
-            old = final + ".old"  # re-saving an iteration: the old copy stays until the new is in place
+            old = (
+                final + ".old"
+            )  # re-saving an iteration: the old copy stays until the new is in place
             try:
                 if os.path.exists(final):
                     shutil.rmtree(old, ignore_errors=True)
                     os.rename(final, old)
                 os.rename(tmp, final)
-                with atomic_output(os.path.join(save_dir, "latest")) as latest, open(latest, "w") as f:
+                with (
+                    atomic_output(os.path.join(save_dir, "latest")) as latest,
+                    open(latest, "w") as f,
+                ):
                     f.write(name + "\n")
             except OSError as e:
-                raise CheckpointError(describe_os_error(e, e.filename or final, "publishing")) from e
+                raise CheckpointError(
+                    describe_os_error(e, e.filename or final, "publishing")
+                ) from e
             shutil.rmtree(old, ignore_errors=True)
 
     # Each phase ends with every rank learning which ranks failed and why (in place of a
     # barrier): a rank whose disk is full raises its error, the others a CheckpointError
     # quoting it, instead of waiting for it until the group timeout.
     try:
-        for what, phase in (("preparing", prepare), ("writing", write_files), ("publishing", publish)):
+        for what, phase in (
+            ("preparing", prepare),
+            ("writing", write_files),
+            ("publishing", publish),
+        ):
             all_or_none(phase, f"saving checkpoint {final}: {what}", device)
     except Exception:
         if rank == 0:  # what this save wrote goes; the previous checkpoint and `latest` stay
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-

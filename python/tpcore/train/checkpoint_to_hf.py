@@ -42,16 +42,25 @@ def _tokenizer_of(meta: dict) -> tuple[str | None, int | None]:
     if spec == "byte":
         return None, load_tokenizer("byte").eod
     if not os.path.exists(spec):
-        raise CheckpointError(f"tpcore: the checkpoint's tokenizer {spec} no longer exists; the export needs its files")
+        raise CheckpointError(
+            f"tpcore: the checkpoint's tokenizer {spec} no longer exists; the export "
+            "needs its files"
+        )
     try:
         eod = load_tokenizer(spec).eod
     except (ImportError, ValueError):
-        eod = None  # the tokenizer files are copied either way; transformers reads its ids from them
+        eod = (
+            None  # the tokenizer files are copied either way; transformers reads its ids from them
+        )
     return spec, eod
 
 
 def checkpoint_to_hf(
-    checkpoint: str, out_dir: str, *, dtype: torch.dtype | None = None, verify: bool = True,
+    checkpoint: str,
+    out_dir: str,
+    *,
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> str:
     """Write the checkpoint at `checkpoint` (a save folder or an `iter_N`) as a Hugging Face
@@ -68,10 +77,16 @@ def checkpoint_to_hf(
     config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written
     tokenizer, eod = _tokenizer_of(meta)
     source = (meta.get("args") or {}).get("load_hf")  # as the run was given it: resolved from here
-    if source and _same_folder(out_dir, source):  # its files may all be ones an export writes: its weights would go
-        raise FileExistsError(f"tpcore: {out_dir} is the Hugging Face folder the run started from (--load-hf {source}): "
-                              "the export would overwrite its weights; export into a new or empty folder")
-    check_export_folder(out_dir, tokenizer)  # before the shards are read: other files there would be left beside the model
+    if source and _same_folder(
+        out_dir, source
+    ):  # its files may all be ones an export writes: its weights would go
+        raise FileExistsError(
+            f"tpcore: {out_dir} is the Hugging Face folder the run started from (--load-hf "
+            f"{source}): the export would overwrite its weights; export into a new or empty folder"
+        )
+    check_export_folder(
+        out_dir, tokenizer
+    )  # before the shards are read: other files there would be left beside the model
     files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = _opener(meta, files, verify)
     names = list(ReferenceGPT(config, device="meta").state_dict())
@@ -84,7 +99,9 @@ def checkpoint_to_hf(
 
     def fetch(name: str) -> list[torch.Tensor]:
         pp_rank = saved.pipeline_rank_of(name)
-        for key in [k for k in opened if k[1] != pp_rank]:  # a stage's files are unmapped once past it
+        for key in [
+            k for k in opened if k[1] != pp_rank
+        ]:  # a stage's files are unmapped once past it
             del opened[key]
         want = specs[name].at(tp, 0).local_shape
         replicated = specs[name].kind == "replicated"
@@ -94,16 +111,30 @@ def checkpoint_to_hf(
             if key not in opened:
                 opened[key] = open_shard(key)
                 opened[key].REMAP_BYTES = _REMAP_BYTES
-            piece = opened[key].state["model"][name]  # a view of the mapped file: read as it is written
+            piece = opened[key].state["model"][
+                name
+            ]  # a view of the mapped file: read as it is written
             if tuple(piece.shape) != want:
-                raise CheckpointError(f"tpcore: {opened[key].path}: model parameter {name} is {list(piece.shape)}, the config makes it {list(want)}")
+                raise CheckpointError(
+                    f"tpcore: {opened[key].path}: model parameter {name} is {list(piece.shape)}, "
+                    f"the config makes it {list(want)}"
+                )
             pieces.append(piece)
-            opened[key].count(piece.numel() * piece.element_size())  # re-mapped past REMAP_BYTES: touched pages go
+            opened[key].count(
+                piece.numel() * piece.element_size()
+            )  # re-mapped past REMAP_BYTES: touched pages go
         return pieces
 
     error = write_hf_folder(
-        out_dir, config, fetch, dtype=dtype or stored_dtype, hf_config=meta.get("hf_config"), tokenizer=tokenizer,
-        eos_token_id=eod, max_shard_size=max_shard_size, specs=specs,
+        out_dir,
+        config,
+        fetch,
+        dtype=dtype or stored_dtype,
+        hf_config=meta.get("hf_config"),
+        tokenizer=tokenizer,
+        eos_token_id=eod,
+        max_shard_size=max_shard_size,
+        specs=specs,
     )
     if error is not None:
         raise error

@@ -63,10 +63,19 @@ class DataParallelGrads:
     """
 
     def __init__(
-        self, chunks: nn.Module | Sequence[nn.Module], *, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None = None,
-        overlap_grad_reduce: bool = False, reduce_scatter: bool = False, grad_dtype: torch.dtype = torch.float32,
-        bucket_size: int | None = None, tied: Sequence[nn.Parameter] = (), embedding_group: dist.ProcessGroup | None = None,
-        lookup_and_head: Sequence[nn.Parameter] = (), head_first: Sequence[nn.Parameter] = (),
+        self,
+        chunks: nn.Module | Sequence[nn.Module],
+        *,
+        dp_group: dist.ProcessGroup,
+        tp_group: dist.ProcessGroup | None = None,
+        overlap_grad_reduce: bool = False,
+        reduce_scatter: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        bucket_size: int | None = None,
+        tied: Sequence[nn.Parameter] = (),
+        embedding_group: dist.ProcessGroup | None = None,
+        lookup_and_head: Sequence[nn.Parameter] = (),
+        head_first: Sequence[nn.Parameter] = (),
         lookup_only: Sequence[nn.Parameter] = (),
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
@@ -87,8 +96,14 @@ class DataParallelGrads:
         self.lookup_only = [p for p in lookup_only if p.requires_grad]
         self._lookup_only_ids = {id(p) for p in self.lookup_only}
         first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
-        if any(shard_spec(p).partial_grad for c in chunks for p in c.parameters()) and tp_group is None:
-            raise ValueError("tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their gradients are summed over TP)")
+        if (
+            any(shard_spec(p).partial_grad for c in chunks for p in c.parameters())
+            and tp_group is None
+        ):
+            raise ValueError(
+                "tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their "
+                "gradients are summed over TP)"
+            )
         self.buffers: list[GradBuffer] = []
         self.chunk_buffers: list[list[GradBuffer]] = []
         for chunk in chunks:
@@ -99,11 +114,23 @@ class DataParallelGrads:
             size = bucket_size or default_bucket_size(named[0][1].device)
             mine = []
             for dtype in dict.fromkeys(p.dtype for _, p in named):
-                group = [(n, p) for n, p in reversed(named) if p.dtype == dtype]  # reverse order of use
+                group = [
+                    (n, p) for n, p in reversed(named) if p.dtype == dtype
+                ]  # reverse order of use
                 # An LM head's weight (a split embedding's too) is ready first: put it first.
-                group = [x for x in group if id(x[1]) in first_ids] + [x for x in group if id(x[1]) not in first_ids]
-                mine.append(GradBuffer(group, grad_dtype=grad_dtype, bucket_size=size, dp_size=self.dp_size,
-                                       separate=self.tied + self.split + self.lookup_only, keep_params=reduce_scatter))
+                group = [x for x in group if id(x[1]) in first_ids] + [
+                    x for x in group if id(x[1]) not in first_ids
+                ]
+                mine.append(
+                    GradBuffer(
+                        group,
+                        grad_dtype=grad_dtype,
+                        bucket_size=size,
+                        dp_size=self.dp_size,
+                        separate=self.tied + self.split + self.lookup_only,
+                        keep_params=reduce_scatter,
+                    )
+                )
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
         self.params = [p for b in self.buffers for p in b.params]
@@ -118,8 +145,12 @@ class DataParallelGrads:
         # summed into the predicted rows, or (rows [n], grads [n, h]) per lookup
         self._late: dict[int, GatheredRows | list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: dict[int, int] = {}  # id(embedding) -> lookups in this step's forward passes
-        self._union: dict[int, RowUnion] = {}  # id(embedding) -> union of its rows, started in the last forward
-        self._rows: dict[int, list[torch.Tensor]] = {}  # id(lookup-only embedding) -> rows of each lookup
+        self._union: dict[
+            int, RowUnion
+        ] = {}  # id(embedding) -> union of its rows, started in the last forward
+        self._rows: dict[
+            int, list[torch.Tensor]
+        ] = {}  # id(lookup-only embedding) -> rows of each lookup
         self.rows_summed = 0
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
@@ -145,8 +176,10 @@ class DataParallelGrads:
     def _reset(self) -> None:
         self._counts = {id(p): 0 for p in self.params}
         # A lookup-only embedding is never "ready" (no accumulation hook): it holds nothing back.
-        self._waiting = [[sum(id(q) not in self._lookup_only_ids for q in bucket.params) for bucket in b.buckets]
-                         for b in self.buffers]
+        self._waiting = [
+            [sum(id(q) not in self._lookup_only_ids for q in bucket.params) for bucket in b.buckets]
+            for b in self.buffers
+        ]
         self._next = [0] * len(self.buffers)
         self._done = [0] * len(self.buffers)
         self._pending = {}
@@ -157,7 +190,10 @@ class DataParallelGrads:
         """Before the step's first backward: each parameter's gradient will be accumulated
         `num_micro_batches` times; the last time makes it ready for reduction."""
         if num_micro_batches < 1:
-            raise ValueError(f"tpcore: DataParallelGrads.start_step: num_micro_batches must be >= 1, got {num_micro_batches}")
+            raise ValueError(
+                "tpcore: DataParallelGrads.start_step: num_micro_batches must be >= 1, got "
+                f"{num_micro_batches}"
+            )
         self._expected = num_micro_batches
         self._lookups, self._union, self._rows = {}, {}, {}
 
@@ -169,9 +205,10 @@ class DataParallelGrads:
         entry = self.buffers[i].entry(p)
         if (i, entry.bucket) in self._pending:
             raise RuntimeError(
-                f"tpcore: the gradient of {entry.name} arrived after its bucket's reduction started (accumulated more than "
-                f"{self._expected} times this step: a second backward through it?); start_step() must get the number of "
-                "backward passes through every parameter, or turn --overlap-grad-reduce off"
+                f"tpcore: the gradient of {entry.name} arrived after its bucket's reduction "
+                f"started (accumulated more than {self._expected} times this step: a second "
+                "backward through it?); start_step() must get the number of backward passes "
+                "through every parameter, or turn --overlap-grad-reduce off"
             )
         p.main_grad.add_(p.grad)
         p.grad = None
@@ -188,7 +225,10 @@ class DataParallelGrads:
         i = self._index_of[id(p)]
         entry = self.buffers[i].entry(p)
         if self.finished:
-            raise RuntimeError(f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward after the step's?)")
+            raise RuntimeError(
+                f"tpcore: the gradient of {entry.name} arrived after finish_grad_sync (a backward "
+                "after the step's?)"
+            )
         if id(p) in self._lookup_only_ids or (i, entry.bucket) not in self._pending:
             add_token_rows(p.main_grad, rows, grads)
             return
@@ -250,16 +290,22 @@ class DataParallelGrads:
         self._done[i] += 1
 
     def _start(self, i: int, bucket: Bucket) -> None:
-        if self.dp_size == 1 or (len(bucket.params) == 1 and id(bucket.params[0]) in self._lookup_only_ids):
+        if self.dp_size == 1 or (
+            len(bucket.params) == 1 and id(bucket.params[0]) in self._lookup_only_ids
+        ):
             self._pending[(i, bucket.index)] = None  # nothing to send, or rows after the backward
             return
         # The DP mean: scaled before the sum (exact for a power-of-two DP size), so that
         # with overlap this pass runs during the backward and not after it.
         bucket.grad.div_(self.dp_size)
         if self.reduce_scatter and not self._scatter_by_all_reduce:
-            self._pending[(i, bucket.index)] = comm.reduce_scatter_async(bucket.grad, 0, self.dp_group)
+            self._pending[(i, bucket.index)] = comm.reduce_scatter_async(
+                bucket.grad, 0, self.dp_group
+            )
         else:
-            self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(bucket.grad, self.dp_group)
+            self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(
+                bucket.grad, self.dp_group
+            )
 
     def finish_grad_sync(self) -> None:
         """Start the buckets not started yet (all of them without overlap), wait for every
@@ -295,14 +341,17 @@ class DataParallelGrads:
             if isinstance(source, GatheredRows):
                 rows = source.index
             else:
-                # The late lookups' tokens; none when nothing came late here (other ranks may have some).
+                # The late lookups' tokens; none when nothing came late here (other ranks may
+                # have some).
                 tokens = source or [(p.new_zeros(0, dtype=torch.int64), p.new_zeros(0, p.shape[1]))]
                 rows, grads = (torch.cat(t) for t in zip(*tokens))
                 # Into the predicted rows, or, when they do not hold this rank's or are most of
                 # the table, into a whole table.
                 source = union.gather(rows, grads, dtype) if union is not None else None
                 if source is None:
-                    source = add_token_rows(torch.zeros(p.shape, dtype=dtype, device=p.device), rows, grads)
+                    source = add_token_rows(
+                        torch.zeros(p.shape, dtype=dtype, device=p.device), rows, grads
+                    )
             summed = sum_touched_rows(source, self.dp_group, dtype, rows, union)
             if summed is not None:
                 out[id(p)] = summed
@@ -379,7 +428,9 @@ class DataParallelGrads:
         detach_sinks(self._sinks)
 
 
-def _add_rows(target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float) -> None:
+def _add_rows(
+    target: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor, scale: float
+) -> None:
     if index is None:
         target.add_(values, alpha=scale)
     else:

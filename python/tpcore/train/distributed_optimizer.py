@@ -48,12 +48,12 @@ class _Piece:
     @property
     def grad(self) -> torch.Tensor:
         """`[hi - lo]` view of the reduced gradient in the buffer."""
-        return self.param.main_grad.view(-1)[self.lo:self.hi]
+        return self.param.main_grad.view(-1)[self.lo : self.hi]
 
     @property
     def value(self) -> torch.Tensor:
         """`[hi - lo]` view of the parameter (in the parameter buffer)."""
-        return self.param.data.view(-1)[self.lo:self.hi]
+        return self.param.data.view(-1)[self.lo : self.hi]
 
 
 class DistributedAdamW:
@@ -64,17 +64,38 @@ class DistributedAdamW:
     a step and waits for each bucket just before the next forward uses it."""
 
     def __init__(
-        self, grads: DataParallelGrads, *, is_replicated: Callable[[str], bool], tp_group: dist.ProcessGroup,
-        pp_group: dist.ProcessGroup | None = None, duplicates: Collection[str] = (),
-        tp_copies: Callable[[str], tuple[int, int] | None] | None = None, lr: float, weight_decay: float,
-        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, loss_scaler: LossScaler | None = None,
-        overlap_param_gather: bool = False, chunks: list[nn.Module] | None = None,
+        self,
+        grads: DataParallelGrads,
+        *,
+        is_replicated: Callable[[str], bool],
+        tp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup | None = None,
+        duplicates: Collection[str] = (),
+        tp_copies: Callable[[str], tuple[int, int] | None] | None = None,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        loss_scaler: LossScaler | None = None,
+        overlap_param_gather: bool = False,
+        chunks: list[nn.Module] | None = None,
     ) -> None:
         if not grads.reduce_scatter:
-            raise ValueError("tpcore: DistributedAdamW needs DataParallelGrads(reduce_scatter=True): each DP rank updates only its slice")
+            raise ValueError(
+                "tpcore: DistributedAdamW needs DataParallelGrads(reduce_scatter=True): each DP "
+                "rank updates only its slice"
+            )
         if overlap_param_gather and not chunks:
-            raise ValueError("tpcore: DistributedAdamW: overlap_param_gather needs the model `chunks` (its forward pre-hooks wait for the gathers)")
-        self.grads, self.tp_group, self.pp_group, self.scaler = grads, tp_group, pp_group, loss_scaler
+            raise ValueError(
+                "tpcore: DistributedAdamW: overlap_param_gather needs the model `chunks` (its "
+                "forward pre-hooks wait for the gathers)"
+            )
+        self.grads, self.tp_group, self.pp_group, self.scaler = (
+            grads,
+            tp_group,
+            pp_group,
+            loss_scaler,
+        )
         self.dp_group, self.dp_rank = grads.dp_group, grads.dp_rank
         self.pieces: list[_Piece] = []
         for buffer in grads.buffers:
@@ -83,17 +104,42 @@ class DistributedAdamW:
                 flat = p.data.view(-1)[lo:hi]
                 master = flat if p.dtype == torch.float32 else flat.float()
                 span = tp_copies(name) if tp_copies else None
-                copied = None if span is None or max(lo, span[0]) >= min(hi, span[1]) else (max(lo, span[0]) - lo, min(hi, span[1]) - lo)
-                self.pieces.append(_Piece(name, p, buffer, lo, hi, master, is_replicated(name), name in duplicates, copied))
+                copied = (
+                    None
+                    if span is None or max(lo, span[0]) >= min(hi, span[1])
+                    else (max(lo, span[0]) - lo, min(hi, span[1]) - lo)
+                )
+                self.pieces.append(
+                    _Piece(
+                        name,
+                        p,
+                        buffer,
+                        lo,
+                        hi,
+                        master,
+                        is_replicated(name),
+                        name in duplicates,
+                        copied,
+                    )
+                )
         for piece in self.pieces:
             if buffer_grad_is_fp32(piece):
                 piece.master.grad = piece.grad  # the optimizer reads the buffer itself: no copy
         decay = [x.master for x in self.pieces if x.param.dim() >= 2]
         no_decay = [x.master for x in self.pieces if x.param.dim() < 2]
-        groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            )
+            if g["params"]
+        ]
         # A rank whose slices are all padding (a tiny model on many ranks) owns nothing.
         self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps) if groups else None
-        self.gather = ParamGather(chunks or [], grads.buffers, self.dp_group, overlap=overlap_param_gather)
+        self.gather = ParamGather(
+            chunks or [], grads.buffers, self.dp_group, overlap=overlap_param_gather
+        )
 
     @property
     def loss_scale(self) -> float:
@@ -131,7 +177,10 @@ class DistributedAdamW:
     def step(self, lr: float, clip_grad: float) -> tuple[float, bool]:
         """One update; returns (gradient norm before clipping, whether the step was skipped)."""
         if not self.grads.finished:
-            raise RuntimeError("tpcore: DistributedAdamW.step: call grads.finish_grad_sync() after the backward passes first")
+            raise RuntimeError(
+                "tpcore: DistributedAdamW.step: call grads.finish_grad_sync() after the backward "
+                "passes first"
+            )
         self.gather.finish()  # the previous step's gathers write the parameter buffer
         for piece in self.pieces:
             if not buffer_grad_is_fp32(piece):
@@ -152,7 +201,10 @@ class DistributedAdamW:
                 self.adam.step()
             with torch.no_grad():
                 for piece in self.pieces:
-                    if piece.master is not piece.value and piece.master.data_ptr() != piece.value.data_ptr():
+                    if (
+                        piece.master is not piece.value
+                        and piece.master.data_ptr() != piece.value.data_ptr()
+                    ):
                         piece.value.copy_(piece.master)
             self.gather.launch()
         self.grads.zero_grad()
@@ -172,8 +224,12 @@ class DistributedAdamW:
             if piece.param.dtype != torch.float32:
                 entry["master"] = piece.master.detach()
             shards[piece.name] = entry
-        return {"shards": shards, "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-                "data_parallel_rank": self.dp_rank, "data_parallel_size": self.grads.dp_size}
+        return {
+            "shards": shards,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            "data_parallel_rank": self.dp_rank,
+            "data_parallel_size": self.grads.dp_size,
+        }
 
     def reset_from_params(self) -> None:
         """Masters from the parameters' current values, no AdamW moments (weights loaded
@@ -201,9 +257,12 @@ class DistributedAdamW:
             for piece in self.pieces:
                 entry = dict(entries[piece.name])
                 if not full and (entry.pop("lo"), entry.pop("hi")) != (piece.lo, piece.hi):
-                    raise ValueError(f"tpcore: DistributedAdamW.load_state_dict: {piece.name}: the slices were cut for another layout; load through a checkpoint")
+                    raise ValueError(
+                        f"tpcore: DistributedAdamW.load_state_dict: {piece.name}: the slices were "
+                        "cut for another layout; load through a checkpoint"
+                    )
                 entry.pop("numel", None)
-                take = (lambda t: t.reshape(-1)[piece.lo:piece.hi]) if full else (lambda t: t)
+                take = (lambda t: t.reshape(-1)[piece.lo : piece.hi]) if full else (lambda t: t)
                 master = entry.pop("master", None)
                 if master is not None:
                     piece.master.copy_(take(master))
@@ -212,8 +271,12 @@ class DistributedAdamW:
                 if piece.master.data_ptr() != piece.value.data_ptr():
                     piece.value.copy_(piece.master)
                 if self.adam is not None:
-                    self.adam.state[piece.master] = {k: v.clone() if k == "step" else take(v).to(piece.master.device, torch.float32).clone()
-                                                    for k, v in entry.items()}
+                    self.adam.state[piece.master] = {
+                        k: v.clone()
+                        if k == "step"
+                        else take(v).to(piece.master.device, torch.float32).clone()
+                        for k, v in entry.items()
+                    }
         self.gather.launch()
         self.gather.finish()
         if self.scaler and state.get("loss_scaler"):

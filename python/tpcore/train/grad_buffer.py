@@ -48,8 +48,16 @@ class Bucket:
     """Buffer elements `[start, end)` (a multiple of the DP size): the gradients (and, with
     the distributed optimizer, the values) of `params`, reduced as one collective."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], start: int, end: int, grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, dp_size: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        start: int,
+        end: int,
+        grad_data: torch.Tensor,
+        param_data: torch.Tensor | None,
+        dp_size: int,
+    ) -> None:
         self.index, self.params, self.start, self.end = index, params, start, end
         self.grad = grad_data[start:end]
         """`[end - start]` view of the gradient buffer."""
@@ -79,18 +87,28 @@ class GradBuffer:
     can overlap, so it is kept small."""
 
     def __init__(
-        self, params: Sequence[tuple[str, nn.Parameter]], *, grad_dtype: torch.dtype, bucket_size: int, dp_size: int,
-        separate: Sequence[nn.Parameter] = (), keep_params: bool = False,
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        grad_dtype: torch.dtype,
+        bucket_size: int,
+        dp_size: int,
+        separate: Sequence[nn.Parameter] = (),
+        keep_params: bool = False,
     ) -> None:
         if not params:
             raise ValueError("tpcore: GradBuffer: no parameters")
         if bucket_size < 1:
-            raise ValueError(f"tpcore: GradBuffer: bucket_size must be >= 1 element, got {bucket_size}")
+            raise ValueError(
+                f"tpcore: GradBuffer: bucket_size must be >= 1 element, got {bucket_size}"
+            )
         first = params[0][1]
         self.param_dtype, self.grad_dtype, self.dp_size = first.dtype, grad_dtype, dp_size
         self.device = first.device
         if any(p.dtype != self.param_dtype or p.device != self.device for _, p in params):
-            raise ValueError("tpcore: GradBuffer: parameters of one buffer must share dtype and device")
+            raise ValueError(
+                "tpcore: GradBuffer: parameters of one buffer must share dtype and device"
+            )
         separate_ids = {id(p) for p in separate}
         pad = BUCKET_ALIGNMENT * dp_size
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
@@ -141,11 +159,11 @@ class GradBuffer:
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         """`p`'s gradient: a view of the buffer shaped like `p`."""
         e = self.entries[id(p)]
-        return self.grad_data[e.start:e.end].view(p.shape)
+        return self.grad_data[e.start : e.end].view(p.shape)
 
     def param_view(self, p: nn.Parameter) -> torch.Tensor:
         e = self.entries[id(p)]
-        return self.param_data[e.start:e.end].view(p.shape)
+        return self.param_data[e.start : e.end].view(p.shape)
 
     def shard_pieces(self, dp_rank: int) -> list[tuple[nn.Parameter, int, int, int]]:
         """`(parameter, bucket index, lo, hi)` for every parameter overlapping the slices DP

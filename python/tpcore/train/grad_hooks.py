@@ -31,7 +31,9 @@ def detach_sinks(sinks: list[tuple[nn.Parameter, Callable]]) -> None:
         detach_gradient_sink(p, sink)
 
 
-def weak_sink(grads: DataParallelGrads, p: nn.Parameter) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def weak_sink(
+    grads: DataParallelGrads, p: nn.Parameter
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """`grads._on_lookup_grad` for `p`, without strong references (see `weak_hook`). Once
     `grads` is gone the gradient goes back to `p.grad`, as without a sink."""
     ref, param = weakref.ref(grads), weakref.ref(p)

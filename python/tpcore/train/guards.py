@@ -33,8 +33,11 @@ def phase(what: str, timeout_minutes: float) -> Iterator[None]:
     except Exception as e:
         text = str(e).lower()
         if any(w in text for w in _TIMEOUT_WORDS):
-            hint = (f" (a collective got no answer within --distributed-timeout-minutes {timeout_minutes:g}: "
-                    "a peer rank is stopped, hung or much slower; the ranks that report no error are the ones to look at)")
+            hint = (
+                " (a collective got no answer within --distributed-timeout-minutes "
+                f"{timeout_minutes:g}: a peer rank is stopped, hung or much slower; the ranks "
+                "that report no error are the ones to look at)"
+            )
         elif any(w in text for w in _PEER_WORDS):
             hint = " (a peer rank left the job: its own error says why)"
         else:
@@ -54,7 +57,8 @@ class SkippedStepGuard:
         self.limit, self.scaler, self.count, self.first = limit, scaler, 0, None
 
     def scale_can_drop(self) -> bool:
-        """Call before the optimizer step: whether a skip now would be explained by the loss scale."""
+        """Call before the optimizer step: whether a skip now would be explained by the loss
+        scale."""
         return self.scaler is not None and self.scaler.scale > self.scaler.min_scale
 
     def update(self, iteration: int, skipped: bool, explained: bool, loss: float) -> None:
@@ -68,9 +72,11 @@ class SkippedStepGuard:
         self.first = self.first or iteration
         if self.count >= self.limit:
             raise TrainingError(
-                f"tpcore: step {iteration}: the gradients were NaN or inf at {self.count} consecutive steps ({self.first}-{iteration}; "
-                f"loss {loss:.4g}), which loss scaling does not explain: the run has diverged. Stopping before saving "
-                f"(--max-skipped-steps {self.limit}); resume from the last checkpoint with a lower --lr or more warmup"
+                f"tpcore: step {iteration}: the gradients were NaN or inf at {self.count} "
+                f"consecutive steps ({self.first}-{iteration}; loss {loss:.4g}), which loss "
+                "scaling does not explain: the run has diverged. Stopping before saving "
+                f"(--max-skipped-steps {self.limit}); resume from the last checkpoint with a "
+                "lower --lr or more warmup"
             )
 
 
@@ -91,6 +97,8 @@ def check_output_folder(path: str, flag: str, device: torch.device | str) -> Non
                 f.write("tpcore\n")
             os.remove(target)
         except OSError as e:
-            raise TrainingError(f"{flag} {path}: " + describe_os_error(e, e.filename or target, "writing")) from e
+            raise TrainingError(
+                f"{flag} {path}: " + describe_os_error(e, e.filename or target, "writing")
+            ) from e
 
     all_or_none(probe, f"checking {flag} {path}", device, error_type=TrainingError)

@@ -2,10 +2,11 @@
 
 `--load-hf`: the model's architecture comes from PATH/config.json. A model flag given on
 the command line or in `--config` that contradicts the folder raises, naming both (built
-in Python, a TrainArgs field set away from its default does); the others take the folder's. Run-time choices (dropout, sequence parallelism, recompute,
-the fused head + loss) stay with the flags. The tokenizer is the folder's tokenizer.json
-unless `--tokenizer` names another; the first step starts from the folder's weights
-(each rank reads its slices) unless `--load` resumes a checkpoint.
+in Python, a TrainArgs field set away from its default does); the others take the folder's.
+Run-time choices (dropout, sequence parallelism, recompute, the fused head + loss) stay with
+the flags. The tokenizer is the folder's tokenizer.json unless `--tokenizer` names another;
+the first step starts from the folder's weights (each rank reads its slices) unless `--load`
+resumes a checkpoint.
 `--save-hf`: at the end, the model is exported there (`models.export_hf`); before training
 starts, the architecture is checked to fit a Hugging Face family, and the folder to be
 none of the run's other folders (the `--load-hf` model would be overwritten by its own
@@ -25,8 +26,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "check_given_flags", "apply_hf_architecture", "hf_model_config", "check_tokenizer_fits", "load_initial_hf_weights", "save_hf",
-    "check_save_hf_paths", "check_save_hf_folder",
+    "check_given_flags",
+    "apply_hf_architecture",
+    "hf_model_config",
+    "check_tokenizer_fits",
+    "load_initial_hf_weights",
+    "save_hf",
+    "check_save_hf_paths",
+    "check_save_hf_folder",
 ]
 
 # TrainArgs model flag -> its value for a GPTConfig.
@@ -36,7 +43,9 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
     "num_attention_heads": lambda c: c.num_attention_heads,
     "num_kv_heads": lambda c: c.num_kv_heads,
     "ffn_hidden_size": lambda c: c.ffn_hidden_size,
-    "kv_channels": lambda c: c.head_dim,  # the width itself: --kv-channels 128 agrees with a head_dim of 128 = H / heads
+    "kv_channels": lambda c: (
+        c.head_dim
+    ),  # the width itself: --kv-channels 128 agrees with a head_dim of 128 = H / heads
     "qk_layernorm": lambda c: c.qk_norm,
     "max_position_embeddings": lambda c: c.max_position_embeddings,
     "norm": lambda c: c.norm,
@@ -58,35 +67,56 @@ def check_given_flags(values: dict[str, object]) -> None:
     for flag, value_of in _FLAGS.items():
         given = values.get(flag)
         if flag == "kv_channels" and given is None:  # None is hidden / heads
-            given = config.hidden_size // config.num_attention_heads if config.hidden_size % config.num_attention_heads == 0 else None
+            given = (
+                config.hidden_size // config.num_attention_heads
+                if config.hidden_size % config.num_attention_heads == 0
+                else None
+            )
         if flag in values and given != value_of(config):
             raise ValueError(
-                f"tpcore: training arguments: --{flag.replace('_', '-')} {values[flag]!r} contradicts --load-hf {path}/config.json, which gives {value_of(config)!r}"
+                f"tpcore: training arguments: --{flag.replace('_', '-')} {values[flag]!r} "
+                f"contradicts --load-hf {path}/config.json, which gives {value_of(config)!r}"
             )
 
 
-def apply_hf_architecture(args, defaults: dict[str, object], need: Callable[[bool, str], None]) -> None:
+def apply_hf_architecture(
+    args, defaults: dict[str, object], need: Callable[[bool, str], None]
+) -> None:
     """Set `args`' model flags from `args.load_hf` (and its tokenizer), `need`-ing that no
     flag set away from its default (`defaults`) contradicts the folder."""
     path = args.load_hf
     if not os.path.isdir(path):
-        need(False, f"--load-hf {path} is not a folder (a Hugging Face model saved with save_pretrained)")
+        need(
+            False,
+            f"--load-hf {path} is not a folder (a Hugging Face model saved with save_pretrained)",
+        )
     try:
         config = GPTConfig.from_hf(path)
     except (ValueError, OSError) as e:
         need(False, f"--load-hf {path}: {str(e).removeprefix('tpcore: ')}")
     for flag, value_of in _FLAGS.items():
         mine, theirs = getattr(args, flag), value_of(config)
-        need(mine == defaults[flag] or mine == theirs,
-             f"--{flag.replace('_', '-')} {mine!r} contradicts --load-hf {path}/config.json, which gives {theirs!r}")
+        need(
+            mine == defaults[flag] or mine == theirs,
+            f"--{flag.replace('_', '-')} {mine!r} contradicts --load-hf {path}/config.json, which "
+            f"gives {theirs!r}",
+        )
         setattr(args, flag, theirs)
-    need(args.seq_length <= config.max_position_embeddings,
-         f"--seq-length {args.seq_length} exceeds max_position_embeddings {config.max_position_embeddings} of --load-hf {path}")
-    need(config.sliding_window is None or args.seq_length <= config.sliding_window,
-         f"--seq-length {args.seq_length} exceeds the sliding_window {config.sliding_window} of --load-hf {path} (sliding-window attention is not implemented)")
+    need(
+        args.seq_length <= config.max_position_embeddings,
+        f"--seq-length {args.seq_length} exceeds max_position_embeddings "
+        f"{config.max_position_embeddings} of --load-hf {path}",
+    )
+    need(
+        config.sliding_window is None or args.seq_length <= config.sliding_window,
+        f"--seq-length {args.seq_length} exceeds the sliding_window {config.sliding_window} of "
+        f"--load-hf {path} (sliding-window attention is not implemented)",
+    )
     if args.tokenizer == "byte":
-        need(os.path.isfile(os.path.join(path, "tokenizer.json")),
-             f"--load-hf {path} has no tokenizer.json: pass the model's tokenizer with --tokenizer")
+        need(
+            os.path.isfile(os.path.join(path, "tokenizer.json")),
+            f"--load-hf {path} has no tokenizer.json: pass the model's tokenizer with --tokenizer",
+        )
         args.tokenizer = path
 
 
@@ -113,14 +143,28 @@ def check_save_hf_paths(args, need: Callable[[bool, str], None]) -> None:
     tokenizer onto itself: the source model lost. Into --save, --load or --log-dir it would
     mix with the checkpoints and logs; so would a --save-hf above --save or --log-dir, whose
     files the export refuses only once training is over."""
-    for flag, folder in (("--load-hf", args.load_hf), ("--save", args.save), ("--load", args.load), ("--log-dir", args.log_dir),
-                         ("--tokenizer", None if args.tokenizer == "byte" or os.path.isfile(args.tokenizer) else args.tokenizer)):
-        need(not folder or not _same_folder(args.save_hf, folder),
-             f"--save-hf {args.save_hf} is the {flag} folder {folder}: export into a folder of its own (a new or empty one)")
+    for flag, folder in (
+        ("--load-hf", args.load_hf),
+        ("--save", args.save),
+        ("--load", args.load),
+        ("--log-dir", args.log_dir),
+        (
+            "--tokenizer",
+            None if args.tokenizer == "byte" or os.path.isfile(args.tokenizer) else args.tokenizer,
+        ),
+    ):
+        need(
+            not folder or not _same_folder(args.save_hf, folder),
+            f"--save-hf {args.save_hf} is the {flag} folder {folder}: export into a folder of its "
+            "own (a new or empty one)",
+        )
     for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
-        need(not folder or not _inside(folder, args.save_hf),
-             f"--save-hf {args.save_hf} holds the {flag} folder {folder}: the export would find the run's files there and refuse "
-             "the folder after training; export into a folder of its own (a new or empty one)")
+        need(
+            not folder or not _inside(folder, args.save_hf),
+            f"--save-hf {args.save_hf} holds the {flag} folder {folder}: the export would find the "
+            "run's files there and refuse the folder after training; export into a folder of its "
+            "own (a new or empty one)",
+        )
 
 
 def check_save_hf_folder(args, device: torch.device | str) -> None:
@@ -141,8 +185,12 @@ def check_save_hf_folder(args, device: torch.device | str) -> None:
 def hf_model_config(args) -> GPTConfig:
     """The GPTConfig of `--load-hf` with the run-time flags applied."""
     return GPTConfig.from_hf(
-        args.load_hf, dropout=args.dropout, attention_dropout=args.attention_dropout, sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute, fused_lm_head_loss=args.fused_lm_head_loss,
+        args.load_hf,
+        dropout=args.dropout,
+        attention_dropout=args.attention_dropout,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
+        fused_lm_head_loss=args.fused_lm_head_loss,
     )
 
 
@@ -150,7 +198,8 @@ def check_tokenizer_fits(tokenizer, config: GPTConfig, path: str) -> None:
     """The tokenizer's ids must index the folder's embedding (which may be padded past them)."""
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
-            f"tpcore: the tokenizer has {tokenizer.vocab_size} ids but --load-hf {path} embeds only {config.vocab_size}: not this model's tokenizer"
+            f"tpcore: the tokenizer has {tokenizer.vocab_size} ids but --load-hf {path} embeds "
+            f"only {config.vocab_size}: not this model's tokenizer"
         )
 
 
@@ -159,7 +208,12 @@ def load_initial_hf_weights(chunks: Sequence, path: str, device) -> None:
     from ..models import load_hf_weights
     from .agreement import all_or_none
 
-    all_or_none(lambda: load_hf_weights(chunks, path), f"loading --load-hf {path}", device, error_type=ValueError)
+    all_or_none(
+        lambda: load_hf_weights(chunks, path),
+        f"loading --load-hf {path}",
+        device,
+        error_type=ValueError,
+    )
 
 
 def save_hf(chunks: Sequence, args, tokenizer, *, pp_group, dp_group) -> str:
@@ -167,6 +221,11 @@ def save_hf(chunks: Sequence, args, tokenizer, *, pp_group, dp_group) -> str:
     from ..models import export_hf
 
     return export_hf(
-        chunks, args.save_hf, hf_config=read_hf_config(args.load_hf) if args.load_hf else None,
-        tokenizer=None if args.tokenizer == "byte" else args.tokenizer, eos_token_id=tokenizer.eod, pp_group=pp_group, dp_group=dp_group,
+        chunks,
+        args.save_hf,
+        hf_config=read_hf_config(args.load_hf) if args.load_hf else None,
+        tokenizer=None if args.tokenizer == "byte" else args.tokenizer,
+        eos_token_id=tokenizer.eod,
+        pp_group=pp_group,
+        dp_group=dp_group,
     )

@@ -44,7 +44,9 @@ class ParallelLayout:
             for stage, layers in enumerate(self.stage_layers):
                 if layer in layers:
                     return stage % self.pipeline_parallel_size
-            raise ValueError(f"tpcore: layer {layer} ({name}) is on no pipeline stage of {self.stage_layers}")
+            raise ValueError(
+                f"tpcore: layer {layer} ({name}) is on no pipeline stage of {self.stage_layers}"
+            )
         if name.startswith("embedding."):
             return 0
         return (len(self.stage_layers) - 1) % self.pipeline_parallel_size  # final norm, LM head
@@ -64,8 +66,14 @@ class ParallelLayout:
     @classmethod
     def from_metadata(cls, meta: dict) -> "ParallelLayout":
         """The layout a checkpoint's metadata records (format 1 had no pipeline: one stage)."""
-        stages = meta.get("pipeline_stage_layers") or [list(range(meta["model_config"]["num_layers"]))]
-        return cls(meta["tensor_parallel_size"], meta.get("pipeline_parallel_size", 1), tuple(tuple(s) for s in stages))
+        stages = meta.get("pipeline_stage_layers") or [
+            list(range(meta["model_config"]["num_layers"]))
+        ]
+        return cls(
+            meta["tensor_parallel_size"],
+            meta.get("pipeline_parallel_size", 1),
+            tuple(tuple(s) for s in stages),
+        )
 
 
 def model_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -73,7 +81,9 @@ def model_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
-def current_layout(chunks: Sequence[nn.Module], *, tp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None) -> ParallelLayout:
+def current_layout(
+    chunks: Sequence[nn.Module], *, tp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup | None
+) -> ParallelLayout:
     """The layout of a running model from every rank's chunks (GPTModels). A collective over
     `pp_group` (each rank sends the first layer and count of each chunk); none without it.
     Raises ValueError, on every rank alike, unless the stages hold every layer once, in order."""
@@ -83,10 +93,18 @@ def current_layout(chunks: Sequence[nn.Module], *, tp_group: dist.ProcessGroup, 
         layers = [int(name) for name, _ in chunk.layers.named_children()]
         mine.append([layers[0], len(layers)])
     local = torch.tensor(mine, dtype=torch.int64, device=next(chunks[0].parameters()).device)
-    spans = comm.all_gather(local, 0, pp_group).tolist() if pp > 1 else mine  # [rank * v + chunk] -> [first, count]
+    spans = (
+        comm.all_gather(local, 0, pp_group).tolist() if pp > 1 else mine
+    )  # [rank * v + chunk] -> [first, count]
     v = len(chunks)
-    stages = tuple(tuple(range(first, first + count)) for first, count in (spans[(s % pp) * v + s // pp] for s in range(pp * v)))
+    stages = tuple(
+        tuple(range(first, first + count))
+        for first, count in (spans[(s % pp) * v + s // pp] for s in range(pp * v))
+    )
     num_layers = chunks[0].config.num_layers
     if [i for layers in stages for i in layers] != list(range(num_layers)):
-        raise ValueError(f"tpcore: the model chunks of the pipeline do not hold layers 0..{num_layers - 1} once each, in order: {stages}")
+        raise ValueError(
+            f"tpcore: the model chunks of the pipeline do not hold layers 0..{num_layers - 1} once "
+            f"each, in order: {stages}"
+        )
     return ParallelLayout(dist.get_world_size(tp_group), pp, stages)

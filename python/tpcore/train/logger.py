@@ -13,13 +13,26 @@ from .checkpoint_integrity import describe_os_error
 
 __all__ = ["MetricsLogger", "read_metrics", "plot_loss_curve"]
 
-COLUMNS = ["iteration", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "step_ms", "valid_loss"]
+COLUMNS = [
+    "iteration",
+    "loss",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "skipped",
+    "tokens_per_s",
+    "step_ms",
+    "valid_loss",
+]
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
     """Rows of a metrics.csv as floats (empty cells are NaN)."""
     with open(path, newline="") as f:
-        return [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+        return [
+            {k: float(v) if v != "" else math.nan for k, v in row.items()}
+            for row in csv.DictReader(f)
+        ]
 
 
 def plot_loss_curve(csv_path: str, png_path: str) -> bool:
@@ -36,7 +49,9 @@ def plot_loss_curve(csv_path: str, png_path: str) -> bool:
     ax.plot([r["iteration"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
     valid = [r for r in rows if not math.isnan(r["valid_loss"])]
     if valid:
-        ax.plot([r["iteration"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="valid")
+        ax.plot(
+            [r["iteration"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="valid"
+        )
     ax.set(xlabel="iteration", ylabel="loss (nats/token)", title="tpcore GPT pretraining")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -51,7 +66,16 @@ class MetricsLogger:
     (and TensorBoard when installed); every `log_interval` a line is printed; a progress
     bar redraws in between when stdout is a terminal."""
 
-    def __init__(self, *, active: bool, log_dir: str | None, total_iters: int, start_iter: int, log_interval: int, progress: bool) -> None:
+    def __init__(
+        self,
+        *,
+        active: bool,
+        log_dir: str | None,
+        total_iters: int,
+        start_iter: int,
+        log_interval: int,
+        progress: bool,
+    ) -> None:
         self.active, self.total, self.log_interval = active, total_iters, log_interval
         self.bar = active and progress and sys.stdout.isatty()
         self.csv_path = os.path.join(log_dir, "metrics.csv") if log_dir else None
@@ -61,7 +85,9 @@ class MetricsLogger:
             return
         os.makedirs(log_dir, exist_ok=True)
         kept = []
-        if start_iter > 0 and os.path.isfile(self.csv_path):  # resuming: drop rows past the checkpoint
+        if start_iter > 0 and os.path.isfile(
+            self.csv_path
+        ):  # resuming: drop rows past the checkpoint
             with open(self.csv_path, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if float(r["iteration"]) <= start_iter]
         self._file = open(self.csv_path, "w", newline="")
@@ -71,7 +97,9 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(log_dir, "tensorboard"), purge_step=start_iter + 1)
+            self.tensorboard = SummaryWriter(
+                os.path.join(log_dir, "tensorboard"), purge_step=start_iter + 1
+            )
         except ImportError:  # TensorBoard is optional
             pass
 
@@ -85,10 +113,17 @@ class MetricsLogger:
             return
         if self._csv:
             try:
-                self._csv.writerow({"iteration": iteration, **{k: repr(float(v)) for k, v in metrics.items()}})
+                self._csv.writerow(
+                    {"iteration": iteration, **{k: repr(float(v)) for k, v in metrics.items()}}
+                )
                 self._file.flush()
-            except OSError as e:  # a full disk must not kill the run from rank 0 alone, mid-collective
-                self.print(f"tpcore: warning: {describe_os_error(e, self.csv_path)}; metrics are no longer written to it")
+            except (
+                OSError
+            ) as e:  # a full disk must not kill the run from rank 0 alone, mid-collective
+                self.print(
+                    f"tpcore: warning: {describe_os_error(e, self.csv_path)}; metrics are no "
+                    "longer written to it"
+                )
                 self._csv = None
                 try:
                     self._file.close()
@@ -99,13 +134,17 @@ class MetricsLogger:
                 self.tensorboard.add_scalar(k, v, iteration)
         if "loss" in metrics and (iteration % self.log_interval == 0 or iteration == self.total):
             self.print(
-                f"iter {iteration:>6}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
-                f"grad norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | {metrics['step_ms']:.1f} ms/step"
+                f"iter {iteration:>6}/{self.total} | loss {metrics['loss']:.4f} | lr "
+                f"{metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
+                f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['step_ms']:.1f} ms/step"
                 + (" | skipped (non-finite gradients)" if metrics.get("skipped") else "")
             )
         elif "loss" in metrics and self.bar:
             done = int(30 * iteration / self.total)
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {iteration}/{self.total} loss {metrics['loss']:.4f}")
+            sys.stdout.write(
+                f"\r[{'#' * done}{'.' * (30 - done)}] {iteration}/{self.total} loss "
+                f"{metrics['loss']:.4f}"
+            )
             sys.stdout.flush()
 
     def close(self) -> None:

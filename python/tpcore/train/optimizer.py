@@ -46,7 +46,9 @@ def grad_norm(
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device)
     bad = torch.zeros((), device=device)
-    for g, rep, dup, span in zip(grads, replicated, duplicate or [False] * len(grads), copies or [None] * len(grads)):
+    for g, rep, dup, span in zip(
+        grads, replicated, duplicate or [False] * len(grads), copies or [None] * len(grads)
+    ):
         square = g.float().pow(2).sum()
         bad += (~torch.isfinite(square)).float()  # checked on every rank, counted or not
         if span is not None:  # leave out the copied elements
@@ -64,8 +66,15 @@ class LossScaler:
     """fp16 dynamic loss scale: halves on an overflow (the step is skipped), doubles after
     `window` clean steps."""
 
-    def __init__(self, initial: float = 2.0**16, window: int = 1000, min_scale: float = 1.0) -> None:
-        self.scale, self.window, self.min_scale, self.clean_steps = float(initial), window, min_scale, 0
+    def __init__(
+        self, initial: float = 2.0**16, window: int = 1000, min_scale: float = 1.0
+    ) -> None:
+        self.scale, self.window, self.min_scale, self.clean_steps = (
+            float(initial),
+            window,
+            min_scale,
+            0,
+        )
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -119,25 +128,41 @@ class ParallelAdamW:
         grads=None,
     ) -> None:
         if grads is not None and grads.reduce_scatter:
-            raise ValueError("tpcore: ParallelAdamW needs all-reduced gradients; reduce-scattered buffers are for DistributedAdamW")
+            raise ValueError(
+                "tpcore: ParallelAdamW needs all-reduced gradients; reduce-scattered buffers are "
+                "for DistributedAdamW"
+            )
         self.grads = grads
         modules = [model] if isinstance(model, nn.Module) else list(model)
-        named = [(n, p) for module in modules for n, p in module.named_parameters() if p.requires_grad]
+        named = [
+            (n, p) for module in modules for n, p in module.named_parameters() if p.requires_grad
+        ]
         self.names = [n for n, _ in named]
         if len(set(self.names)) != len(self.names):
-            raise ValueError("tpcore: ParallelAdamW: parameter names repeat across the model chunks")
+            raise ValueError(
+                "tpcore: ParallelAdamW: parameter names repeat across the model chunks"
+            )
         self.params = [p for _, p in named]
         self.replicated = [is_replicated(n) for n in self.names]
         self.duplicate = [n in duplicates for n in self.names]
         self.copies = [tp_copies(n) if tp_copies else None for n in self.names]
         self.pp_group = pp_group
         # fp32 parameters are their own master; low-precision ones get an fp32 copy.
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
+            for p in self.params
+        ]
         self.tp_group, self.dp_group, self.scaler = tp_group, dp_group, loss_scaler
         decay = [m for m in self.masters if m.dim() >= 2]
         no_decay = [m for m in self.masters if m.dim() < 2]
         self.adam = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
         )
 
     @property
@@ -158,7 +183,10 @@ class ParallelAdamW:
         """Point each master's .grad at the DP mean of its gradient."""
         if self.grads is not None:
             if not self.grads.finished:
-                raise RuntimeError("tpcore: ParallelAdamW.step: call grads.finish_grad_sync() after the backward passes first")
+                raise RuntimeError(
+                    "tpcore: ParallelAdamW.step: call grads.finish_grad_sync() after the backward "
+                    "passes first"
+                )
             for p, m in zip(self.params, self.masters):
                 # A view of the buffer when it is fp32 (no copy); unscaling and clipping
                 # then work in the buffer, which zero_grad() empties afterwards.
@@ -178,7 +206,14 @@ class ParallelAdamW:
         for m in self.masters:
             if inv_scale != 1.0:
                 m.grad.mul_(inv_scale)
-        norm = grad_norm([m.grad for m in self.masters], self.replicated, self.tp_group, self.pp_group, self.duplicate, self.copies)
+        norm = grad_norm(
+            [m.grad for m in self.masters],
+            self.replicated,
+            self.tp_group,
+            self.pp_group,
+            self.duplicate,
+            self.copies,
+        )
         skipped = not math.isfinite(norm)  # the norm is the same on every rank: all skip alike
         if self.scaler:
             self.scaler.update(skipped)
@@ -228,8 +263,12 @@ class ParallelAdamW:
                 master = entry.pop("master", None)
                 if m is not p:  # fp32 master from the checkpoint, else from the loaded weights
                     m.copy_(master if master is not None else p.float())
-                elif master is not None:  # a low-precision run resumed in fp32: its master is the better copy
+                elif (
+                    master is not None
+                ):  # a low-precision run resumed in fp32: its master is the better copy
                     p.copy_(master)
-                self.adam.state[m] = {k: v.to(m.device) if k != "step" else v.clone() for k, v in entry.items()}
+                self.adam.state[m] = {
+                    k: v.to(m.device) if k != "step" else v.clone() for k, v in entry.items()
+                }
         if self.scaler and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])

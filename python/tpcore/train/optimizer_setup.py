@@ -11,11 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.shard_spec import shard_spec
 from ..parallel_state import get_parallel_state
 from ..pipeline_parallel import (
-    duplicate_parameter_names, head_only_tied_weights, lookup_and_head_weights, lookup_only_weights, tied_embedding_copies,
+    duplicate_parameter_names,
+    head_only_tied_weights,
+    lookup_and_head_weights,
+    lookup_only_weights,
+    tied_embedding_copies,
 )
+from ..tensor_parallel.shard_spec import shard_spec
 from .data_parallel import DataParallelGrads
 from .distributed_optimizer import DistributedAdamW
 from .optimizer import LossScaler, ParallelAdamW
@@ -33,7 +37,8 @@ class DataParallelOptions:
     overlap_grad_reduce: bool = False
     """Start each bucket's reduction from the backward pass as soon as it is complete."""
     use_distributed_optimizer: bool = False
-    """Shard fp32 masters and AdamW moments over DP; reduce-scatter gradients, all-gather parameters."""
+    """Shard fp32 masters and AdamW moments over DP; reduce-scatter gradients, all-gather
+    parameters."""
     overlap_param_gather: bool = False
     """Start the parameter all-gathers after the step, wait for each bucket at its first use."""
     grad_reduce_in_bf16: bool = False
@@ -44,21 +49,46 @@ class DataParallelOptions:
     def __post_init__(self) -> None:
         problems = []
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            problems.append("--overlap-param-gather needs --use-distributed-optimizer (only sharded parameters are gathered)")
-        needs = [flag for flag, on in (("--overlap-grad-reduce", self.overlap_grad_reduce), ("--use-distributed-optimizer", self.use_distributed_optimizer),
-                                       ("--grad-reduce-in-bf16", self.grad_reduce_in_bf16)) if on]
+            problems.append(
+                "--overlap-param-gather needs --use-distributed-optimizer (only sharded parameters "
+                "are gathered)"
+            )
+        needs = [
+            flag
+            for flag, on in (
+                ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                ("--use-distributed-optimizer", self.use_distributed_optimizer),
+                ("--grad-reduce-in-bf16", self.grad_reduce_in_bf16),
+            )
+            if on
+        ]
         if needs and not self.contiguous_buffers:
             problems.append(f"{', '.join(needs)} need(s) the contiguous gradient buffers")
-        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or isinstance(self.bucket_size, bool) or self.bucket_size < 1):
-            problems.append(f"--ddp-bucket-size must be an int >= 1 (elements), got {self.bucket_size!r}")
+        if self.bucket_size is not None and (
+            not isinstance(self.bucket_size, int)
+            or isinstance(self.bucket_size, bool)
+            or self.bucket_size < 1
+        ):
+            problems.append(
+                f"--ddp-bucket-size must be an int >= 1 (elements), got {self.bucket_size!r}"
+            )
         if problems:
             raise ValueError("tpcore: " + "; ".join(problems))
 
 
 def make_optimizer(
-    chunks: Sequence[nn.Module], options: DataParallelOptions, *, tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup,
-    pp_group: dist.ProcessGroup | None, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-    loss_scaler: LossScaler | None, embedding_group: dist.ProcessGroup | None = None,
+    chunks: Sequence[nn.Module],
+    options: DataParallelOptions,
+    *,
+    tp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    loss_scaler: LossScaler | None,
+    embedding_group: dist.ProcessGroup | None = None,
 ) -> tuple[ParallelAdamW | DistributedAdamW, DataParallelGrads | None]:
     """(optimizer, gradient buffers or None) for this rank's GPT `chunks`. With buffers, each
     step is `grads.start_step(m)`, the backward passes, `grads.finish_grad_sync()` (in place
@@ -66,9 +96,16 @@ def make_optimizer(
     chunks = list(chunks)
     specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     common = dict(
-        is_replicated=lambda name: specs[name].kind == "replicated", tp_group=tp_group, pp_group=pp_group,
+        is_replicated=lambda name: specs[name].kind == "replicated",
+        tp_group=tp_group,
+        pp_group=pp_group,
         tp_copies=lambda name: specs[name].copied_elements(),
-        duplicates=duplicate_parameter_names(chunks), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, loss_scaler=loss_scaler,
+        duplicates=duplicate_parameter_names(chunks),
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        loss_scaler=loss_scaler,
     )
     if not options.contiguous_buffers:
         return ParallelAdamW(chunks, dp_group=dp_group, **common), None
@@ -76,12 +113,21 @@ def make_optimizer(
     if tied and embedding_group is None and get_parallel_state().embedding_group is not None:
         embedding_group = get_parallel_state().embedding_group
     grads = DataParallelGrads(
-        chunks, dp_group=dp_group, tp_group=tp_group, overlap_grad_reduce=options.overlap_grad_reduce,
-        reduce_scatter=options.use_distributed_optimizer, grad_dtype=torch.bfloat16 if options.grad_reduce_in_bf16 else torch.float32,
-        bucket_size=options.bucket_size, tied=tied, embedding_group=embedding_group if tied else None,
-        lookup_and_head=lookup_and_head_weights(chunks), head_first=head_only_tied_weights(chunks),
+        chunks,
+        dp_group=dp_group,
+        tp_group=tp_group,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        reduce_scatter=options.use_distributed_optimizer,
+        grad_dtype=torch.bfloat16 if options.grad_reduce_in_bf16 else torch.float32,
+        bucket_size=options.bucket_size,
+        tied=tied,
+        embedding_group=embedding_group if tied else None,
+        lookup_and_head=lookup_and_head_weights(chunks),
+        head_first=head_only_tied_weights(chunks),
         lookup_only=lookup_only_weights(chunks),
     )
     if options.use_distributed_optimizer:
-        return DistributedAdamW(grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common), grads
+        return DistributedAdamW(
+            grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common
+        ), grads
     return ParallelAdamW(chunks, dp_group=dp_group, grads=grads, **common), grads

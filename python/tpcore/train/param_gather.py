@@ -31,11 +31,22 @@ Key = tuple[int, int]  # (buffer index, bucket index)
 class ParamGather:
     """The all-gathers of `buffers` (which own the parameters of `chunks`) over `dp_group`."""
 
-    def __init__(self, chunks: Sequence[nn.Module], buffers: Sequence[GradBuffer], dp_group: dist.ProcessGroup, *, overlap: bool) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        buffers: Sequence[GradBuffer],
+        dp_group: dist.ProcessGroup,
+        *,
+        overlap: bool,
+    ) -> None:
         self.buffers, self.dp_group, self.overlap = list(buffers), dp_group, overlap
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        self._key_of = {id(p): (i, b.entry(p).bucket) for i, b in enumerate(self.buffers) for p in b.params}
-        self._default = [(i, bucket.index) for i, b in enumerate(self.buffers) for bucket in reversed(b.buckets)]
+        self._key_of = {
+            id(p): (i, b.entry(p).bucket) for i, b in enumerate(self.buffers) for p in b.params
+        }
+        self._default = [
+            (i, bucket.index) for i, b in enumerate(self.buffers) for bucket in reversed(b.buckets)
+        ]
         self._pending: dict[Key, comm.PendingCollective] = {}
         self._launched: list[Key] = []  # launch order of the pending gathers
         self._used: list[Key] = []  # first-use order since the last launch
@@ -47,7 +58,9 @@ class ParamGather:
                 for module in chunk.modules():
                     keys = self._keys(module.parameters(recurse=False))
                     if keys:
-                        self._hooks.append(module.register_forward_pre_hook(self._module_hook(module, keys)))
+                        self._hooks.append(
+                            module.register_forward_pre_hook(self._module_hook(module, keys))
+                        )
 
     def _keys(self, params) -> list[Key]:
         return list(dict.fromkeys(self._key_of[id(p)] for p in params if id(p) in self._key_of))
@@ -56,13 +69,20 @@ class ParamGather:
         def hook(_module, _args) -> None:
             self._seen_modules.add(id(module))
             self._use(keys)
+
         return hook
 
     def _chunk_hook(self, chunk: nn.Module):
         def hook(_module, _args) -> None:
             # Parameters of modules that have not run in a forward so far: waited now.
-            unseen = [p for m in chunk.modules() if id(m) not in self._seen_modules for p in m.parameters(recurse=False)]
+            unseen = [
+                p
+                for m in chunk.modules()
+                if id(m) not in self._seen_modules
+                for p in m.parameters(recurse=False)
+            ]
             self._use(self._keys(unseen))
+
         return hook
 
     def _use(self, keys: list[Key]) -> None:
@@ -87,7 +107,9 @@ class ParamGather:
         self.finish()
         if self.dp_size == 1:
             return
-        order = [k for k in self._used if k in self._key_set()] + [k for k in self._default if k not in self._used]
+        order = [k for k in self._used if k in self._key_set()] + [
+            k for k in self._default if k not in self._used
+        ]
         self._used = []
         for key in order:
             buffer = self.buffers[key[0]]

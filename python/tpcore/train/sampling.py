@@ -22,7 +22,9 @@ __all__ = ["gather_model_on_first_stage"]
 _FIRST_TAG = 16  # message tags 16, 17, ...: one per parameter, above the schedules' tags
 
 
-def gather_model_on_first_stage(chunks: Sequence[GPTModel], *, pp_group: dist.ProcessGroup | None = None) -> GPTModel | None:
+def gather_model_on_first_stage(
+    chunks: Sequence[GPTModel], *, pp_group: dist.ProcessGroup | None = None
+) -> GPTModel | None:
     """This TP rank's shard of the full-depth model, on the first pipeline stage; None on
     the others. A collective over `pp_group` (call on every stage). Without pipeline
     parallelism the model itself is returned. Parameters are copies, in the chunks' dtype,
@@ -34,15 +36,27 @@ def gather_model_on_first_stage(chunks: Sequence[GPTModel], *, pp_group: dist.Pr
         return first
     rank = dist.get_rank(pp_group)
     param = next(first.parameters())
-    tags = {name: _FIRST_TAG + i for i, name in enumerate(ReferenceGPT(first.config, device="meta").state_dict())}
-    mine = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters() if name not in duplicate_parameter_names(chunks)}
+    tags = {
+        name: _FIRST_TAG + i
+        for i, name in enumerate(ReferenceGPT(first.config, device="meta").state_dict())
+    }
+    mine = {
+        name: p.detach()
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if name not in duplicate_parameter_names(chunks)
+    }
     if rank != 0:
         sends = [(t.contiguous(), 0, tags[name], name) for name, t in mine.items()]
         p2p.batch_send_recv(sends, [], dtype=param.dtype, device=param.device, group=pp_group)
         return None
-    model = GPTModel(first.config, group=first.group, dtype=param.dtype, device=param.device, _init=False)
+    model = GPTModel(
+        first.config, group=first.group, dtype=param.dtype, device=param.device, _init=False
+    )
     received = [(name, p) for name, p in model.named_parameters() if name not in mine]
-    recvs = [(list(p.shape), layout.pipeline_rank_of(name), tags[name], name) for name, p in received]
+    recvs = [
+        (list(p.shape), layout.pipeline_rank_of(name), tags[name], name) for name, p in received
+    ]
     tensors = p2p.batch_send_recv([], recvs, dtype=param.dtype, device=param.device, group=pp_group)
     with torch.no_grad():
         for (_, p), t in zip(received, tensors):

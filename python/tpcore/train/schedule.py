@@ -7,7 +7,9 @@ import math
 __all__ = ["learning_rate"]
 
 
-def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str) -> float:
+def learning_rate(
+    iteration: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str
+) -> float:
     """The learning rate of optimizer step `iteration` (0-based).
 
     Warmup rises linearly to `lr` over `warmup_iters` steps (step i uses lr * (i+1) / warmup);

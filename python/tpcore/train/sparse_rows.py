@@ -42,19 +42,30 @@ class RowUnion:
     `[n]`, repeats allowed, `num_rows` standing for none) or, without them, the nonzero rows
     of `grad` `[num_rows, h]`."""
 
-    def __init__(self, num_rows: int, group: dist.ProcessGroup, *, rows: torch.Tensor | None = None,
-                 grad: torch.Tensor | None = None, async_op: bool = False) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        group: dist.ProcessGroup,
+        *,
+        rows: torch.Tensor | None = None,
+        grad: torch.Tensor | None = None,
+        async_op: bool = False,
+    ) -> None:
         if rows is None and grad is None:
             raise ValueError("tpcore: RowUnion needs the rows or the gradient")
         # The mask with one more entry, always set, for `num_rows` (none) in `rows`.
-        self._padded = torch.zeros(num_rows + 1, dtype=torch.uint8, device=(rows if rows is not None else grad).device)
+        self._padded = torch.zeros(
+            num_rows + 1, dtype=torch.uint8, device=(rows if rows is not None else grad).device
+        )
         self.mask = self._padded[:num_rows]
         if rows is not None:
             self._padded[rows] = 1  # index_put: no host sync
         else:
             self.mask.copy_(grad.ne(0).any(dim=1))  # NaN and inf rows count as touched
         self._padded[num_rows] = 1
-        self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+        self._work = dist.all_reduce(
+            self.mask, op=dist.ReduceOp.MAX, group=group, async_op=async_op
+        )
         self._index: torch.Tensor | None = None
 
     def index(self) -> torch.Tensor:
@@ -70,7 +81,9 @@ class RowUnion:
         self.index()
         return bool(self._padded[rows].all())
 
-    def gather(self, rows: torch.Tensor, grads: torch.Tensor, dtype: torch.dtype) -> GatheredRows | None:
+    def gather(
+        self, rows: torch.Tensor, grads: torch.Tensor, dtype: torch.dtype
+    ) -> GatheredRows | None:
         """The gradient given token by token (`rows` `[n]`, `num_rows` for none; `grads`
         `[n, h]`) summed (in `dtype`) into the union's rows, if they are all in the union
         and it is less than half the table (else the whole table is summed); None otherwise."""
@@ -84,8 +97,9 @@ class RowUnion:
         return GatheredRows(index, values, self.mask.numel())
 
 
-def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
-                   valid: torch.Tensor | None = None) -> torch.Tensor:
+def add_token_rows(
+    out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Add each token's gradient `grads` `[n, h]` to its row `rows` `[n]` of `out`
     `[num_rows, h]`, skipping tokens whose row is `num_rows` (none) or, if given, where
     `valid` is False. Sums in fp32 at least (a bf16 or fp16 `out` gets each row's sum rounded
@@ -95,8 +109,13 @@ def add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
     return _add_token_rows(out, rows, grads, valid, host_checks=not out.is_cuda)
 
 
-def _add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, valid: torch.Tensor | None,
-                    host_checks: bool) -> torch.Tensor:
+def _add_token_rows(
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    grads: torch.Tensor,
+    valid: torch.Tensor | None,
+    host_checks: bool,
+) -> torch.Tensor:
     """`add_token_rows`; `host_checks` says whether reading a tensor's value on the host is
     free (CPU). Without (CUDA), every shape stays `n`; tests run that path on CPU too."""
     num_rows, n = out.shape[0], rows.numel()
@@ -129,7 +148,9 @@ def _add_token_rows(out: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, 
         starts = torch.ones_like(sorted_rows, dtype=torch.bool)
         starts[1:] = sorted_rows[1:] != sorted_rows[:-1]
         segment = torch.cumsum(starts, 0) - 1
-        unique = (torch.arange(len(segment), device=out.device) % num_rows).scatter_(0, segment, sorted_rows)
+        unique = (torch.arange(len(segment), device=out.device) % num_rows).scatter_(
+            0, segment, sorted_rows
+        )
         inverse = torch.empty_like(segment).scatter_(0, order, segment)  # each token's segment
     sums = torch.zeros(unique.numel(), out.shape[1], dtype=torch.float32, device=out.device)
     _accumulate(sums, inverse, values.float())
@@ -146,7 +167,10 @@ def _accumulate(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) ->
 
 
 def sum_touched_rows(
-    grad: torch.Tensor | GatheredRows, group: dist.ProcessGroup, dtype: torch.dtype, rows: torch.Tensor | None = None,
+    grad: torch.Tensor | GatheredRows,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    rows: torch.Tensor | None = None,
     union: RowUnion | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """The sum over `group` of every rank's `grad` `[num_rows, h]` (or its rows gathered
@@ -154,13 +178,16 @@ def sum_touched_rows(
 
     `rows` (int64 `[n]`, repeats allowed, `num_rows` standing for none), if given, holds
     every row where this rank's `grad` may be nonzero. `union`, if given, is a union every
-    rank started earlier (from predicted rows). Returns `(index, values)`: `values` `[u, h]` (in `dtype`) are the sums of the rows
-    `index` `[u]`, every other row summing to zero; `index` is None when `values` is the
-    whole table; None when every rank's gradient is zero. The result is the same on every
-    rank, bit for bit, and so is the sequence of collectives.
+    rank started earlier (from predicted rows). Returns `(index, values)`: `values` `[u, h]`
+    (in `dtype`) are the sums of the rows `index` `[u]`, every other row summing to zero;
+    `index` is None when `values` is the whole table; None when every rank's gradient is
+    zero. The result is the same on every rank, bit for bit, and so is the sequence of
+    collectives.
     """
     if not isinstance(grad, GatheredRows) and grad.dim() != 2:
-        raise ValueError(f"tpcore: sum_touched_rows: expected a [rows, h] gradient, got shape {list(grad.shape)}")
+        raise ValueError(
+            f"tpcore: sum_touched_rows: expected a [rows, h] gradient, got shape {list(grad.shape)}"
+        )
     if union is not None:
         outside = rows is None or not union.covers(rows)
         result, anyone_outside = _sum_rows(grad, union.index(), group, dtype, outside)
@@ -168,12 +195,19 @@ def sum_touched_rows(
             return result
     if isinstance(grad, GatheredRows):  # another rank's rows were not predicted: rare
         grad = grad.dense()
-    result, _ = _sum_rows(grad, RowUnion(grad.shape[0], group, rows=rows, grad=grad).index(), group, dtype, None)
+    result, _ = _sum_rows(
+        grad, RowUnion(grad.shape[0], group, rows=rows, grad=grad).index(), group, dtype, None
+    )
     return result
 
 
-def _sum_rows(grad: torch.Tensor | GatheredRows, index: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype,
-              flag: bool | None) -> tuple[tuple[torch.Tensor | None, torch.Tensor] | None, bool]:
+def _sum_rows(
+    grad: torch.Tensor | GatheredRows,
+    index: torch.Tensor,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    flag: bool | None,
+) -> tuple[tuple[torch.Tensor | None, torch.Tensor] | None, bool]:
     """All-reduce `grad`'s rows `index` (the whole table if they are half of it or more),
     with `flag` (if not None) summed beside them: (result, whether any rank's flag was set)."""
     if index.numel() == 0 and flag is None:

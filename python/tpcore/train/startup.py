@@ -27,7 +27,10 @@ def report_startup_error(error: BaseException) -> None:
         import torch.distributed as dist
 
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=_WAIT_S))
-        key = f"tpcore/startup_error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        key = (
+            f"tpcore/startup_error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
         store.add(key, 1)
         deadline = time.monotonic() + _WAIT_S
         while store.add(key, 0) < world and time.monotonic() < deadline:

@@ -11,20 +11,25 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
-from ..comm_threads import prioritize_communication_threads
 from .._validation import check_cuda_device
+from ..comm_threads import prioritize_communication_threads
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..models import ReferenceGPT
 from ..models.generate import generate
 from ..models.hf_config import read_hf_config
 from ..pipeline_parallel import (
-    activation_shape, build_gpt_stages, check_schedule, finalize_model_grads, forward_backward,
-    gpt_forward_step, sync_tied_embeddings,
+    activation_shape,
+    build_gpt_stages,
+    check_schedule,
+    finalize_model_grads,
+    forward_backward,
+    gpt_forward_step,
+    sync_tied_embeddings,
 )
 from ..tensor_parallel.random import model_parallel_manual_seed
-from .arguments import TrainArgs
 from .agreement import all_or_none, check_same_arguments
+from .arguments import TrainArgs
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_index import read_latest
 from .checkpoint_integrity import random_id
@@ -49,12 +54,16 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         check_cuda_device("init_distributed", local_rank)
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def _resume_point(args: TrainArgs) -> str | None:
@@ -64,17 +73,22 @@ def _resume_point(args: TrainArgs) -> str | None:
     first run has nothing to load; anywhere else a missing folder is a typo."""
     if not args.load:
         return None
-    auto_resume = args.save is not None and os.path.realpath(args.load) == os.path.realpath(args.save)
+    auto_resume = args.save is not None and os.path.realpath(args.load) == os.path.realpath(
+        args.save
+    )
     if not os.path.exists(args.load):
         if auto_resume:
             return None
         raise FileNotFoundError(
-            f"tpcore: --load {args.load} does not exist (a typo?); to resume automatically whenever a checkpoint "
-            "is there, pass the same folder to --save"
+            f"tpcore: --load {args.load} does not exist (a typo?); to resume automatically "
+            "whenever a checkpoint is there, pass the same folder to --save"
         )
     found = find_checkpoint(args.load)  # a damaged 'latest' or only incomplete iter_N folders raise
     if found is None and not auto_resume:
-        raise CheckpointError(f"tpcore: --load {args.load} holds no checkpoint (no metadata.json, no 'latest' file, no iter_N folder)")
+        raise CheckpointError(
+            f"tpcore: --load {args.load} holds no checkpoint (no metadata.json, no 'latest' file, "
+            "no iter_N folder)"
+        )
     return found
 
 
@@ -93,30 +107,52 @@ def _check_tokens(indexed: IndexedDataset, vocab_size: int, device: str) -> None
     else:
         low, high = recorded
     none = -(2**62)  # what a rank without tokens contributes to the MAX
-    extremes = torch.tensor([high, -low] if high >= low else [none, none], dtype=torch.int64, device=device)
+    extremes = torch.tensor(
+        [high, -low] if high >= low else [none, none], dtype=torch.int64, device=device
+    )
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     if int(extremes[0]) == none:
         return
     high, low = int(extremes[0]), -int(extremes[1])
-    source = f"(recorded in {stats_path(indexed.prefix)})" if recorded is not None else "(read from the file)"
+    source = (
+        f"(recorded in {stats_path(indexed.prefix)})"
+        if recorded is not None
+        else "(read from the file)"
+    )
     for bad in (high, low):
         if not 0 <= bad < vocab_size:
             raise ValueError(
-                f"tpcore: {indexed.prefix}.bin holds token id {bad} {source}, outside the tokenizer's vocabulary of {vocab_size}; "
-                "was it preprocessed with another tokenizer?"
+                f"tpcore: {indexed.prefix}.bin holds token id {bad} {source}, outside the "
+                f"tokenizer's vocabulary of {vocab_size}; was it preprocessed with "
+                "another tokenizer?"
             )
 
 
 class _Batches:
     """This DP rank's micro batches `[micro, seq + 1]` of a GPTDataset."""
 
-    def __init__(self, dataset: GPTDataset, args: TrainArgs, global_batch: int, dp_rank: int, dp_size: int, device) -> None:
+    def __init__(
+        self,
+        dataset: GPTDataset,
+        args: TrainArgs,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        device,
+    ) -> None:
         self.dataset, self.device = dataset, device
-        self.layout = dict(global_batch_size=global_batch, micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        self.layout = dict(
+            global_batch_size=global_batch,
+            micro_batch_size=args.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
         self.accumulation = global_batch // (args.micro_batch_size * dp_size)
 
     def __call__(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.stack([self.dataset[i] for i in micro_batch_indices(step, micro_step, **self.layout)]).to(self.device)
+        rows = torch.stack(
+            [self.dataset[i] for i in micro_batch_indices(step, micro_step, **self.layout)]
+        ).to(self.device)
         return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
 
 
@@ -141,7 +177,11 @@ class _Training:
 
     def __init__(self, args: TrainArgs) -> None:
         self.args = args
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        device = (
+            ("cuda" if torch.cuda.is_available() else "cpu")
+            if args.device == "auto"
+            else args.device
+        )
         self.device = device
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         init_distributed(device, timeout.total_seconds())
@@ -150,18 +190,41 @@ class _Training:
         check_same_arguments(args)
         # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
         self.resume_from = _resume_point(args)
-        pp, self.chunks_per_rank, self.schedule = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, args.schedule
+        pp, self.chunks_per_rank, self.schedule = (
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size or 1,
+            args.schedule,
+        )
         if not parallel_state.is_initialized():
-            parallel_state.initialize_model_parallel(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp, timeout=timeout)
-        self.tp_group, self.dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+            parallel_state.initialize_model_parallel(
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=pp,
+                timeout=timeout,
+            )
+        self.tp_group, self.dp_group = (
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_data_parallel_group(),
+        )
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dp, dp_rank, self.rank0 = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group), dist.get_rank() == 0
+        dp, dp_rank, self.rank0 = (
+            dist.get_world_size(self.dp_group),
+            dist.get_rank(self.dp_group),
+            dist.get_rank() == 0,
+        )
         self.global_batch = global_batch = args.global_batch_size or args.micro_batch_size * dp
         if global_batch % (args.micro_batch_size * dp):
-            raise ValueError(f"tpcore: --global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
-        check_schedule(self.schedule, pp, global_batch // (args.micro_batch_size * dp), self.chunks_per_rank)  # the micro-batch count fits
+            raise ValueError(
+                f"tpcore: --global-batch-size {global_batch} is not divisible by "
+                f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}"
+            )
+        check_schedule(
+            self.schedule, pp, global_batch // (args.micro_batch_size * dp), self.chunks_per_rank
+        )  # the micro-batch count fits
         if args.data_path is None:
-            raise ValueError("tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by tpcore-preprocess)")
+            raise ValueError(
+                "tpcore: --data-path is required (the PREFIX of PREFIX.bin/PREFIX.idx made by "
+                "tpcore-preprocess)"
+            )
 
         self.tokenizer = load_tokenizer(args.tokenizer)
         config = self.config = args.model_config(self.tokenizer.vocab_size)
@@ -170,82 +233,187 @@ class _Training:
         config.check_tp(dist.get_world_size(self.tp_group))
         indexed = IndexedDataset(args.data_path)
         _check_tokens(indexed, self.tokenizer.vocab_size, device)
-        common = dict(valid_fraction=args.valid_fraction, seed=args.seed, cache_dir=args.data_cache_path)
-        train_data = GPTDataset(indexed, args.seq_length, args.train_iters * global_batch, split="train", **common)
-        valid_data = GPTDataset(indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common) if args.eval_iters else None
+        common = dict(
+            valid_fraction=args.valid_fraction, seed=args.seed, cache_dir=args.data_cache_path
+        )
+        train_data = GPTDataset(
+            indexed, args.seq_length, args.train_iters * global_batch, split="train", **common
+        )
+        valid_data = (
+            GPTDataset(
+                indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common
+            )
+            if args.eval_iters
+            else None
+        )
         self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
-        self.valid_batches = _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+        self.valid_batches = (
+            _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+        )
 
         self.dtype, self.autocast_dtype = precision(args)
         if args.save_hf:  # another model's files there would be left beside the export
             check_save_hf_folder(args, device)
-        for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir), ("--save-hf", args.save_hf)):
-            if folder:  # a read-only folder or a file in the way fails now, on every rank, not at the first save
+        for flag, folder in (
+            ("--save", args.save),
+            ("--log-dir", args.log_dir),
+            ("--save-hf", args.save_hf),
+        ):
+            # a read-only folder or a file in the way fails now, on every rank, not at the
+            # first save
+            if folder:
                 check_output_folder(folder, flag, device)
-        self.run_id = random_id(device)  # recorded in every checkpoint of this run and in each of its shards
-        torch.manual_seed(args.seed)  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
+        self.run_id = random_id(
+            device
+        )  # recorded in every checkpoint of this run and in each of its shards
+        torch.manual_seed(
+            args.seed
+        )  # one seed for the model: each rank draws only its shards, TP- and PP-size invariant
         self.chunks = build_gpt_stages(
-            config, num_model_chunks=self.chunks_per_rank, layers_per_stage=args.stage_layers(), tp_group=self.tp_group, pp_group=self.pp_group,
-            dtype=self.dtype, device=device, _init=self.resume_from is None and not args.load_hf,
+            config,
+            num_model_chunks=self.chunks_per_rank,
+            layers_per_stage=args.stage_layers(),
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            dtype=self.dtype,
+            device=device,
+            _init=self.resume_from is None and not args.load_hf,
         )
         if args.load_hf and self.resume_from is None:  # before the optimizer takes its fp32 copies
             load_initial_hf_weights(self.chunks, args.load_hf, device)
         sync_tied_embeddings(self.chunks)
         model_parallel_manual_seed(args.seed, self.tp_group)
-        scaler = LossScaler(args.initial_loss_scale, args.loss_scale_window) if torch.float16 in (self.dtype, self.autocast_dtype) else None
+        scaler = (
+            LossScaler(args.initial_loss_scale, args.loss_scale_window)
+            if torch.float16 in (self.dtype, self.autocast_dtype)
+            else None
+        )
         self.optimizer, self.grads = make_optimizer(
-            self.chunks, args.data_parallel_options(), tp_group=self.tp_group, dp_group=self.dp_group, pp_group=self.pp_group,
-            lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, loss_scaler=scaler,
+            self.chunks,
+            args.data_parallel_options(),
+            tp_group=self.tp_group,
+            dp_group=self.dp_group,
+            pp_group=self.pp_group,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            loss_scaler=scaler,
         )
         self.realtime_threads = 0
-        if args.realtime_comm_threads:  # after every group (and its gloo threads) exists; every rank learns if one failed
-            self.realtime_threads = len(all_or_none(prioritize_communication_threads, "giving gloo's threads real-time priority "
-                                                    "(--realtime-comm-threads)", device, error_type=TrainingError))
+        if (
+            args.realtime_comm_threads
+        ):  # after every group (and its gloo threads) exists; every rank learns if one failed
+            self.realtime_threads = len(
+                all_or_none(
+                    prioritize_communication_threads,
+                    "giving gloo's threads real-time priority (--realtime-comm-threads)",
+                    device,
+                    error_type=TrainingError,
+                )
+            )
         self.start = 0
         if self.resume_from:
             self._resume()
         self.log_dir = args.log_dir or args.save
         # Rank 0 alone makes the log folder and files: every rank learns if that failed.
         self.logger = all_or_none(
-            lambda: MetricsLogger(active=self.rank0, log_dir=self.log_dir, total_iters=args.train_iters, start_iter=self.start,
-                                  log_interval=args.log_interval, progress=args.progress),
-            f"opening the metrics files in {self.log_dir}", device, error_type=TrainingError,
+            lambda: MetricsLogger(
+                active=self.rank0,
+                log_dir=self.log_dir,
+                total_iters=args.train_iters,
+                start_iter=self.start,
+                log_interval=args.log_interval,
+                progress=args.progress,
+            ),
+            f"opening the metrics files in {self.log_dir}",
+            device,
+            error_type=TrainingError,
         )
-        self.shape = activation_shape(config, args.micro_batch_size, args.seq_length, dist.get_world_size(self.tp_group))
+        self.shape = activation_shape(
+            config, args.micro_batch_size, args.seq_length, dist.get_world_size(self.tp_group)
+        )
         self._banner(dp)
 
     def _resume(self) -> None:
         args = self.args
         with phase(f"loading checkpoint {self.resume_from}", args.distributed_timeout_minutes):
-            meta = load_checkpoint(self.resume_from, self.chunks, self.optimizer, tp_group=self.tp_group, pp_group=self.pp_group,
-                                   verify=args.verify_checkpoint)
+            meta = load_checkpoint(
+                self.resume_from,
+                self.chunks,
+                self.optimizer,
+                tp_group=self.tp_group,
+                pp_group=self.pp_group,
+                verify=args.verify_checkpoint,
+            )
         self.start = meta["iteration"]
         # The data position is step x global batch: another global batch would silently skip
         # or repeat samples. Every rank read the same metadata, so all raise alike.
-        if meta.get("consumed_samples", self.start * self.global_batch) != self.start * self.global_batch:
+        if (
+            meta.get("consumed_samples", self.start * self.global_batch)
+            != self.start * self.global_batch
+        ):
             raise ValueError(
-                f"tpcore: the checkpoint consumed {meta['consumed_samples']} samples in {self.start} steps "
-                f"(global batch {meta['consumed_samples'] // max(self.start, 1)}); resume with that --global-batch-size, not {self.global_batch}"
+                f"tpcore: the checkpoint consumed {meta['consumed_samples']} samples in "
+                f"{self.start} steps (global batch "
+                f"{meta['consumed_samples'] // max(self.start, 1)}); resume with that "
+                f"--global-batch-size, not {self.global_batch}"
             )
 
     def _banner(self, dp: int) -> None:
         args, pp = self.args, self.args.pipeline_model_parallel_size
-        no_latest = self.resume_from is not None and os.path.realpath(self.resume_from) != os.path.realpath(args.load) and read_latest(args.load) is None
+        no_latest = (
+            self.resume_from is not None
+            and os.path.realpath(self.resume_from) != os.path.realpath(args.load)
+            and read_latest(args.load) is None
+        )
         params = sum(p.numel() for p in ReferenceGPT(self.config, device="meta").parameters())
         options = args.data_parallel_options()
-        dp_text = "".join(f" +{flag}" for flag, on in (("distributed-optimizer", options.use_distributed_optimizer),
-                                                        ("overlap-grad-reduce", options.overlap_grad_reduce),
-                                                        ("overlap-param-gather", options.overlap_param_gather)) if on)
-        if args.realtime_comm_threads:  # what it reached: gloo threads exist only where a group runs on gloo
-            dp_text += f" +realtime-comm-threads ({self.realtime_threads} gloo threads; DP on {dist.get_backend(self.dp_group)})"
+        dp_text = "".join(
+            f" +{flag}"
+            for flag, on in (
+                ("distributed-optimizer", options.use_distributed_optimizer),
+                ("overlap-grad-reduce", options.overlap_grad_reduce),
+                ("overlap-param-gather", options.overlap_param_gather),
+            )
+            if on
+        )
+        if (
+            args.realtime_comm_threads
+        ):  # what it reached: gloo threads exist only where a group runs on gloo
+            dp_text += (
+                f" +realtime-comm-threads ({self.realtime_threads} gloo threads; DP on "
+                f"{dist.get_backend(self.dp_group)})"
+            )
         self.logger.print(
-            f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP {dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
-            + (f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | " if pp > 1 else " | ")
-            + f"{self.device} {str(self.dtype).removeprefix('torch.')}{' autocast ' + args.autocast if self.autocast_dtype else ''} | "
-            + f"global batch {self.global_batch} = micro {args.micro_batch_size} x DP {dp} x accumulation {self.train_batches.accumulation} | "
-            + (f"resumed from {self.resume_from} at iteration {self.start}" if self.resume_from
-               else f"from the Hugging Face model {args.load_hf}" if args.load_hf else "from scratch")
-            + (f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)" if no_latest else "")
+            f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP "
+            f"{dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
+            + (
+                f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | "
+                if pp > 1
+                else " | "
+            )
+            + (
+                f"{self.device} "
+                f"{str(self.dtype).removeprefix('torch.')}"
+                f"{' autocast ' + args.autocast if self.autocast_dtype else ''} | "
+            )
+            + (
+                f"global batch {self.global_batch} = micro {args.micro_batch_size} x DP {dp} x "
+                f"accumulation {self.train_batches.accumulation} | "
+            )
+            + (
+                f"resumed from {self.resume_from} at iteration {self.start}"
+                if self.resume_from
+                else f"from the Hugging Face model {args.load_hf}"
+                if args.load_hf
+                else "from scratch"
+            )
+            + (
+                f" (no 'latest' file in --load {args.load}: its newest complete checkpoint)"
+                if no_latest
+                else ""
+            )
         )
 
     def run_pipeline(self, batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
@@ -255,27 +423,56 @@ class _Training:
         if self.grads is not None and not forward_only:
             self.grads.start_step(batches.accumulation)
         return forward_backward(
-            gpt_forward_step(self.chunks, micro_batches, tensor_shape=self.shape, autocast_dtype=self.autocast_dtype),
-            num_micro_batches=batches.accumulation, tensor_shape=self.shape, dtype=self.dtype, device=self.device, schedule=self.schedule,
-            num_model_chunks=self.chunks_per_rank, group=self.pp_group, forward_only=forward_only, loss_scale=self.optimizer.loss_scale,
+            gpt_forward_step(
+                self.chunks,
+                micro_batches,
+                tensor_shape=self.shape,
+                autocast_dtype=self.autocast_dtype,
+            ),
+            num_micro_batches=batches.accumulation,
+            tensor_shape=self.shape,
+            dtype=self.dtype,
+            device=self.device,
+            schedule=self.schedule,
+            num_model_chunks=self.chunks_per_rank,
+            group=self.pp_group,
+            forward_only=forward_only,
+            loss_scale=self.optimizer.loss_scale,
         ).cpu()
 
     def step(self, iteration: int, skips: SkippedStepGuard) -> tuple[dict, bool, float]:
-        """Train step `iteration` (0-based): (metrics, skipped, whether a skip is explained by the loss scale)."""
+        """Train step `iteration` (0-based): (metrics, skipped, whether a skip is explained by
+        the loss scale)."""
         args = self.args
         with StepTimer(self.device == "cuda") as timer:
             step_loss = self.run_pipeline(self.train_batches, iteration, forward_only=False)
             if self.grads is not None:
-                self.grads.finish_grad_sync()  # DP (bucket by bucket), sequence-parallel and tied-embedding sums
+                # DP (bucket by bucket), sequence-parallel and tied-embedding sums
+                self.grads.finish_grad_sync()
             else:
-                finalize_model_grads(self.chunks, tp_group=self.tp_group)  # sequence-parallel and tied-embedding gradients
-            lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                               decay_iters=args.lr_decay_iters or args.train_iters, style=args.lr_decay_style)
+                finalize_model_grads(
+                    self.chunks, tp_group=self.tp_group
+                )  # sequence-parallel and tied-embedding gradients
+            lr = learning_rate(
+                iteration,
+                lr=args.lr,
+                min_lr=args.min_lr,
+                warmup_iters=args.lr_warmup_iters,
+                decay_iters=args.lr_decay_iters or args.train_iters,
+                style=args.lr_decay_style,
+            )
             explained = skips.scale_can_drop()
             grad_norm, skipped = self.optimizer.step(lr, args.clip_grad)
             loss = _dp_mean(step_loss, self.dp_group, self.device)
-        metrics = dict(loss=loss, lr=lr, grad_norm=grad_norm, loss_scale=self.optimizer.loss_scale, skipped=float(skipped),
-                       tokens_per_s=self.global_batch * args.seq_length / timer.seconds, step_ms=1000 * timer.seconds)
+        metrics = dict(
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            loss_scale=self.optimizer.loss_scale,
+            skipped=float(skipped),
+            tokens_per_s=self.global_batch * args.seq_length / timer.seconds,
+            step_ms=1000 * timer.seconds,
+        )
         return metrics, skipped, explained
 
     def evaluate(self) -> float:
@@ -292,10 +489,22 @@ class _Training:
     def save(self, iteration: int) -> None:
         args = self.args
         path = save_checkpoint(
-            args.save, iteration, self.chunks, self.optimizer, consumed_samples=iteration * self.global_batch, tp_group=self.tp_group,
-            dp_group=self.dp_group, pp_group=self.pp_group, run_id=self.run_id,
-            extra={"args": dataclasses.asdict(args), "tokenizer": args.tokenizer if args.tokenizer == "byte" else os.path.abspath(args.tokenizer),
-                   "hf_config": read_hf_config(args.load_hf) if args.load_hf else None},
+            args.save,
+            iteration,
+            self.chunks,
+            self.optimizer,
+            consumed_samples=iteration * self.global_batch,
+            tp_group=self.tp_group,
+            dp_group=self.dp_group,
+            pp_group=self.pp_group,
+            run_id=self.run_id,
+            extra={
+                "args": dataclasses.asdict(args),
+                "tokenizer": args.tokenizer
+                if args.tokenizer == "byte"
+                else os.path.abspath(args.tokenizer),
+                "hf_config": read_hf_config(args.load_hf) if args.load_hf else None,
+            },
         )
         self.logger.print(f"tpcore: saved checkpoint {path}")
 
@@ -303,20 +512,48 @@ class _Training:
         """Close the logs, plot the loss curve, sample when asked."""
         args = self.args
         self.logger.close()
-        if self.rank0 and self.log_dir and self.logger.csv_path and os.path.isfile(self.logger.csv_path):
+        if (
+            self.rank0
+            and self.log_dir
+            and self.logger.csv_path
+            and os.path.isfile(self.logger.csv_path)
+        ):
             png = os.path.join(self.log_dir, "loss_curve.png")
-            self.logger.print(f"tpcore: loss curve {png}" if plot_loss_curve(self.logger.csv_path, png) else "tpcore: no loss-curve PNG (matplotlib is not installed)")
+            self.logger.print(
+                f"tpcore: loss curve {png}"
+                if plot_loss_curve(self.logger.csv_path, png)
+                else "tpcore: no loss-curve PNG (matplotlib is not installed)"
+            )
         self.optimizer.finish_param_sync()  # the last step's parameter gathers
         if args.save_hf:
-            with phase(f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes):
-                folder = save_hf(self.chunks, args, self.tokenizer, pp_group=self.pp_group, dp_group=self.dp_group)
+            with phase(
+                f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes
+            ):
+                folder = save_hf(
+                    self.chunks,
+                    args,
+                    self.tokenizer,
+                    pp_group=self.pp_group,
+                    dp_group=self.dp_group,
+                )
                 self.logger.print(f"tpcore: exported the Hugging Face model {folder}")
-        # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and samples alone.
-        model = gather_model_on_first_stage(self.chunks, pp_group=self.pp_group) if args.sample_tokens else None
+        # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and
+        # samples alone.
+        model = (
+            gather_model_on_first_stage(self.chunks, pp_group=self.pp_group)
+            if args.sample_tokens
+            else None
+        )
         if model is not None:
-            prompt = torch.tensor([self.tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=self.device)
-            out = generate(model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=self.tokenizer.eod)
-            self.logger.print("tpcore: sample (top-k 8):\n" + self.tokenizer.decode(out[0].tolist()))
+            prompt = torch.tensor(
+                [self.tokenizer.encode(args.sample_prompt)], dtype=torch.long, device=self.device
+            )
+            out = generate(
+                model, prompt, args.sample_tokens, top_k=8, seed=args.seed, eod=self.tokenizer.eod
+            )
+            self.logger.print(
+                "tpcore: sample (top-k 8):\n" + self.tokenizer.decode(out[0].tolist())
+            )
 
 
 def pretrain(args: TrainArgs) -> dict:
@@ -330,17 +567,24 @@ def pretrain(args: TrainArgs) -> dict:
     minutes = args.distributed_timeout_minutes
     skips = SkippedStepGuard(args.max_skipped_steps, run.optimizer.scaler)
     while iteration < args.train_iters:
-        with phase(f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)", minutes):
+        with phase(
+            f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)",
+            minutes,
+        ):
             metrics, skipped, explained = run.step(iteration, skips)
         loss = metrics["loss"]
         iteration += 1
-        stop = iteration == args.train_iters or (args.exit_interval is not None and iteration - run.start >= args.exit_interval)
+        stop = iteration == args.train_iters or (
+            args.exit_interval is not None and iteration - run.start >= args.exit_interval
+        )
         if run.valid_batches and (iteration % args.eval_interval == 0 or stop):
             with phase(f"evaluation after step {iteration}", minutes):
                 metrics["valid_loss"] = valid_loss = run.evaluate()
             run.logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
         run.logger.record(iteration, **metrics)
-        skips.update(iteration, skipped, explained, loss)  # raises on every rank alike, before any save of this step
+        skips.update(
+            iteration, skipped, explained, loss
+        )  # raises on every rank alike, before any save of this step
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or stop):
             with phase(f"saving the checkpoint of step {iteration}", minutes):
                 run.save(iteration)
