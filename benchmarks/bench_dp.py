@@ -86,14 +86,14 @@ def _case(rank, world, store, args, case, dtype_name, backend, measure, threads,
 
     import tpcore
     from tpcore.models import GPTConfig
+    from tpcore.optimizer import parallel_adamw as optimizer_module
+    from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
     from tpcore.pipeline_parallel import (
         activation_shape,
         build_gpt_stages,
         forward_backward,
         gpt_forward_step,
     )
-    from tpcore.train import optimizer as optimizer_module
-    from tpcore.train.optimizer_setup import DataParallelOptions, make_optimizer
 
     torch.set_num_threads(1)
     dist.init_process_group(

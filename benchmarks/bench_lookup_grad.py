@@ -43,8 +43,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     import tpcore
     from tpcore import parallel_state
+    from tpcore.distributed.sparse_rows import add_token_rows
     from tpcore.tensor_parallel import VocabParallelEmbedding, gradient_sink
-    from tpcore.train.sparse_rows import add_token_rows
 
     tpcore.initialize_model_parallel(1)
     group = parallel_state.get_tensor_model_parallel_group()

@@ -43,14 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import init_ranks, run_on_ranks  # noqa: E402
 
 import tpcore  # noqa: E402
+from tpcore.checkpoint import load as checkpoint
+from tpcore.checkpoint.load import read_metadata  # noqa: E402
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT  # noqa: E402
 from tpcore.tensor_parallel.shard_spec import merge, shard  # noqa: E402
-from tpcore.train import (  # noqa: E402
-    checkpoint,  # noqa: E402
-    load_checkpoint,
-    save_checkpoint,
-)
-from tpcore.train.checkpoint import read_metadata  # noqa: E402
+from tpcore.train import load_checkpoint, save_checkpoint
 
 DTYPE = torch.bfloat16
 TINY = GPTConfig(

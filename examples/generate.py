@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 import tpcore
+from tpcore.checkpoint.load import read_metadata
 from tpcore.data import load_tokenizer
 from tpcore.models import GPTConfig, GPTModel, generate
 from tpcore.train import init_distributed, load_checkpoint, load_dense_gpt, require_checkpoint
-from tpcore.train.checkpoint import read_metadata
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import tpcore
 from checks import GPT_VARIANTS, GQA_VARIANTS, assert_close
 from tpcore import parallel_state
+from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
 from tpcore.pipeline_parallel import (
     activation_shape,
     build_gpt_stages,
@@ -23,7 +24,6 @@ from tpcore.pipeline_parallel import (
     sync_tied_embeddings,
 )
 from tpcore.train import LossScaler
-from tpcore.train.optimizer_setup import DataParallelOptions, make_optimizer
 from train_checks import BETAS, EPS, WD
 
 MICRO, SEQ = 2, 8

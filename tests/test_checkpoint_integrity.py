@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from checks import GPT_VARIANTS, setup_tp
+from tpcore.checkpoint import integrity as checkpoint_integrity
+from tpcore.checkpoint.index import read_metadata
 from tpcore.models import GPTModel
 from tpcore.train import (
     CheckpointError,
-    checkpoint_integrity,
     convert,
     find_checkpoint,
     load_checkpoint,
     load_dense_state_dict,
     save_checkpoint,
 )
-from tpcore.train.checkpoint_index import read_metadata
 from train_checks import make_adamw, tp_dp_groups
 
 CONFIG = GPT_VARIANTS["llama"]

@@ -25,6 +25,7 @@ from checks import (
     slice_piece,
 )
 from tpcore import parallel_state
+from tpcore.checkpoint import load as checkpoint
 from tpcore.pipeline_parallel import (
     activation_shape,
     build_gpt_stages,
@@ -37,7 +38,6 @@ from tpcore.pipeline_parallel import (
 from tpcore.train import (
     CheckpointError,
     ParallelAdamW,
-    checkpoint,
     load_checkpoint,
     load_dense_state_dict,
     save_checkpoint,

@@ -23,11 +23,11 @@ from checks import (
     slice_piece,
 )
 from tpcore import parallel_state
+from tpcore.checkpoint import load as checkpoint
 from tpcore.models import GPTModel
 from tpcore.train import (
     CheckpointError,
     ParallelAdamW,
-    checkpoint,
     load_checkpoint,
     load_dense_state_dict,
     save_checkpoint,
@@ -229,7 +229,7 @@ def _record_checksum(directory: str, name: str) -> None:
     """Make the metadata record the file's current size and CRC-32 (as a buggy writer would)."""
     import json
 
-    from tpcore.train.checkpoint_integrity import file_checksum
+    from tpcore.checkpoint.integrity import file_checksum
 
     with open(os.path.join(directory, "metadata.json")) as f:
         meta = json.load(f)

@@ -11,9 +11,9 @@ import torch
 import tpcore
 from checks import assert_close
 from tpcore import parallel_state
+from tpcore.distributed import sparse_rows
+from tpcore.distributed.sparse_rows import add_token_rows
 from tpcore.tensor_parallel import VocabParallelEmbedding, gradient_sink
-from tpcore.train import sparse_rows
-from tpcore.train.sparse_rows import add_token_rows
 
 VOCAB, DIM, SEQ, BATCH = 40, 6, 8, 3
 

@@ -16,6 +16,7 @@ from checks import GPT_VARIANTS as VARIANTS
 from checks import GQA_VARIANTS, assert_close, gpt_rule, slice_piece
 from tpcore import parallel_state
 from tpcore.models import ReferenceGPT
+from tpcore.optimizer.parallel_adamw import average_data_parallel_grads
 from tpcore.pipeline_parallel import (
     PipelineStats,
     activation_shape,
@@ -28,7 +29,6 @@ from tpcore.pipeline_parallel import (
     tied_embedding_copies,
 )
 from tpcore.train import ParallelAdamW
-from tpcore.train.optimizer import average_data_parallel_grads
 
 MICRO, SEQ = 2, 8
 

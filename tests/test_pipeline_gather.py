@@ -15,7 +15,7 @@ from checks import GPT_VARIANTS
 from tpcore import parallel_state
 from tpcore.models import ReferenceGPT, generate
 from tpcore.pipeline_parallel import build_gpt_stages
-from tpcore.train.sampling import gather_model_on_first_stage
+from tpcore.pipeline_parallel.gather import gather_model_on_first_stage
 
 
 def _gather(rank, world, tp, pp, v):

@@ -33,10 +33,10 @@ from dp_checks import (
     setup,
 )
 from launch import warm_context
+from tpcore.distributed.data_parallel import DataParallelGrads
 from tpcore.models import GPTModel, ReferenceGPT
-from tpcore.train.data_parallel import DataParallelGrads
-from tpcore.train.distributed_optimizer import DistributedAdamW
-from tpcore.train.optimizer_setup import DataParallelOptions
+from tpcore.optimizer.distributed_adamw import DistributedAdamW
+from tpcore.optimizer.setup import DataParallelOptions
 from train_checks import BETAS, EPS, WD
 
 CLIP = 0.05

@@ -29,11 +29,11 @@ from dp_checks import (
     setup,
     step_alike,
 )
+from tpcore.distributed import data_parallel, sparse_rows
+from tpcore.distributed.data_parallel import DataParallelGrads
+from tpcore.distributed.sparse_rows import GatheredRows, RowUnion, sum_touched_rows
 from tpcore.models import GPTModel
 from tpcore.tensor_parallel import gradient_sink
-from tpcore.train import data_parallel, sparse_rows
-from tpcore.train.data_parallel import DataParallelGrads
-from tpcore.train.sparse_rows import GatheredRows, RowUnion, sum_touched_rows
 
 CLIP = 0.05
 

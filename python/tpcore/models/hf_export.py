@@ -347,7 +347,7 @@ def export_hf(
         is_initialized,
     )
     from ..pipeline_parallel import duplicate_parameter_names, p2p
-    from ..train.layout import current_layout
+    from ..pipeline_parallel.layout import current_layout
 
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
     first = chunks[0]

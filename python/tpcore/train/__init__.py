@@ -1,7 +1,6 @@
 """GPT pretraining: arguments, the training loop, checkpoints, metrics (`tpcore.train`)."""
 
-from .arguments import TrainArgs, load_config_file, parse_args
-from .checkpoint import (
+from ..checkpoint.load import (
     CheckpointError,
     find_checkpoint,
     load_checkpoint,
@@ -9,15 +8,21 @@ from .checkpoint import (
     require_checkpoint,
     save_checkpoint,
 )
+from ..distributed.data_parallel import DataParallelGrads
+from ..optimizer.distributed_adamw import DistributedAdamW
+from ..optimizer.parallel_adamw import (
+    LossScaler,
+    ParallelAdamW,
+    average_data_parallel_grads,
+    grad_norm,
+)
+from ..optimizer.setup import DataParallelOptions, make_optimizer
+from ..pipeline_parallel.gather import gather_model_on_first_stage
+from .arguments import TrainArgs, load_config_file, parse_args
 from .convert import export_safetensors, load_dense_gpt
-from .data_parallel import DataParallelGrads
-from .distributed_optimizer import DistributedAdamW
 from .errors import TrainingError
 from .logger import MetricsLogger, plot_loss_curve, read_metrics
-from .optimizer import LossScaler, ParallelAdamW, average_data_parallel_grads, grad_norm
-from .optimizer_setup import DataParallelOptions, make_optimizer
-from .sampling import gather_model_on_first_stage
-from .schedule import learning_rate
+from .lr_schedule import learning_rate
 from .startup import report_startup_error
 from .trainer import init_distributed, pretrain
 

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..models import GPTConfig
+from ..optimizer.setup import DataParallelOptions
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
 from .hf_bridge import (
@@ -23,7 +24,6 @@ from .hf_bridge import (
     check_save_hf_paths,
     hf_model_config,
 )
-from .optimizer_setup import DataParallelOptions
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
 

@@ -16,14 +16,14 @@ import os
 
 import torch
 
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.index import read_metadata, require_checkpoint
+from ..checkpoint.load import saved_specs, shard_files, shard_opener
 from ..data.tokenizer import load_tokenizer
 from ..models import GPTConfig, ReferenceGPT
 from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, check_export_folder, write_hf_folder
-from .checkpoint import _opener, _shard_files, saved_specs
-from .checkpoint_index import read_metadata, require_checkpoint
-from .errors import CheckpointError
+from ..pipeline_parallel.layout import ParallelLayout
 from .hf_bridge import _same_folder
-from .layout import ParallelLayout
 
 __all__ = ["checkpoint_to_hf"]
 
@@ -87,8 +87,8 @@ def checkpoint_to_hf(
     check_export_folder(
         out_dir, tokenizer
     )  # before the shards are read: other files there would be left beside the model
-    files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
-    open_shard = _opener(meta, files, verify)
+    files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
+    open_shard = shard_opener(meta, files, verify)
     names = list(ReferenceGPT(config, device="meta").state_dict())
     for key in sorted(files, key=lambda k: (k[1], k[0])):  # every file checked before any is used
         open_shard(key).check_names(saved.names_on(key[1], names))

@@ -23,9 +23,14 @@ import sys
 import torch
 
 from .._atomic import atomic_output
+from ..checkpoint.integrity import describe_os_error
+from ..checkpoint.load import (
+    CheckpointError,
+    load_dense_state_dict,
+    read_metadata,
+    require_checkpoint,
+)
 from ..models import GPTConfig, ReferenceGPT
-from .checkpoint import CheckpointError, load_dense_state_dict, read_metadata, require_checkpoint
-from .checkpoint_integrity import describe_os_error
 
 __all__ = ["export_safetensors", "load_dense_gpt", "main", "FORMAT"]
 

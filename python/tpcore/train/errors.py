@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from ..checkpoint.errors import CheckpointError
+
 __all__ = ["CheckpointError", "TrainingError"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
 
 class TrainingError(RuntimeError):

@@ -10,10 +10,11 @@ from typing import Iterator
 
 import torch
 
-from .agreement import all_or_none
-from .checkpoint_integrity import describe_os_error
-from .errors import CheckpointError, TrainingError
-from .optimizer import LossScaler
+from ..agreement import all_or_none
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.integrity import describe_os_error
+from ..optimizer.parallel_adamw import LossScaler
+from .errors import TrainingError
 
 __all__ = ["phase", "SkippedStepGuard", "check_output_folder"]
 

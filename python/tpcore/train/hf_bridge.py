@@ -172,8 +172,8 @@ def check_save_hf_folder(args, device: torch.device | str) -> None:
     files the export would not replace; every rank raises if not."""
     import torch.distributed as dist
 
+    from ..agreement import all_or_none
     from ..models.hf_export import check_export_folder
-    from .agreement import all_or_none
 
     def check() -> None:
         if dist.get_rank() == 0:
@@ -205,8 +205,8 @@ def check_tokenizer_fits(tokenizer, config: GPTConfig, path: str) -> None:
 
 def load_initial_hf_weights(chunks: Sequence, path: str, device) -> None:
     """Fill this rank's chunks from the folder; every rank raises if any rank failed."""
+    from ..agreement import all_or_none
     from ..models import load_hf_weights
-    from .agreement import all_or_none
 
     all_or_none(
         lambda: load_hf_weights(chunks, path),

@@ -9,7 +9,7 @@ import sys
 import time
 
 from .._atomic import atomic_output
-from .checkpoint_integrity import describe_os_error
+from ..checkpoint.integrity import describe_os_error
 
 __all__ = ["MetricsLogger", "read_metrics", "plot_loss_curve"]
 

@@ -12,12 +12,19 @@ import torch.distributed as dist
 
 from .. import parallel_state
 from .._validation import check_cuda_device
+from ..agreement import all_or_none
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.index import read_latest
+from ..checkpoint.integrity import random_id
+from ..checkpoint.load import find_checkpoint, load_checkpoint, save_checkpoint
 from ..comm_threads import prioritize_communication_threads
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..models import ReferenceGPT
 from ..models.generate import generate
 from ..models.hf_config import read_hf_config
+from ..optimizer.parallel_adamw import LossScaler
+from ..optimizer.setup import make_optimizer
 from ..pipeline_parallel import (
     activation_shape,
     build_gpt_stages,
@@ -27,20 +34,15 @@ from ..pipeline_parallel import (
     gpt_forward_step,
     sync_tied_embeddings,
 )
+from ..pipeline_parallel.gather import gather_model_on_first_stage
 from ..tensor_parallel.random import model_parallel_manual_seed
-from .agreement import all_or_none, check_same_arguments
 from .arguments import TrainArgs
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from .checkpoint_index import read_latest
-from .checkpoint_integrity import random_id
-from .errors import CheckpointError, TrainingError
+from .errors import TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
 from .hf_bridge import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
-from .optimizer import LossScaler
-from .optimizer_setup import make_optimizer
-from .sampling import gather_model_on_first_stage
-from .schedule import learning_rate
+from .lr_schedule import learning_rate
+from .same_arguments import check_same_arguments
 
 __all__ = ["pretrain", "init_distributed", "precision"]
 

@@ -1,6 +1,6 @@
-"""Saving a GPT checkpoint (see `checkpoint` for the layout): each (TP, PP) rank's model
+"""Saving a GPT checkpoint (see `load` for the layout): each (TP, PP) rank's model
 shard written by its DP rank 0, the distributed optimizer's slices by every DP rank
-(`checkpoint_optimizer`), each rank's RNG states, then the metadata and `latest`, atomically."""
+(`optimizer_slices`), each rank's RNG states, then the metadata and `latest`, atomically."""
 
 from __future__ import annotations
 
@@ -15,21 +15,21 @@ import torch.distributed as dist
 from torch import nn
 
 from .._atomic import atomic_output
+from ..agreement import all_or_none
 from ..pipeline_parallel import duplicate_parameter_names
+from ..pipeline_parallel.layout import current_layout, model_chunks
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker
 from ..tensor_parallel.shard_spec import shard_spec
-from .agreement import all_or_none
-from .checkpoint_index import FORMAT, VERSION, model_file, rng_file
-from .checkpoint_integrity import (
+from .errors import CheckpointError
+from .index import FORMAT, VERSION, model_file, rng_file
+from .integrity import (
     describe_os_error,
     random_id,
     save_checked,
     shard_identity,
     write_text_checked,
 )
-from .checkpoint_optimizer import is_sharded, optimizer_file, sharded_payload
-from .errors import CheckpointError
-from .layout import current_layout, model_chunks
+from .optimizer_slices import is_sharded, optimizer_file, sharded_payload
 
 __all__ = ["save_checkpoint"]
 
@@ -217,7 +217,9 @@ def save_checkpoint(
             ("writing", write_files),
             ("publishing", publish),
         ):
-            all_or_none(phase, f"saving checkpoint {final}: {what}", device)
+            all_or_none(
+                phase, f"saving checkpoint {final}: {what}", device, error_type=CheckpointError
+            )
     except Exception:
         if rank == 0:  # what this save wrote goes; the previous checkpoint and `latest` stay
             shutil.rmtree(tmp, ignore_errors=True)

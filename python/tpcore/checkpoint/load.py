@@ -9,7 +9,7 @@ Layout of a save directory (a shared file system when ranks span machines):
       model_tp00_pp00.pt      {"model": the parameters of TP rank 0 on pipeline rank 0 (all
                               its model chunks, full-model names), "optimizer": their AdamW state}
       optim_tp00_pp00_dp000.pt  with the distributed optimizer: the AdamW state slices of
-                              DP rank 0 (each DP rank writes its own; `checkpoint_optimizer`)
+                              DP rank 0 (each DP rank writes its own; `optimizer_slices`)
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
 A tied word embedding is stored once, in the first stage's files; the last stage's copy is
@@ -23,9 +23,9 @@ shard specs), memory-maps them one at a time and copies into its parameters and 
 only the shared index ranges (`shard_spec.copy_overlap`): no rank builds a full tensor or
 reads more of a file than it needs.
 Formats 1 (TP only, `model_tpRR.pt`), 2 (no checksums, no shard identity) and 3 (no
-distributed-optimizer files) are still read. Saving lives in `checkpoint_save`.
+distributed-optimizer files) are still read. Saving lives in `save`.
 
-Integrity (format 3, `checkpoint_integrity`): metadata.json records every file's size and
+Integrity (format 3, `integrity`): metadata.json records every file's size and
 CRC-32, taken while the file is written; loaders check them before reading a file (opt out
 with `verify=False`), and check the (TP, PP) rank, layout, run id and save id each shard
 records against the metadata. Weights that are not finite are never saved.
@@ -41,29 +41,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import all_or_none
 from ..models import GPTConfig, ReferenceGPT
 from ..models.gpt_specs import gpt_shard_spec
+from ..pipeline_parallel.layout import ParallelLayout, current_layout, model_chunks
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
-from .agreement import all_or_none
-from .checkpoint_index import (
-    find_checkpoint,
-    read_metadata,
-    require_checkpoint,
-)
-from .checkpoint_index import (
-    model_file as _model_file,
-)
-from .checkpoint_index import (
-    rng_file as _rng_file,
-)
-from .checkpoint_integrity import check_identity, verify_file
-from .checkpoint_optimizer import SavedSlices
-from .checkpoint_save import save_checkpoint
 from .errors import CheckpointError
-from .layout import ParallelLayout, current_layout, model_chunks
+from .index import find_checkpoint, read_metadata, require_checkpoint
+from .index import model_file as _model_file
+from .index import rng_file as _rng_file
+from .integrity import check_identity, verify_file
+from .optimizer_slices import SavedSlices
+from .save import save_checkpoint
 
-_ = save_checkpoint  # re-exported: tpcore.train.checkpoint.save_checkpoint
+_ = save_checkpoint  # re-exported: tpcore.checkpoint.load.save_checkpoint
 
 __all__ = [
     "save_checkpoint",
@@ -72,6 +64,9 @@ __all__ = [
     "require_checkpoint",
     "read_metadata",
     "load_dense_state_dict",
+    "saved_specs",
+    "shard_files",
+    "shard_opener",
     "CheckpointError",
 ]
 # GPTConfig fields that change the parameters; the others are run-time choices.
@@ -137,7 +132,7 @@ def _check_specs(specs: dict[str, ShardSpec], stored: dict[str, ShardSpec], dire
             )
 
 
-def _shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
+def shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
     """Every model file of the checkpoint by (TP rank, PP rank); raises, alike on every
     rank, when one is missing."""
     layout = ParallelLayout.from_metadata(meta)
@@ -256,7 +251,7 @@ def _add_optimizer_targets(
                 )
 
 
-def _opener(
+def shard_opener(
     meta: dict, files: dict[tuple[int, int], str], verify: bool
 ) -> Callable[[tuple[int, int]], "_MappedFile"]:
     """Opens the saved shard at (TP rank, PP rank): its size and CRC-32 checked against the
@@ -404,7 +399,7 @@ def load_checkpoint(
     chunks = model_chunks(model)
     config = chunks[0].config
     _check_config(meta, config, directory)
-    files = _shard_files(directory, meta)
+    files = shard_files(directory, meta)
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     params = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters()}
@@ -414,7 +409,7 @@ def load_checkpoint(
     same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
     loaded: dict = {"state": None, "rng": None}
 
-    open_shard = _opener(meta, files, verify)
+    open_shard = shard_opener(meta, files, verify)
     rng_path = _rng_file(directory, dist.get_rank()) if load_rng and same_layout else None
 
     slices: dict[tuple[int, int], SavedSlices] = {}
@@ -453,8 +448,14 @@ def load_checkpoint(
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
     # a damaged or foreign file fails every rank before any rank's model is written to.
     device = next(iter(params.values())).device
-    all_or_none(check, f"loading checkpoint {directory}: checking its files", device, load_group)
-    all_or_none(read, f"loading checkpoint {directory}", device, load_group)
+    all_or_none(
+        check,
+        f"loading checkpoint {directory}: checking its files",
+        device,
+        load_group,
+        CheckpointError,
+    )
+    all_or_none(read, f"loading checkpoint {directory}", device, load_group, CheckpointError)
     state, rng = loaded["state"], loaded["rng"]
     if state is not None:
         optimizer.load_state_dict(state)
@@ -477,8 +478,8 @@ def load_dense_state_dict(
     directory = require_checkpoint(path)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
-    files, saved = _shard_files(directory, meta), ParallelLayout.from_metadata(meta)
-    open_shard = _opener(meta, files, verify)
+    files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
+    open_shard = shard_opener(meta, files, verify)
     specs = saved_specs(meta)
     shapes = {name: spec.global_shape for name, spec in specs.items()}
     dense: dict[str, torch.Tensor] = {}

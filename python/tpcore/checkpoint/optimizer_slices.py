@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .checkpoint_integrity import check_identity, verify_file
 from .errors import CheckpointError
+from .integrity import check_identity, verify_file
 
 __all__ = ["optimizer_file", "is_sharded", "sharded_payload", "SavedSlices"]
 

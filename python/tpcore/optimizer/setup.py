@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.data_parallel import DataParallelGrads
 from ..parallel_state import get_parallel_state
 from ..pipeline_parallel import (
     duplicate_parameter_names,
@@ -20,9 +21,8 @@ from ..pipeline_parallel import (
     tied_embedding_copies,
 )
 from ..tensor_parallel.shard_spec import shard_spec
-from .data_parallel import DataParallelGrads
-from .distributed_optimizer import DistributedAdamW
-from .optimizer import LossScaler, ParallelAdamW
+from .distributed_adamw import DistributedAdamW
+from .parallel_adamw import LossScaler, ParallelAdamW
 
 __all__ = ["DataParallelOptions", "make_optimizer"]
 

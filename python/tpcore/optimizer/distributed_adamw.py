@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import DataParallelGrads
-from .grad_buffer import GradBuffer
-from .optimizer import LossScaler
-from .param_gather import ParamGather
+from ..distributed.data_parallel import DataParallelGrads
+from ..distributed.grad_buffer import GradBuffer
+from ..distributed.param_gather import ParamGather
+from .parallel_adamw import LossScaler
 
 __all__ = ["DistributedAdamW"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import GPTModel, ReferenceGPT
-from ..pipeline_parallel import duplicate_parameter_names, p2p
+from . import duplicate_parameter_names, p2p
 from .layout import current_layout
 
 __all__ = ["gather_model_on_first_stage"]
