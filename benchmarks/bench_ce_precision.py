@@ -3,8 +3,8 @@ F.cross_entropy against the same loss computed in float64, on the same logits.
 
     python benchmarks/bench_ce_precision.py
 
-This is why tests/test_kernels_at_scale.py judges the kernels against fp64, not against
-torch's own fp32 result. One process, TP=1, CPU.
+This is why tests/tensor_parallel/test_kernels_at_scale.py judges the kernels against fp64,
+not against torch's own fp32 result. One process, TP=1, CPU.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ Two code paths, measured in the same run:
 
 Checkpoints hold the model weights only (bf16): AdamW state for this size (12 bytes per
 parameter) would not fit this machine's disk and memory budget; it is resharded by the
-same code (tests/test_checkpoint_reshard.py). They are written under --workdir and removed.
+same code (tests/checkpoint/test_checkpoint_reshard.py). They are written under --workdir
+and removed.
 """
 
 from __future__ import annotations

@@ -28,17 +28,6 @@ def cuda_ranks():
     pool.close()
 
 
-DEVICES = ["cpu", "cuda"]
-
-
-def pool_for(request, device: str, tp: int) -> RankPool:
-    """The rank pool for `device`, skipping when it has fewer ranks than `tp`."""
-    pool = request.getfixturevalue("cpu_ranks" if device == "cpu" else "cuda_ranks")
-    if tp > pool.world:
-        pytest.skip(f"TP={tp} needs {tp} {device} ranks, this machine has {pool.world}")
-    return pool
-
-
 def pytest_addoption(parser):
     parser.addoption(
         "--long",

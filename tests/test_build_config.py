@@ -8,7 +8,9 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 SCRIPT = os.path.join(ROOT, "cmake", "cuda_archs.cmake")
 
 

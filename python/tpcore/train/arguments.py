@@ -375,7 +375,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
 # name -> (kind, low, high); kind "int" (low <= value <= high), "[)" (low <= value < high),
 # ">=" / ">" (a finite number above low); None: unbounded. Named ranges, because torch's
 # errors (AdamW's "Invalid beta parameter at index 0: 1.5") name no flag, and NaN or inf
-# fail late or never. tests/test_train_arguments.py tries bad values on every numeric field.
+# fail late or never. tests/train/test_train_arguments.py tries bad values on every numeric field.
 _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "max_position_embeddings": ("int", 1, None),
     "seed": (

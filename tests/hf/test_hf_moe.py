@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_hf import FAMILIES, load_dense, prompt, save_family
 from test_hf_loading import _corrupt_checkpoints_job, _tiny
 
 import tpcore.hf
 from checks import expect_error
+from hf_families import FAMILIES, load_dense, prompt, save_family
 from tpcore.hf.plan import Load, make_plan
 from tpcore.hf.weights import SafetensorsSource
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "prepare_fortunes.py"
+from harness import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "examples" / "prepare_fortunes.py"
 
 
 def _script():

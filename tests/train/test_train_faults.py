@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
-from test_train import FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, _descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 from launch import torchrun
+from train_runs import FLAGS, RUN_TIMEOUT_S, SCRIPT, command, descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 SMALL = ["--tensor-parallel-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress"]
 
@@ -203,7 +203,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
         "0.1",
     ]
     err = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen(_command(2, flags), stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(command(2, flags), stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while (
@@ -215,7 +215,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
                 break
             time.sleep(0.2)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        ranks = {_rank_of(pid): pid for pid in _descendants(proc.pid)}
+        ranks = {_rank_of(pid): pid for pid in descendants(proc.pid)}
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
         text = ""
@@ -224,7 +224,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
             text = (tmp_path / "stderr").read_text()
         waited = time.monotonic() - stopped
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
+        for pid in [proc.pid, *descendants(proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

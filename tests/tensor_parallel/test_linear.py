@@ -12,7 +12,7 @@ from torch import nn
 
 import tpcore
 from checks import assert_close, expect_error, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 IN, OUT = 16, 24  # divisible by every TP size tested
 SHAPES = [(10,), (8, 3)]  # 2-D and 3-D inputs ([tokens, in], [seq, batch, in])

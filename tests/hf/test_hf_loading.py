@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_hf import FAMILIES, VOCAB, load_dense, save_family
 
 import tpcore.hf
 from checks import expect_error
+from hf_families import FAMILIES, VOCAB, load_dense, save_family
 from tpcore.hf.plan import make_plan
 from tpcore.hf.policy import match
 

@@ -12,7 +12,7 @@ from torch import nn
 import tpcore
 from checks import GPT_VARIANTS as VARIANTS
 from checks import LargestAllocation, gpt_rule, setup_tp, slice_piece
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
 from tpcore.models.gpt import ParallelBlock, attach_gpt_shard_specs
 from tpcore.models.initialization import initialize_gpt_parameters

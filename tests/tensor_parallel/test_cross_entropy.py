@@ -9,7 +9,7 @@ import torch
 
 import tpcore
 from checks import assert_close, expect_error, reference_cross_entropy, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 IGNORE = -100
 # (real vocab, make_vocab_size_divisible_by): both need padding; with 33 / 8 at TP=4

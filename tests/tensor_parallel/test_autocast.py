@@ -10,7 +10,7 @@ from torch import nn
 
 import tpcore
 from checks import RTOL, assert_close, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 IN, OUT, VOCAB = 16, 24, 40
 LOW = torch.bfloat16

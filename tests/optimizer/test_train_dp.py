@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from test_train import _assert_same_curves, _train, tp1_run, workdir  # noqa: F401 (fixtures)
+from train_runs import assert_same_curves, tp1_run, train, workdir  # noqa: F401 (fixtures)
 
 DP_FLAGS = [
     "--micro-batch-size",
@@ -22,7 +22,7 @@ DP_FLAGS = [
 
 def test_distributed_optimizer_run_equals_dp1_and_resumes_without_it(workdir, tp1_run):  # noqa: F811
     save = workdir / "dp2_distributed"
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "dp2_distributed",
         2,
@@ -37,13 +37,13 @@ def test_distributed_optimizer_run_equals_dp1_and_resumes_without_it(workdir, tp
     assert (
         "TP 1 x DP 2 +distributed-optimizer +overlap-grad-reduce +overlap-param-gather" in stdout
     ), stdout[-2000:]
-    _assert_same_curves(rows, tp1_run[0], exact=False)
+    assert_same_curves(rows, tp1_run[0], exact=False)
     files = sorted(os.listdir(save / "iter_0000010"))
     assert [f for f in files if f.startswith("optim_")] == [
         "optim_tp00_pp00_dp000.pt",
         "optim_tp00_pp00_dp001.pt",
     ], files
-    resumed, stdout = _train(
+    resumed, stdout = train(
         workdir,
         "dp2_distributed_to_dp1",
         1,
@@ -53,4 +53,4 @@ def test_distributed_optimizer_run_equals_dp1_and_resumes_without_it(workdir, tp
         "5",
     )
     assert "resumed from" in stdout and "at iteration 10" in stdout
-    _assert_same_curves(resumed, tp1_run[0][10:15], exact=False)
+    assert_same_curves(resumed, tp1_run[0][10:15], exact=False)

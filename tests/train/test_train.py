@@ -17,155 +17,24 @@ import pytest
 import torch
 
 from checks import gpt_rule, merge_pieces
+from harness import REPO_ROOT
 from launch import torchrun
-from tpcore.data import load_tokenizer, preprocess
+from tpcore.data import load_tokenizer
 from tpcore.models import generate
-from tpcore.train import export_safetensors, load_dense_gpt, read_metrics
-
-ITERS = 150
-FLAGS = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--train-iters",
-    str(ITERS),
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "5",
-    "--eval-interval",
-    "50",
-    "--eval-iters",
-    "2",
-    "--log-interval",
-    "50",
-    "--device",
-    "cpu",
-    "--seed",
-    "7",
-]
-COMPARED = ("loss", "lr", "grad_norm", "valid_loss")
-RUN_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A small corpus with a learnable pattern, preprocessed with the byte tokenizer."""
-    root = tmp_path_factory.mktemp("train")
-    g = torch.Generator().manual_seed(0)
-    words = "the cat sat on a mat while the dog ran after a red ball in the warm sun".split()
-    with open(root / "corpus.jsonl", "w") as f:
-        for _ in range(300):
-            n = int(torch.randint(5, 40, (), generator=g))
-            f.write(
-                json.dumps(
-                    {
-                        "text": " ".join(
-                            words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g)
-                        )
-                    }
-                )
-                + "\n"
-            )
-    preprocess(str(root / "corpus.jsonl"), str(root / "corpus"), append_eod=True)
-    return root
-
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt.py")
-
-
-def _command(nproc: int, flags: list[str]) -> list[str]:
-    """The real launch command (torchrun for several ranks)."""
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-        if nproc > 1
-        else [sys.executable]
-    )
-    return launcher + [SCRIPT] + flags
-
-
-def _train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str]:
-    """Run to completion; returns (metrics rows, stdout)."""
-    out = workdir / name
-    flags = FLAGS + ["--data-path", str(workdir / "corpus"), "--log-dir", str(out), *extra]
-    proc = torchrun([SCRIPT, *flags], nproc, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, (
-        f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return read_metrics(str(out / "metrics.csv")), proc.stdout
-
-
-def _descendants(pid: int) -> list[int]:
-    """Child processes, recursively (torchrun's workers leave its process group)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _assert_same_curves(a: list[dict], b: list[dict], exact: bool) -> None:
-    assert len(a) == len(b) and a, (len(a), len(b))
-    for key in COMPARED:
-        x, y = (
-            torch.tensor([r[key] for r in a], dtype=torch.float64),
-            torch.tensor([r[key] for r in b], dtype=torch.float64),
-        )
-        if exact:
-            assert torch.equal(x.nan_to_num(-1), y.nan_to_num(-1)), f"{key} differs: {x} vs {y}"
-        else:  # same math, another reduction order: fp32 rounding only
-            both = ~(x.isnan() | y.isnan())  # a run cut short also evaluates at its last step
-            torch.testing.assert_close(
-                x[both], y[both], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}"
-            )
-
-
-@pytest.fixture(scope="module")
-def tp2_run(workdir):
-    """The uninterrupted reference: TP=2, checkpoints every 10 steps, a sample at the end."""
-    return _train(
-        workdir,
-        "tp2",
-        2,
-        "--tensor-parallel-size",
-        "2",
-        "--save",
-        str(workdir / "tp2"),
-        "--save-interval",
-        "10",
-        "--sample-tokens",
-        "20",
-    )
-
-
-@pytest.fixture(scope="module")
-def tp1_run(workdir):
-    return _train(workdir, "tp1", 1, "--exit-interval", "20")
+from tpcore.train import export_safetensors, load_dense_gpt
+from train_runs import (  # noqa: F401 (fixtures)
+    FLAGS,
+    ITERS,
+    RUN_TIMEOUT_S,
+    SCRIPT,
+    assert_same_curves,
+    command,
+    descendants,
+    tp1_run,
+    tp2_run,
+    train,
+    workdir,
+)
 
 
 def test_training_lowers_loss_and_writes_outputs(workdir, tp2_run):
@@ -196,14 +65,14 @@ def test_training_lowers_loss_and_writes_outputs(workdir, tp2_run):
 
 
 def test_tp1_and_tp2_give_the_same_curve(tp1_run, tp2_run):
-    _assert_same_curves(tp1_run[0], tp2_run[0][: len(tp1_run[0])], exact=False)
+    assert_same_curves(tp1_run[0], tp2_run[0][: len(tp1_run[0])], exact=False)
 
 
 def test_dp2_equals_dp1_with_the_same_global_batch(workdir, tp1_run):
     # DP=2 x TP=1, one sample per rank per micro step, two micro steps: global batch 4 as before.
-    rows, stdout = _train(workdir, "dp2", 2, "--micro-batch-size", "1", "--exit-interval", "20")
+    rows, stdout = train(workdir, "dp2", 2, "--micro-batch-size", "1", "--exit-interval", "20")
     assert "TP 1 x DP 2" in stdout and "accumulation 2" in stdout
-    _assert_same_curves(rows, tp1_run[0], exact=False)
+    assert_same_curves(rows, tp1_run[0], exact=False)
 
 
 def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
@@ -219,16 +88,16 @@ def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
         *extra,
     ]
     proc = subprocess.Popen(
-        _command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (save / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    for pid in [proc.pid, *_descendants(proc.pid)]:  # anywhere: mid-step or mid-save
+    for pid in [proc.pid, *descendants(proc.pid)]:  # anywhere: mid-step or mid-save
         os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
     time.sleep(0.5)
-    assert not _descendants(proc.pid)
+    assert not descendants(proc.pid)
     return int((save / "latest").read_text().strip().removeprefix("iter_"))
 
 
@@ -237,7 +106,7 @@ def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
     killed_at = _kill_after_first_save(workdir, 2, save, "--tensor-parallel-size", "2")
     assert 10 <= killed_at < ITERS, killed_at
 
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "killed",
         2,
@@ -251,11 +120,11 @@ def test_killed_run_resumes_on_the_same_curve(workdir, tp2_run):
         "10",
     )
     assert f"at iteration {killed_at}" in stdout
-    _assert_same_curves(rows, tp2_run[0], exact=True)  # rows 1..killed_at come from the killed run
+    assert_same_curves(rows, tp2_run[0], exact=True)  # rows 1..killed_at come from the killed run
 
 
 def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "reshard",
         1,
@@ -265,7 +134,7 @@ def test_tp2_checkpoint_continues_at_tp1(workdir, tp2_run):
         "5",
     )
     assert "at iteration 20" in stdout
-    _assert_same_curves(
+    assert_same_curves(
         rows[-5:], tp2_run[0][20:25], exact=False
     )  # weights and AdamW state resharded
 
@@ -305,7 +174,7 @@ def test_bad_arguments_fail_fast_on_every_rank(workdir):
 def test_autocast_bf16_run_trains_alongside_fp32(workdir, tp2_run):
     """--autocast bf16 (fp32 weights, bf16 compute) follows the fp32 run's curve at bf16
     precision."""
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "autocast",
         2,
@@ -332,7 +201,7 @@ PP_ITERS = 30
 def pp2_run(workdir):
     """Two pipeline stages of one layer each, 1F1B over the 2 micro-batches of each global
     batch, checkpoints every 10 steps, a sample at the end."""
-    return _train(
+    return train(
         workdir,
         "pp2",
         2,
@@ -354,7 +223,7 @@ def test_pp2_gives_the_same_curve_as_pp1(pp2_run, tp1_run):
         "TP 1 x DP 1 x PP 2 (1f1b, 1 chunk(s) per rank)" in stdout and "accumulation 2" in stdout
     ), stdout[:2000]
     assert "tpcore: sample" in stdout  # generated on the first stage from the gathered model
-    _assert_same_curves(rows[: len(tp1_run[0])], tp1_run[0], exact=False)
+    assert_same_curves(rows[: len(tp1_run[0])], tp1_run[0], exact=False)
 
 
 def test_killed_pp2_run_resumes_on_the_same_curve(workdir, pp2_run):
@@ -369,7 +238,7 @@ def test_killed_pp2_run_resumes_on_the_same_curve(workdir, pp2_run):
         "rng_rank00000.pt",
         "rng_rank00001.pt",
     ], names
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "pp2_killed",
         2,
@@ -382,11 +251,11 @@ def test_killed_pp2_run_resumes_on_the_same_curve(workdir, pp2_run):
         str(PP_ITERS - killed_at),
     )
     assert f"at iteration {killed_at}" in stdout
-    _assert_same_curves(rows, pp2_run[0], exact=True)
+    assert_same_curves(rows, pp2_run[0], exact=True)
 
 
 def test_pp2_checkpoint_continues_at_pp1(workdir, pp2_run):
-    rows, stdout = _train(
+    rows, stdout = train(
         workdir,
         "pp2_to_pp1",
         1,
@@ -396,13 +265,13 @@ def test_pp2_checkpoint_continues_at_pp1(workdir, pp2_run):
         "5",
     )
     assert "at iteration 10" in stdout
-    _assert_same_curves(rows[-5:], pp2_run[0][10:15], exact=False)
+    assert_same_curves(rows[-5:], pp2_run[0][10:15], exact=False)
 
 
 @pytest.fixture(scope="module")
 def tp2_pp2_run(workdir):
     """4 ranks: TP=2 inside each pair, 2 pipeline stages; 15 steps, checkpoints at 10 and 15."""
-    return _train(
+    return train(
         workdir,
         "tp2pp2",
         4,
@@ -419,8 +288,8 @@ def tp2_pp2_run(workdir):
 
 
 def test_tp2_pp2_checkpoint_continues_at_tp1_pp1(workdir, tp2_pp2_run, tp1_run):
-    _assert_same_curves(tp2_pp2_run[0], tp1_run[0][:15], exact=False)
-    rows, stdout = _train(
+    assert_same_curves(tp2_pp2_run[0], tp1_run[0][:15], exact=False)
+    rows, stdout = train(
         workdir,
         "tp2pp2_to_tp1",
         1,
@@ -430,7 +299,7 @@ def test_tp2_pp2_checkpoint_continues_at_tp1_pp1(workdir, tp2_pp2_run, tp1_run):
         "5",
     )
     assert "at iteration 10" in stdout
-    _assert_same_curves(rows[-5:], tp2_pp2_run[0][10:15], exact=False)
+    assert_same_curves(rows[-5:], tp2_pp2_run[0][10:15], exact=False)
 
 
 def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tmp_path):
@@ -460,7 +329,7 @@ def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tm
     expected = generate(
         model, torch.tensor([tokenizer.encode("the ")]), 12, greedy=True, eod=tokenizer.eod
     )
-    script = os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py")
+    script = str(REPO_ROOT / "examples" / "generate.py")
     flags = [
         "--load",
         str(ckpt),

@@ -14,13 +14,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from test_train import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, _command, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 import tpcore
 from launch import torchrun
 from rank_pool import run_fresh_processes
 from tpcore.comm_threads import may_use_realtime
 from tpcore.train import read_metrics
+from train_runs import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, command, workdir  # noqa: F401 (workdir: the corpus fixture)
 
 _CAP_SYS_NICE = 23  # linux/capability.h
 _PR_CAPBSET_DROP = 24  # linux/prctl.h
@@ -199,7 +199,7 @@ def _run(workdir, name: str, *extra: str, **kwargs) -> subprocess.CompletedProce
     )
     if kwargs:  # process rights: the real launcher, started with them
         return subprocess.run(
-            _command(2, flags),
+            command(2, flags),
             capture_output=True,
             text=True,
             timeout=RUN_TIMEOUT_S,

@@ -7,7 +7,7 @@ import torch
 
 import tpcore
 from checks import assert_close, per_rank_tensor, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 
 def _run(fn, x, grad_out):

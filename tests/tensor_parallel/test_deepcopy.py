@@ -8,9 +8,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from test_hf import FAMILIES, prompt, save_family
 
 from checks import assert_close
+from hf_families import FAMILIES, prompt, save_family
 
 
 def _groups(model) -> list:

@@ -115,7 +115,8 @@ def test_every_parameter_carries_a_spec_that_rebuilds_it(cpu_ranks, tp):
 
 def _hf_specs(rank, world, tp, family):
     import transformers
-    from test_hf import FAMILIES
+
+    from hf_families import FAMILIES
 
     setup_tp(tp)
     cls, make_config = FAMILIES[family]

@@ -19,7 +19,7 @@ from torch import nn
 
 import tpcore
 from checks import assert_close, reference_cross_entropy, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 EMB_VOCAB, EMB_TOKENS, REPEATS = 1000, 66_000, 10_000
 EMB_DIM = {

@@ -8,7 +8,7 @@ from torch import nn
 
 import tpcore
 from checks import assert_close, expect_error, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 VOCAB, DIM = 37, 12  # 37 needs padding for every TP size > 1
 

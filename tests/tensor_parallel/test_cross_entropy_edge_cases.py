@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tpcore
 from checks import setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 IGNORE = -100
 

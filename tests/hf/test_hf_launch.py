@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 import transformers
-from test_hf import save_family
 
 import tpcore.hf
 from checks import assert_close
+from hf_families import save_family
 
 TP = 2
 

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("safetensors")
 import safetensors.torch  # noqa: E402
 
+from harness import REPO_ROOT  # noqa: E402
 from launch import torchrun  # noqa: E402
 from tpcore.data import load_tokenizer  # noqa: E402
 from tpcore.data.preprocess import preprocess  # noqa: E402
@@ -28,7 +29,7 @@ from tpcore.train import (  # noqa: E402
     load_dense_state_dict,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 GENERATE = ROOT / "examples" / "generate.py"
 TIMEOUT = 300
 PROMPT, NEW = "The quick", 24

@@ -17,7 +17,7 @@ from torch import nn
 
 import tpcore
 from checks import assert_close, expect_error, reference_cross_entropy, setup_tp
-from conftest import pool_for
+from harness import pool_for
 from tpcore import _C
 
 CHUNK = 32  # kernels/embedding_plan.h: kChunk

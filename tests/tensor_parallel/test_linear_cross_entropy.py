@@ -11,7 +11,7 @@ from torch import nn
 
 import tpcore
 from checks import assert_close, expect_error, reference_cross_entropy, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 
 IGNORE = -100
 VOCAB, HIDDEN = 50, 16

@@ -7,7 +7,7 @@ import torch
 
 import tpcore
 from checks import assert_close, expect_error, per_rank_tensor, setup_tp
-from conftest import DEVICES, pool_for
+from harness import DEVICES, pool_for
 from tpcore import _C, comm
 
 TPS = [1, 2, 4]
