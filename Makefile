@@ -9,7 +9,7 @@ CORPUS := data/fortunes.jsonl
 DATASET := data/fortunes_text_document
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup build test lint format train bench clean corpus
+.PHONY: setup build test lint format coverage train bench clean corpus
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
 # the extras (training; transformers for tpcore.hf), then tpcore itself, editable,
@@ -30,6 +30,16 @@ test: setup
 LINTERS := ruff==0.17.6 clang-format==14.0.6
 CXX_SOURCES = $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 CLANG_FORMAT = $(PYTHON) -c "import clang_format, sys; sys.argv[0] = 'clang-format'; sys.exit(clang_format.clang_format())"
+
+# Line coverage of python/tpcore over the whole suite, the ranks it spawns and the runs it
+# launches included; per package, then the uncovered lines of each file (not run by CI: the
+# suite under coverage takes about twice as long).
+coverage: setup
+	$(PIP) install --quiet "coverage>=7.10"
+	rm -rf build/coverage && mkdir -p build/coverage
+	COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(PYTHON) -m coverage run -m pytest -q
+	COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(PYTHON) -m coverage combine --quiet
+	$(PYTHON) tools/coverage_report.py build/coverage/.coverage
 
 lint:
 	$(PIP) install --quiet $(LINTERS)
