@@ -32,7 +32,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import comm
 
@@ -41,8 +40,6 @@ __all__ = [
     "ShardSpec",
     "shard_spec",
     "set_shard_spec",
-    "module_shard_specs",
-    "attach_replicated_specs",
     "shard",
     "merge",
     "merged_views",
@@ -257,25 +254,6 @@ def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> None:
             f"attached to a parameter of shape {list(param.shape)}"
         )
     param.shard_spec = spec
-
-
-def attach_replicated_specs(
-    module: nn.Module, group: dist.ProcessGroup, *, partial_grad: Sequence[torch.Tensor] = ()
-) -> None:
-    """Give every parameter of `module` without a spec a replicated one over `group`
-    (`partial_grad`: those whose gradients each rank holds a share of)."""
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    partial = {id(p) for p in partial_grad}
-    for p in module.parameters():
-        if getattr(p, "shard_spec", None) is None:
-            p.shard_spec = ShardSpec(
-                tuple(p.shape), partial_grad=id(p) in partial, tp_size=tp, tp_rank=rank, group=group
-            )
-
-
-def module_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
-    """Every parameter's spec by name (replicated for those without one)."""
-    return {name: shard_spec(p) for name, p in module.named_parameters()}
 
 
 def shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
