@@ -250,3 +250,37 @@ def test_dcp_to_torch_save_gives_the_dense_state_dict(tp2_dcp):
             else dense["user_optim"]["state"][name.split("/")[0]][name.split("/")[1]]
         )
         assert torch.equal(got, want), name
+
+
+def _distributed_optimizer_refused(rank, world):
+    from checks import expect_error
+    from tpcore.optimizer import DataParallelOptions, make_optimizer
+
+    setup_tp(2)
+    model, _ = _make_gpt(0)
+    options = DataParallelOptions(contiguous_buffers=True, use_distributed_optimizer=True)
+    group = parallel_state.get_tensor_model_parallel_group()
+    opt, _ = make_optimizer(
+        [model],
+        options,
+        tp_group=group,
+        dp_group=parallel_state.get_data_parallel_group(),
+        pp_group=None,
+        lr=1e-3,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        loss_scaler=None,
+    )
+    expect_error(
+        NotImplementedError,
+        "not a DistributedAdamW",
+        tpcore.sharded_optimizer_state_dict,
+        model,
+        opt,
+    )
+
+
+def test_the_distributed_optimizer_is_refused_by_name(cpu_ranks):
+    """Its DP-sharded state is not in DCP yet: a clear error, not an AttributeError."""
+    cpu_ranks.run(_distributed_optimizer_refused)

@@ -229,6 +229,12 @@ def _optimizer_entries(
         _init_state(optimizer.adam)
         state = optimizer.state_dict()["params"]
         return {name: state[name] for name in optimizer.names}, params
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise NotImplementedError(
+            f"tpcore: sharded_optimizer_state_dict takes a torch.optim optimizer or tpcore's "
+            f"ParallelAdamW, not a {type(optimizer).__name__} (the distributed optimizer's "
+            "DP-sharded state is not in DCP yet: save it with tpcore.checkpoint.save_checkpoint)"
+        )
     names = {id(p): name for name, p in params.items()}
     unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
     if unknown:
