@@ -120,9 +120,8 @@ def _timings(
                 _timed(lambda: runs[mode](new), repeats, sync),
             )
             out[mode] = {"latency_s": per_token_latency(one, full, new), "tokens_per_s": new / full}
-            if (
-                ops is not None
-            ):  # (ops of `new` tokens - ops of 1 token) / (new - 1), like the latency
+            # (ops of `new` tokens - ops of 1 token) / (new - 1), like the latency
+            if ops is not None:
                 a = ops()
                 runs[mode](1)
                 b = ops()

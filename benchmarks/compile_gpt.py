@@ -102,9 +102,8 @@ def compile_worker(rank, world, store, args, config, batch, results) -> None:
             torch.manual_seed(0)
             contenders[name] = dtensor_gpt(ReferenceGPT(config, dtype=dtype), world)
     ids, target = (t.to(device) for t in batch)
-    if (
-        world > 1 and "DTensor eager" in contenders
-    ):  # the same function as tpcore's, or the comparison means nothing
+    # the same function as tpcore's, or the comparison means nothing
+    if world > 1 and "DTensor eager" in contenders:
         want = contenders["GPTModel eager"](ids, target).item()
         got = contenders["DTensor eager"](ids, target).item()
         # fp32: summation order only; bf16 / fp16: the loss itself is rounded to the dtype, 2 ulps.

@@ -421,9 +421,8 @@ def live_group_name(group: dist.ProcessGroup) -> str:
     `group`: torch reuses names once `destroy_process_group` ran, so a layer kept across a
     new default group would otherwise talk on whatever group now has its name."""
     name = group.group_name
-    if (
-        not torch.compiler.is_compiling()
-    ):  # checked eagerly; a compiled graph is rebuilt with its groups
+    # checked eagerly; a compiled graph is rebuilt with its groups
+    if not torch.compiler.is_compiling():
         try:
             current = dist.distributed_c10d._resolve_process_group(name)
         except (RuntimeError, ValueError, KeyError):

@@ -59,9 +59,8 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
     gradients is a head norm (a renamed module in a new release shows up here)."""
     config = FAMILIES[name][1]()
     plan = getattr(config, "base_model_tp_plan", None) or {}
-    if (
-        int(transformers.__version__.split(".")[0]) >= 5
-    ):  # older releases may ship none (4.46 has none)
+    # older releases may ship none (4.46 has none)
+    if int(transformers.__version__.split(".")[0]) >= 5:
         assert plan, f"{name}: transformers {transformers.__version__} ships no base_model_tp_plan"
     policy = tpcore.hf.get_policy(config)
     for pattern, style in plan.items():
@@ -69,9 +68,8 @@ def test_policy_tables_agree_with_transformers_tp_plan(name):
             assert pattern in policy.moe_experts, (
                 f"{name}: {pattern} ({style}) is not an experts module of {policy.name}"
             )
-        if (
-            pattern.rpartition(".")[0] in policy.moe_experts
-        ):  # an experts parameter: cut with its module
+        # an experts parameter: cut with its module
+        if pattern.rpartition(".")[0] in policy.moe_experts:
             continue
         if style.removeprefix("local_").split("_")[0] in (
             "colwise",

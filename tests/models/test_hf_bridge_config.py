@@ -199,9 +199,8 @@ def test_rotary_frequencies_match_transformers(scaling):
 )
 def test_unsupported_types_and_options_are_named(change, words):
     config = {**transformers.LlamaConfig(**SMALL).to_dict(), **change}
-    if (
-        "rope_scaling" in change
-    ):  # the 4.x spelling alone (transformers 5 also writes rope_parameters)
+    # the 4.x spelling alone (transformers 5 also writes rope_parameters)
+    if "rope_scaling" in change:
         config.pop("rope_parameters", None)
     if config.get("num_hidden_layers", 1) is None:
         del config["num_hidden_layers"]

@@ -185,9 +185,8 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
             assert torch.equal(tokens, greedy), (
                 f"{family} TP {tp}: greedy {tokens.tolist()} != transformers {greedy.tolist()}"
             )
-            if (
-                config.sliding_window is not None
-            ):  # Mistral: a sequence past the window is refused, not miscomputed
+            # Mistral: a sequence past the window is refused, not miscomputed
+            if config.sliding_window is not None:
                 long = torch.zeros(1, config.sliding_window + 1, dtype=torch.long)
                 try:
                     model(long)

@@ -206,9 +206,8 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
     proc = subprocess.Popen(command(2, flags), stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (
-            time.monotonic() < deadline and proc.poll() is None
-        ):  # a few steps done: past every start-up collective
+        # a few steps done: past every start-up collective
+        while time.monotonic() < deadline and proc.poll() is None:
             if (log / "metrics.csv").exists() and len(
                 (log / "metrics.csv").read_text().splitlines()
             ) > 3:

@@ -82,9 +82,8 @@ class GPTDataset(torch.utils.data.Dataset):
             f"{tokens}-{sizes}"
         )
         where = indexed.prefix
-        if (
-            cache_dir is not None
-        ):  # one folder for many datasets: the data's own path is part of the key
+        # one folder for many datasets: the data's own path is part of the key
+        if cache_dir is not None:
             key += f"-{os.path.realpath(indexed.prefix)}"
             where = os.path.join(cache_dir, os.path.basename(indexed.prefix))
         self.cache_path = f"{where}.{split}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"

@@ -178,9 +178,8 @@ def _apply(
             shapes = layer._parameters
         for attr, load in rep.loads.items():
             old_param, meta = getattr(old, attr), shapes[attr]
-            if (
-                id(old_param) in new_of
-            ):  # tied to a parameter replaced before (the head to the embedding)
+            # tied to a parameter replaced before (the head to the embedding)
+            if id(old_param) in new_of:
                 shared = new_of[id(old_param)]
                 if shared.shape != meta.shape:
                     raise RuntimeError(
@@ -405,9 +404,8 @@ def _check_shapes(model: nn.Module, source: SafetensorsSource, path: str) -> Non
     ]  # what _load_rest loads
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *buffers]:
         key = source.resolve(name) or source.resolve_experts(name)
-        if (
-            source.resolve(name) is None and tensor.dim()
-        ):  # experts stored one by one (or not at all)
+        # experts stored one by one (or not at all)
+        if source.resolve(name) is None and tensor.dim():
             lacking += source.missing_experts(name, tensor.shape[0])
         if key is None or key in seen:  # not stored (tied, computed buffer) or already checked
             continue

@@ -161,9 +161,8 @@ def _compare(
         if name.startswith("greedy:"):
             continue
         got = parallel[name]
-        if (
-            mask is not None and ref.dim() == 3
-        ):  # encoders: only the real (unpadded) positions count
+        # encoders: only the real (unpadded) positions count
+        if mask is not None and ref.dim() == 3:
             keep = mask.bool().unsqueeze(-1).expand_as(ref)
             ref, got = ref[keep], got[keep]
         diff = (got - ref).abs().max().item() if ref.numel() else 0.0

@@ -68,9 +68,8 @@ def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:
     c, n = model.config, ids.shape[1]
     if not isinstance(model, GPTModel):
         return model(ids)[:, -1, : c.vocab_size]
-    if (
-        c.sequence_parallel and n % model.tp_size
-    ):  # right-pad: causal, so the last real token's logits hold
+    # right-pad: causal, so the last real token's logits hold
+    if c.sequence_parallel and n % model.tp_size:
         ids = torch.cat([ids, ids.new_zeros(ids.shape[0], model.tp_size - n % model.tp_size)], 1)
     shard = model(ids)[:, n - 1].contiguous()  # [b, vocab_padded / tp]
     return comm.all_gather(shard, -1, model.group)[:, : c.vocab_size]

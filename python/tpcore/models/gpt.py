@@ -104,9 +104,8 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
             bias=c.proj_bias,
             **common,
         )
-        if (
-            c.qk_norm
-        ):  # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
+        # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
+        if c.qk_norm:
             self.q_norm = make_norm(c, dtype, "meta", c.head_dim)
             self.k_norm = make_norm(c, dtype, "meta", c.head_dim)
 

@@ -266,9 +266,8 @@ def write_hf_folder(
             except OSError as e:
                 error = e
         for entry in entries:
-            if (
-                cached[0] != entry.param
-            ):  # each parameter fetched once, its parts written consecutively
+            # each parameter fetched once, its parts written consecutively
+            if cached[0] != entry.param:
                 cached = (entry.param, fetch(entry.param))
             if writer is not None and error is None:
                 try:
@@ -392,9 +391,8 @@ def export_hf(
             gathered = (
                 mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
             )
-        if (
-            owner != 0 and tp_rank == 0
-        ):  # this stage's TP rank 0 sends the buffer to the first stage's
+        # this stage's TP rank 0 sends the buffer to the first stage's
+        if owner != 0 and tp_rank == 0:
             if pp_rank == owner:
                 p2p.batch_send_recv(
                     [(gathered.contiguous(), 0, tags[name], name)],

@@ -122,9 +122,8 @@ def rank_units(
     bwd = [Action(BACKWARD, *_interleaved_pass(k, p, v, False)) for k in range(total)]
     warmup = warmup_count(schedule, p, m, v, rank)
     steady = [[fwd[warmup + k], bwd[k]] for k in range(total - warmup)]
-    if (
-        schedule != "interleaved"
-    ):  # 1F1B: a batch after every pass (send forward + receive backward, ...)
+    # 1F1B: a batch after every pass (send forward + receive backward, ...)
+    if schedule != "interleaved":
         steady = [[a] for pair in steady for a in pair]
     return [[a] for a in fwd[:warmup]] + steady + [[a] for a in bwd[total - warmup :]]
 

@@ -74,9 +74,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
         # snapshots its draws copy, which must be kept too (recomputed, they would read the
         # counters as advanced by the whole step): the policy saves them. Forks do not trace
         # (they swap generator states), so nothing else of the tracker's needs replaying.
-        if (
-            create_selective_checkpoint_contexts is None
-        ):  # torch 2.4: compiled recompute without dropout only
+        # torch 2.4: compiled recompute without dropout only
+        if create_selective_checkpoint_contexts is None:
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         return torch.utils.checkpoint.checkpoint(
             fn, *args, use_reentrant=False, context_fn=_keep_rng_snapshots

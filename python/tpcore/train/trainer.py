@@ -303,9 +303,8 @@ class _Training:
             loss_scaler=scaler,
         )
         self.realtime_threads = 0
-        if (
-            args.realtime_comm_threads
-        ):  # after every group (and its gloo threads) exists; every rank learns if one failed
+        # after every group (and its gloo threads) exists; every rank learns if one failed
+        if args.realtime_comm_threads:
             self.realtime_threads = len(
                 all_or_none(
                     prioritize_communication_threads,
@@ -380,9 +379,8 @@ class _Training:
             )
             if on
         )
-        if (
-            args.realtime_comm_threads
-        ):  # what it reached: gloo threads exist only where a group runs on gloo
+        # what it reached: gloo threads exist only where a group runs on gloo
+        if args.realtime_comm_threads:
             dp_text += (
                 f" +realtime-comm-threads ({self.realtime_threads} gloo threads; DP on "
                 f"{dist.get_backend(self.dp_group)})"
