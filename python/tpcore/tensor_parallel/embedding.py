@@ -21,7 +21,7 @@ from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
-from .shard_spec import ShardSpec, set_shard_spec
+from .shard_spec import ShardSpec, pad_vocab_size, set_shard_spec
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
 
@@ -37,21 +37,6 @@ def vocab_shard(table: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
     mine = table[rank * rows : (rank + 1) * rows]
     local[: mine.shape[0]] = mine
     return local
-
-
-def pad_vocab_size(
-    vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128
-) -> int:
-    """`vocab_size` rounded up to a multiple of
-    `make_vocab_size_divisible_by * tensor_parallel_size`."""
-    check_positive_ints(
-        "pad_vocab_size",
-        vocab_size=vocab_size,
-        tensor_parallel_size=tensor_parallel_size,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-    )
-    multiple = make_vocab_size_divisible_by * tensor_parallel_size
-    return -(-vocab_size // multiple) * multiple
 
 
 class VocabParallelEmbedding(SharesProcessGroups, nn.Module):

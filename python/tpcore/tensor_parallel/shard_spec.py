@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from .._validation import check_positive_ints
 
 __all__ = [
+    "pad_vocab_size",
     "Part",
     "ShardSpec",
     "shard_spec",
@@ -48,6 +50,21 @@ __all__ = [
     "shares_indices",
     "part_chunks",
 ]
+
+
+def pad_vocab_size(
+    vocab_size: int, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128
+) -> int:
+    """`vocab_size` rounded up to a multiple of
+    `make_vocab_size_divisible_by * tensor_parallel_size`."""
+    check_positive_ints(
+        "pad_vocab_size",
+        vocab_size=vocab_size,
+        tensor_parallel_size=tensor_parallel_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    multiple = make_vocab_size_divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -152,8 +169,9 @@ class ShardSpec:
     @property
     def local_rows(self) -> int:
         """Rows of each rank's piece of a vocabulary split, padding included."""
-        multiple = self.vocab_multiple * self.tp_size  # as `pad_vocab_size`
-        return -(-self.global_shape[0] // multiple) * multiple // self.tp_size
+        return (
+            pad_vocab_size(self.global_shape[0], self.tp_size, self.vocab_multiple) // self.tp_size
+        )
 
     @property
     def local_shape(self) -> tuple[int, ...]:
