@@ -43,7 +43,7 @@ from torch import nn
 
 from ..agreement import all_or_none
 from ..models import GPTConfig, ReferenceGPT
-from ..models.gpt_specs import gpt_shard_spec
+from ..models.gpt_specs import gpt_shard_specs
 from ..pipeline_parallel.layout import ParallelLayout, current_layout, model_chunks
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
@@ -508,11 +508,10 @@ def load_dense_state_dict(
 def saved_specs(meta: dict) -> dict[str, ShardSpec]:
     """The logical shard spec (TP size 1) of every parameter of a checkpoint, by name:
     as its metadata records them, or, for checkpoints written before they were recorded
-    (every one of them a GPTModel's), GPTModel's own (`gpt_shard_spec`)."""
-    config = GPTConfig(**meta["model_config"])
-    dense = ReferenceGPT(config, device="meta").state_dict()
+    (every one of them a GPTModel's), GPTModel's own (`gpt_shard_specs`)."""
+    dense = gpt_shard_specs(GPTConfig(**meta["model_config"]))
     if "shard_specs" not in meta:
-        return {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in dense.items()}
+        return dense
     recorded = meta["shard_specs"]
     if not isinstance(recorded, dict) or set(recorded) != set(dense):
         raise CheckpointError(

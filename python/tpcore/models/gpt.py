@@ -45,7 +45,7 @@ from .common import (
     scale_embedding,
 )
 from .config import GPTConfig
-from .gpt_specs import gpt_shard_spec
+from .gpt_specs import gpt_shard_specs
 from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
 from .reference_gpt import ReferenceGPT
@@ -525,17 +525,11 @@ def attach_gpt_shard_specs(module: nn.Module, config: GPTConfig, group: dist.Pro
     `layers.i.…`) its spec from `gpt_shard_spec`, placed on this rank of `group`: the layers'
     own specs call the fused QKV and fc1 one part each. Parameters marked `sequence_parallel`
     get `partial_grad`."""
-    shapes = {
-        name: tuple(t.shape)
-        for name, t in ReferenceGPT(dataclasses.replace(config, num_layers=1), device="meta")
-        .state_dict()
-        .items()
-    }
+    # Every layer splits alike: a one-layer model's specs serve them all.
+    specs = gpt_shard_specs(dataclasses.replace(config, num_layers=1))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     for name, p in module.named_parameters():
-        spec = gpt_shard_spec(
-            name, config, shapes[re.sub(r"^layers\.\d+\.", "layers.0.", name)]
-        ).at(tp, rank, group)
+        spec = specs[re.sub(r"^layers\.\d+\.", "layers.0.", name)].at(tp, rank, group)
         set_shard_spec(
             p, dataclasses.replace(spec, partial_grad=getattr(p, "sequence_parallel", False))
         )

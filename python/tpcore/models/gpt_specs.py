@@ -14,8 +14,15 @@ from __future__ import annotations
 
 from ..tensor_parallel.shard_spec import Part, ShardSpec
 from .config import GPTConfig
+from .reference_gpt import ReferenceGPT
 
-__all__ = ["gpt_shard_spec"]
+__all__ = ["gpt_shard_spec", "gpt_shard_specs"]
+
+
+def gpt_shard_specs(config: GPTConfig) -> dict[str, ShardSpec]:
+    """`gpt_shard_spec` of every parameter of the whole model, in ReferenceGPT's order."""
+    dense = ReferenceGPT(config, device="meta").state_dict()
+    return {name: gpt_shard_spec(name, config, tuple(t.shape)) for name, t in dense.items()}
 
 
 def gpt_shard_spec(name: str, config: GPTConfig, shape: tuple[int, ...]) -> ShardSpec:

@@ -34,7 +34,7 @@ from .._atomic import atomic_output
 from ..safetensors_io import SafetensorsWriter
 from ..tensor_parallel.shard_spec import ShardSpec, merged_views
 from .config import GPTConfig
-from .gpt_specs import gpt_shard_spec
+from .gpt_specs import gpt_shard_specs
 from .hf_config import config_to_hf, hf_family
 from .hf_weights import hf_sources, source_shapes
 from .reference_gpt import ReferenceGPT
@@ -87,9 +87,8 @@ def plan_hf_files(
     family = hf_family(config.to_hf()["model_type"])
     itemsize = torch.empty(0, dtype=dtype).element_size()
     entries = []
-    for name, param in ReferenceGPT(config, device="meta").state_dict().items():
+    for name, spec in gpt_shard_specs(config).items():
         sources = hf_sources(name, family)
-        spec = gpt_shard_spec(name, config, tuple(param.shape))
         for part, ((key, transposed), shape) in enumerate(
             zip(sources, source_shapes(spec, len(sources)))
         ):
@@ -233,10 +232,7 @@ def write_hf_folder(
     )  # raises alike everywhere, before any fetch, when no family fits
     files = plan_hf_files(config, dtype, max_shard_size)
     if specs is None:
-        specs = {
-            name: gpt_shard_spec(name, config, tuple(t.shape))
-            for name, t in ReferenceGPT(config, device="meta").state_dict().items()
-        }
+        specs = gpt_shard_specs(config)
     counts: dict[str, int] = {}  # Hugging Face tensors per GPTModel parameter
     for _, entries in files:
         for e in entries:
@@ -373,10 +369,7 @@ def export_hf(
     }
     tp = dist.get_world_size(tp_group)
     # The specs of the parameters other stages hold are GPTModel's (a stage holds only its own).
-    specs = {
-        name: gpt_shard_spec(name, config, tuple(t.shape)).at(tp, 0)
-        for name, t in ReferenceGPT(config, device="meta").state_dict().items()
-    }
+    specs = {name: spec.at(tp, 0) for name, spec in gpt_shard_specs(config).items()}
 
     def gathered_shape(name: str) -> list[int]:
         """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""

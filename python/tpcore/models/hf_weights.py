@@ -27,9 +27,8 @@ from torch import nn
 from ..safetensors_io import SafetensorsFolder
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
 from .config import GPTConfig
-from .gpt_specs import gpt_shard_spec
+from .gpt_specs import gpt_shard_specs
 from .hf_config import config_from_hf, hf_family, read_hf_config
-from .reference_gpt import ReferenceGPT
 
 __all__ = ["load_hf_weights", "hf_sources", "source_shapes", "ARCHITECTURE_FIELDS"]
 
@@ -164,9 +163,8 @@ class HFFolder:
 
     def check(self) -> None:
         """Every tensor the whole model needs is there with the shape the config gives."""
-        for name, param in ReferenceGPT(self.config, device="meta").state_dict().items():
+        for name, spec in gpt_shard_specs(self.config).items():
             sources = self.sources(name)
-            spec = gpt_shard_spec(name, self.config, tuple(param.shape))
             for (key, transposed), want in zip(sources, source_shapes(spec, len(sources))):
                 try:
                     found = self.key(key)
