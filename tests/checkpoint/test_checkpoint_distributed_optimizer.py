@@ -54,13 +54,16 @@ def _train(run: Run, steps: range) -> list[float]:
     return [run.step(_micro_batches(run.config, s), LRS[s], 0.05)[0] for s in steps]
 
 
-def _dense(run: Run) -> dict[str, torch.Tensor]:
+def _weights(run: Run) -> dict[str, torch.Tensor]:
+    """This rank's pieces (the reference and the resumed run share the loading layout)."""
     run.opt.finish_param_sync()
-    return {n: p.detach().clone() for n, p in run.chunks[0].to_dense().named_parameters()}
+    return {n: p.detach().clone() for c in run.chunks for n, p in c.named_parameters()}
 
 
-def _resume(rank, world, root, save_layout, save_options, load_layout, load_options):
-    config = config_for("gpt2", 4)
+def _resume(
+    rank, world, root, save_layout, save_options, load_layout, load_options, ckpt_format, variant
+):
+    config = config_for(variant, 4)
     # Uninterrupted at the saving layout, saving at step 2.
     _layout(*save_layout)
     run = Run(config, OPTIONS[save_options])
@@ -75,6 +78,7 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
         tp_group=tp_group,
         dp_group=dp_group,
         pp_group=pp_group,
+        ckpt_format=ckpt_format,
     )
     curve += _train(run, range(SAVED_AT, STEPS))
     files = sorted(os.listdir(path))
@@ -85,7 +89,7 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
     assert all(
         math.isclose(a, b, rel_tol=1e-5) for a, b in zip(_train(reference, range(STEPS)), curve)
     )
-    want = _dense(reference)
+    want = _weights(reference)
     # Resumed at the loading layout.
     resumed = Run(config, OPTIONS[load_options])
     tp_group, dp_group, pp_group = groups()
@@ -95,7 +99,7 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
         assert math.isclose(got, expected, rel_tol=1e-5), (
             f"step {step}: resumed loss {got}, uninterrupted {expected}"
         )
-    got = _dense(resumed)
+    got = _weights(resumed)
     for name, value in want.items():
         assert_close(
             got[name],
@@ -106,29 +110,54 @@ def _resume(rank, world, root, save_layout, save_options, load_layout, load_opti
 
 
 @pytest.mark.parametrize(
-    "save_layout,save_options,load_layout,load_options",
+    "save_layout,save_options,load_layout,load_options,ckpt_format,variant",
     [
-        ((2, 1), "distributed", (1, 1), "distributed+overlap"),  # DP 2 -> DP 4
-        ((2, 1), "distributed+overlap", (4, 1), "distributed"),  # DP 2 -> DP 1
-        ((2, 1), "distributed", (2, 1), "plain"),  # without the distributed optimizer
-        ((2, 1), "plain", (1, 1), "distributed"),  # a plain checkpoint, continued with it
-        (
-            (1, 2),
-            "distributed+overlap",
-            (1, 1),
-            "buffers",
-        ),  # PP 2 x DP 2 (tied embedding across stages) -> DP 4
+        ((2, 1), "distributed", (1, 1), "distributed+overlap", "torch", "gpt2"),  # DP 2 -> DP 4
+        ((2, 1), "distributed+overlap", (4, 1), "distributed", "torch", "gpt2"),  # DP 2 -> DP 1
+        ((2, 1), "distributed", (2, 1), "plain", "torch", "gpt2"),  # without it
+        ((2, 1), "plain", (1, 1), "distributed", "torch", "gpt2"),  # a plain one, continued
+        # PP 2 x DP 2 (tied embedding across stages) -> DP 4
+        ((1, 2), "distributed+overlap", (1, 1), "buffers", "torch", "gpt2"),
+        # torch_dist: TP 2 x DP 2 slices -> TP 1 x PP 2 x DP 2 without the distributed optimizer
+        ((2, 1), "distributed", (1, 2), "plain", "torch_dist", "gpt2"),
+        # torch_dist: PP 2 x DP 2, tied embedding, one KV head -> TP 4 (the head copied on
+        # every rank, read into each rank's slices)
+        ((1, 2), "distributed+overlap", (4, 1), "distributed", "torch_dist", "gemma"),
+        # torch_dist: TP 2 x PP 2, one KV head copied over TP -> DP 4 slices
+        ((2, 2), "plain", (1, 1), "distributed", "torch_dist", "llama_kv1"),
     ],
-    ids=["dp2-to-dp4", "dp2-to-dp1", "dp2-to-plain", "plain-to-dp4", "pp2dp2-to-buffers"],
+    ids=[
+        "dp2-to-dp4",
+        "dp2-to-dp1",
+        "dp2-to-plain",
+        "plain-to-dp4",
+        "pp2dp2-to-buffers",
+        "torch_dist-tp2dp2-to-pp2-plain",
+        "torch_dist-pp2dp2-gemma-to-tp4",
+        "torch_dist-tp2pp2-kv1-plain-to-dp4",
+    ],
 )
 def test_resume_at_another_layout_continues_the_curve(
-    cpu_ranks, tmp_path, save_layout, save_options, load_layout, load_options
+    cpu_ranks, tmp_path, save_layout, save_options, load_layout, load_options, ckpt_format, variant
 ):
     files = cpu_ranks.run(
-        _resume, str(tmp_path), save_layout, save_options, load_layout, load_options
+        _resume,
+        str(tmp_path),
+        save_layout,
+        save_options,
+        load_layout,
+        load_options,
+        ckpt_format,
+        variant,
     )[0]
     optim = [f for f in files if f.startswith("optim_")]
-    if save_options.startswith("distributed"):
+    if ckpt_format == "torch_dist":
+        meta = json.loads((tmp_path / f"iter_{SAVED_AT:07d}" / "metadata.json").read_text())
+        dcp_files = [f for f in files if f == ".metadata" or f.endswith(".distcp")]
+        assert not optim and ".metadata" in dcp_files and len(dcp_files) > 1, files
+        assert meta["version"] == 5 and meta["ckpt_format"] == "torch_dist"
+        assert set(meta["files"]) == set(files) - {"metadata.json"}, (meta["files"], files)
+    elif save_options.startswith("distributed"):
         tp, pp = save_layout
         dp = 4 // (tp * pp)
         assert optim == sorted(

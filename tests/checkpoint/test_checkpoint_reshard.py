@@ -305,8 +305,8 @@ def test_unknown_format_version_is_refused(saved, tmp_path):
     with open(os.path.join(bad, "metadata.json")) as f:
         meta = json.load(f)
     with open(os.path.join(bad, "metadata.json"), "w") as f:
-        json.dump({**meta, "version": 5}, f)
+        json.dump({**meta, "version": 6}, f)
     with pytest.raises(
-        CheckpointError, match="of version 5; this tpcore reads versions 1, 2, 3, 4"
+        CheckpointError, match="of version 6; this tpcore reads versions 1, 2, 3, 4, 5"
     ):
         load_dense_state_dict(bad)

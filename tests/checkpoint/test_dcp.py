@@ -8,6 +8,7 @@ the dense model's state dict."""
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def _use(checkpointable: bool) -> None:
     """Present shards as CheckpointableTensors (torch 2.15+), or as ShardedTensors (older torch)."""
     import tpcore.checkpoint.dcp
 
-    if checkpointable and not tpcore.checkpoint.dcp._checkpointable_protocol():
+    if checkpointable and not tpcore.checkpoint.dcp.has_checkpointable():
         pytest.skip("this torch's DCP has no CheckpointableTensor")
     tpcore.checkpoint.dcp.USE_CHECKPOINTABLE = checkpointable
 
@@ -252,7 +253,7 @@ def test_dcp_to_torch_save_gives_the_dense_state_dict(tp2_dcp):
         assert torch.equal(got, want), name
 
 
-def _distributed_optimizer_refused(rank, world):
+def _unsupported_optimizers_refused(rank, world):
     from checks import expect_error
     from tpcore.optimizer import DataParallelOptions, make_optimizer
 
@@ -274,13 +275,24 @@ def _distributed_optimizer_refused(rank, world):
     )
     expect_error(
         NotImplementedError,
-        "not a DistributedAdamW",
+        "not a SimpleNamespace",
         tpcore.sharded_optimizer_state_dict,
         model,
-        opt,
+        types.SimpleNamespace(state={}),
     )
+    # DistributedAdamW's slices need DCP's CheckpointableTensor (torch 2.15+).
+    import tpcore.checkpoint.dcp_slices as slices
+
+    real, slices.has_checkpointable = slices.has_checkpointable, lambda: False
+    try:
+        expect_error(
+            NotImplementedError, "needs torch 2.15", tpcore.sharded_optimizer_state_dict, model, opt
+        )
+    finally:
+        slices.has_checkpointable = real
 
 
-def test_the_distributed_optimizer_is_refused_by_name(cpu_ranks):
-    """Its DP-sharded state is not in DCP yet: a clear error, not an AttributeError."""
-    cpu_ranks.run(_distributed_optimizer_refused)
+def test_unsupported_optimizers_are_refused_by_name(cpu_ranks):
+    """A clear error, not an AttributeError: an object that is no known optimizer, and the
+    distributed optimizer on a torch without CheckpointableTensor."""
+    cpu_ranks.run(_unsupported_optimizers_refused)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from checks import GPT_VARIANTS as VARIANTS
-from checks import expect_error, param_specs, setup_tp
+from checks import GQA_VARIANTS, expect_error, param_specs, setup_tp
 from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.tensor_parallel.shard_spec import unshard
 from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
@@ -245,6 +245,98 @@ def test_load_dense_state_dict(tp2_checkpoint):
     for name, want in ref.items():
         assert torch.equal(state[name], want), name
     ReferenceGPT(config).load_state_dict(state)  # the names and shapes of the dense model
+
+
+def _torch_dist_round_trip(rank, world, root):
+    """The torch_dist format at TP 2 x DP 2 with one KV head (copied on both TP ranks):
+    exact round trip of weights and AdamW state; torch's `dcp_to_torch_save`,
+    `load_dense_state_dict` and the Hugging Face export give the dense model; a damaged
+    DCP file is named on every rank before anything is loaded."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tpcore.train.checkpoint_to_hf import checkpoint_to_hf
+
+    setup_tp(2)
+    tp_group, dp_group = tp_dp_groups()
+    config = GQA_VARIANTS["llama_kv1"]
+    model, opt = _make(config, 0)
+    _train_steps(model, opt, 2)
+    save = lambda d, fmt: save_checkpoint(  # noqa: E731
+        os.path.join(root, d),
+        2,
+        model,
+        opt,
+        consumed_samples=8,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        ckpt_format=fmt,
+    )
+    path, torch_path = save("dist", "torch_dist"), save("plain", "torch")
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    dense = {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}
+    dense_opt = _dense_optimizer_state(opt, model)
+
+    model2, opt2 = _make(config, 1)
+    meta = load_checkpoint(path, model2, opt2, tp_group=tp_group)
+    assert (meta["version"], meta["ckpt_format"], meta["iteration"]) == (5, "torch_dist", 2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, saved_model[k]), k
+    for name, entry in saved_opt["params"].items():
+        for key, value in entry.items():
+            assert torch.equal(opt2.state_dict()["params"][name][key], value), (name, key)
+
+    if rank == 0:
+        files = sorted(os.listdir(path))
+        assert set(meta["files"]) == set(files) - {"metadata.json"}, files
+        assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
+        dcp_to_torch_save(path, os.path.join(root, "dense.pt"))
+        converted = torch.load(os.path.join(root, "dense.pt"))
+        assert set(converted["model"]) == set(dense), sorted(converted["model"])
+        for name, want in dense.items():
+            assert torch.equal(converted["model"][name], want), name
+        for key, want in dense_opt.items():
+            name, state = key.split("/")
+            got = converted["optimizer"]["state"][name][state]
+            assert torch.equal(got, want), key
+        config_read, state = load_dense_state_dict(path)
+        assert config_read == config and set(state) == set(dense)
+        for name, want in dense.items():
+            assert torch.equal(state[name], want), name
+        # The Hugging Face export reads both formats alike.
+        import safetensors.torch
+
+        for fmt, source in (("dist", path), ("plain", torch_path)):
+            checkpoint_to_hf(source, os.path.join(root, f"hf_{fmt}"))
+        a = safetensors.torch.load_file(os.path.join(root, "hf_dist", "model.safetensors"))
+        b = safetensors.torch.load_file(os.path.join(root, "hf_plain", "model.safetensors"))
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+        # A damaged DCP file.
+        shutil.copytree(path, os.path.join(root, "damaged"))
+        victim = sorted(f for f in files if f.endswith(".distcp"))[-1]
+        with open(os.path.join(root, "damaged", victim), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    model3, opt3 = _make(config, 2)
+    before = {k: v.clone() for k, v in model3.state_dict().items()}
+    expect_error(
+        CheckpointError,
+        "is corrupt: CRC-32",
+        load_checkpoint,
+        os.path.join(root, "damaged"),
+        model3,
+        opt3,
+        tp_group=tp_group,
+    )
+    for k, v in model3.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was written by a refused load"
+
+
+def test_torch_dist_round_trip_dense_and_damage(cpu_ranks, tmp_path):
+    cpu_ranks.run(_torch_dist_round_trip, str(tmp_path))
 
 
 def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):

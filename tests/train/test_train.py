@@ -302,6 +302,35 @@ def test_tp2_pp2_checkpoint_continues_at_tp1_pp1(workdir, tp2_pp2_run, tp1_run):
     assert_same_curves(rows[-5:], tp2_pp2_run[0][10:15], exact=False)
 
 
+def test_torch_dist_checkpoint_resumes_at_another_layout(workdir, tp1_run):
+    """--ckpt-format torch_dist: written at TP 2 x DP 2 with the distributed optimizer,
+    resumed at PP 2 without it, on the uninterrupted curve."""
+    save = workdir / "torch_dist"
+    first, _ = train(
+        workdir,
+        "torch_dist",
+        4,
+        "--tensor-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--ckpt-format",
+        "torch_dist",
+        "--save",
+        str(save),
+        "--save-interval",
+        "10",
+        "--exit-interval",
+        "10",
+    )
+    assert_same_curves(first, tp1_run[0][:10], exact=False)
+    assert (save / "iter_0000010" / ".metadata").is_file()
+    rows, stdout = train(
+        workdir, "torch_dist_pp2", 2, *PP2, "--load", str(save), "--exit-interval", "10"
+    )
+    assert "at iteration 10" in stdout
+    assert_same_curves(rows[-10:], tp1_run[0][10:20], exact=False)
+
+
 def test_convert_and_generate_read_a_tp2_pp2_checkpoint(workdir, tp2_pp2_run, tmp_path):
     pytest.importorskip("safetensors")  # tpcore-convert's optional dependency
     ckpt = workdir / "tp2pp2" / "iter_0000015"

@@ -26,13 +26,15 @@ always call it after `load`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
+from .dcp_slices import has_checkpointable, load_slice_state_dict, slice_state_dict
+from .optimizer_slices import is_sharded
 
 __all__ = [
     "sharded_state_dict",
@@ -42,17 +44,7 @@ __all__ = [
 ]
 
 
-def _checkpointable_protocol() -> bool:
-    """Whether this torch's DCP takes a plain tensor carrying its global layout (the
-    `CheckpointableTensor` protocol); older ones take ShardedTensors."""
-    try:
-        from torch.distributed.checkpoint.protocol import CheckpointableTensor  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-USE_CHECKPOINTABLE = _checkpointable_protocol()
+USE_CHECKPOINTABLE = has_checkpointable()
 """Build the sharded values as `CheckpointableTensor`s (torch 2.15+) rather than
 `ShardedTensor`s."""
 
@@ -186,30 +178,47 @@ def _sharded(tensor: torch.Tensor, spec: ShardSpec):
     return _checkpointable(tensor, spec) if USE_CHECKPOINTABLE else _to_sharded(tensor, spec)
 
 
-def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
-    """`module.state_dict()` with every split parameter as a ShardedTensor of its global
-    tensor (names and shapes as the dense module's; vocabulary padding left out), for
-    `torch.distributed.checkpoint.save` / `load`. Builds no global tensor."""
-    specs = {name: shard_spec(p) for name, p in module.named_parameters()}
+Model = nn.Module | Sequence[nn.Module]
+"""A module, or this rank's pipeline chunks (whose names are the whole model's)."""
+
+
+def _chunks(model: Model) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _named_parameters(model: Model) -> dict[str, nn.Parameter]:
+    return {name: p for chunk in _chunks(model) for name, p in chunk.named_parameters()}
+
+
+def _module_state(model: Model) -> dict[str, torch.Tensor]:
+    return {k: t for chunk in _chunks(model) for k, t in chunk.state_dict(keep_vars=True).items()}
+
+
+def sharded_state_dict(model: Model) -> dict[str, Any]:
+    """`model.state_dict()` with every split parameter as its piece of the global tensor
+    (names and shapes as the dense module's; vocabulary padding left out), for
+    `torch.distributed.checkpoint.save` / `load`. Builds no global tensor. `model`: a
+    module, or this rank's pipeline chunks."""
+    specs = {name: shard_spec(p) for name, p in _named_parameters(model).items()}
     return {
         name: _sharded(t, specs[name]) if name in specs else t
-        for name, t in module.state_dict(keep_vars=True).items()
+        for name, t in _module_state(model).items()
     }
 
 
-def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> None:
-    """Write `state_dict` (a `sharded_state_dict(module)` that `torch.distributed.checkpoint.load`
-    filled) into `module`'s parameters and buffers. A collective over the TP group where
+def load_sharded_state_dict(model: Model, state_dict: dict[str, Any]) -> None:
+    """Write `state_dict` (a `sharded_state_dict(model)` that `torch.distributed.checkpoint.load`
+    filled) into `model`'s parameters and buffers. A collective over the TP group where
     chunks are replicated (grouped-query attention with fewer KV heads than TP): call on
     every rank."""
-    own = module.state_dict(keep_vars=True)
+    own = _module_state(model)
     missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or extra:
         raise KeyError(
             "tpcore: load_sharded_state_dict: the state dict does not fit the module (missing "
             f"{missing[:5]}, unexpected {extra[:5]})"
         )
-    specs = {name: shard_spec(p) for name, p in module.named_parameters()}
+    specs = {name: shard_spec(p) for name, p in _named_parameters(model).items()}
     with torch.no_grad():
         for name, target in own.items():
             value, spec = state_dict[name], specs.get(name)
@@ -220,11 +229,11 @@ def load_sharded_state_dict(module: nn.Module, state_dict: dict[str, Any]) -> No
 
 
 def _optimizer_entries(
-    module: nn.Module, optimizer
+    model: Model, optimizer
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """({parameter name: {state key: tensor}}, {parameter name: parameter}) of a torch
-    optimizer over `module`'s parameters, or of tpcore's ParallelAdamW."""
-    params = dict(module.named_parameters())
+    optimizer over `model`'s parameters, or of tpcore's ParallelAdamW."""
+    params = _named_parameters(model)
     if hasattr(optimizer, "names") and hasattr(optimizer, "masters"):  # tpcore.train.ParallelAdamW
         _init_state(optimizer.adam)
         state = optimizer.state_dict()["params"]
@@ -232,8 +241,7 @@ def _optimizer_entries(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise NotImplementedError(
             f"tpcore: sharded_optimizer_state_dict takes a torch.optim optimizer or tpcore's "
-            f"ParallelAdamW, not a {type(optimizer).__name__} (the distributed optimizer's "
-            "DP-sharded state is not in DCP yet: save it with tpcore.checkpoint.save_checkpoint)"
+            f"ParallelAdamW or DistributedAdamW, not a {type(optimizer).__name__}"
         )
     names = {id(p): name for name, p in params.items()}
     unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
@@ -271,13 +279,22 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def sharded_optimizer_state_dict(module: nn.Module, optimizer) -> dict[str, Any]:
+def sharded_optimizer_state_dict(
+    model: Model, optimizer, *, for_load: bool = False
+) -> dict[str, Any]:
     """The optimizer's state by parameter name, `{"state": {name: {key: value}}}`, each
     tensor shaped like its parameter sharded by the parameter's spec (moments, fp32
     masters), scalars (the step) as they are; plus a torch optimizer's `param_groups`
-    (hyperparameters, parameters by name) or ParallelAdamW's loss scaler. A fresh torch
-    optimizer gets its state created first, so the same call prepares a load."""
-    entries, params = _optimizer_entries(module, optimizer)
+    (hyperparameters, parameters by name) or tpcore's optimizers' loss scaler. A fresh
+    torch optimizer gets its state created first, so the same call prepares a load.
+
+    tpcore's DistributedAdamW gives its DP slices (`dcp_slices`), under the same names and
+    global shapes as the other optimizers' state: pass `for_load=True` for the state to
+    load into (it reads the copies of replicated key/value heads, which a save leaves to
+    their owners)."""
+    if is_sharded(optimizer):
+        return slice_state_dict(optimizer, for_load=for_load)
+    entries, params = _optimizer_entries(model, optimizer)
     state = {}
     for name, entry in entries.items():
         spec, shape = shard_spec(params[name]), tuple(params[name].shape)
@@ -300,12 +317,14 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer) -> dict[str, Any]
     return out
 
 
-def load_sharded_optimizer_state_dict(
-    module: nn.Module, optimizer, state_dict: dict[str, Any]
-) -> None:
-    """Write a loaded `sharded_optimizer_state_dict(module, optimizer)` back into the
-    optimizer (a collective over the TP group where chunks are replicated)."""
-    entries, params = _optimizer_entries(module, optimizer)
+def load_sharded_optimizer_state_dict(model: Model, optimizer, state_dict: dict[str, Any]) -> None:
+    """Write a loaded `sharded_optimizer_state_dict(model, optimizer, for_load=True)` back
+    into the optimizer (a collective over the TP group where chunks are replicated, over
+    DP for DistributedAdamW)."""
+    if is_sharded(optimizer):
+        load_slice_state_dict(optimizer, state_dict)
+        return
+    entries, params = _optimizer_entries(model, optimizer)
     state = state_dict["state"]
     missing = sorted(set(entries) - set(state))
     if missing:

@@ -12,6 +12,7 @@ from .errors import CheckpointError
 __all__ = [
     "FORMAT",
     "VERSION",
+    "TORCH_DIST_VERSION",
     "READABLE_VERSIONS",
     "find_checkpoint",
     "require_checkpoint",
@@ -24,9 +25,11 @@ __all__ = [
 
 FORMAT = "tpcore-gpt-checkpoint"
 VERSION = 4
+TORCH_DIST_VERSION = 5
 # 1: TP only, files model_tpRR.pt; 2: + pipeline; 3: + file checksums and shard identity;
-# 4: + the distributed optimizer's state, sharded over DP (optim_tpRR_ppSS_dpDDD.pt).
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 4: + the distributed optimizer's state, sharded over DP (optim_tpRR_ppSS_dpDDD.pt);
+# 5: the tensors in torch's distributed checkpoint (DCP) files ("ckpt_format": "torch_dist").
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _NAME = re.compile(r"iter_(\d{7,})")
 _FOLDER = re.compile(r"iter_(\d{7,})(\.old)?")
 

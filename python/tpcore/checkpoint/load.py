@@ -47,6 +47,7 @@ from ..models.gpt_specs import gpt_shard_specs
 from ..pipeline_parallel.layout import ParallelLayout, current_layout, model_chunks
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
+from . import torch_dist
 from .errors import CheckpointError
 from .index import find_checkpoint, read_metadata, require_checkpoint
 from .index import model_file as _model_file
@@ -399,6 +400,10 @@ def load_checkpoint(
     chunks = model_chunks(model)
     config = chunks[0].config
     _check_config(meta, config, directory)
+    if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
+        return _load_torch_dist(
+            directory, meta, chunks, optimizer, tp_group, pp_group, load_rng, load_group, verify
+        )
     files = shard_files(directory, meta)
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
@@ -462,9 +467,47 @@ def load_checkpoint(
     elif optimizer is not None:  # weights only: the optimizer restarts from them
         optimizer.reset_from_params()
     if rng is not None:
-        set_device_rng_states((rng["cpu"], rng["cuda"] if torch.cuda.is_available() else None))
-        get_rng_tracker().set_states(rng["tracker"])
-        get_rng_tracker().set_counter_positions(rng.get("counters", {}))
+        _restore_rng(rng)
+    return meta
+
+
+def _restore_rng(rng: dict) -> None:
+    set_device_rng_states((rng["cpu"], rng["cuda"] if torch.cuda.is_available() else None))
+    get_rng_tracker().set_states(rng["tracker"])
+    get_rng_tracker().set_counter_positions(rng.get("counters", {}))
+
+
+def _load_torch_dist(
+    directory, meta, chunks, optimizer, tp_group, pp_group, load_rng, load_group, verify
+) -> dict:
+    """`load_checkpoint` of a torch_dist checkpoint: DCP reads the tensors (any layout),
+    then the RNG states as in the "torch" format."""
+    params = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
+    specs = {name: shard_spec(p) for name, p in params.items()}
+    device = next(iter(params.values())).device
+    all_or_none(
+        lambda: _check_specs(specs, saved_specs(meta), directory),
+        f"loading checkpoint {directory}: checking its shard specs",
+        device,
+        load_group,
+        CheckpointError,
+    )
+    torch_dist.read(directory, meta, chunks, optimizer, verify=verify, group=load_group)
+    layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
+    same_layout = (
+        meta["world_size"] == dist.get_world_size() and ParallelLayout.from_metadata(meta) == layout
+    )
+    if load_rng and same_layout:
+        rng_path = _rng_file(directory, dist.get_rank())
+
+        def read_rng() -> dict:
+            if verify:
+                verify_file(rng_path, meta["files"])
+            return _load(rng_path)
+
+        _restore_rng(
+            all_or_none(read_rng, f"loading {rng_path}", device, load_group, CheckpointError)
+        )
     return meta
 
 
@@ -478,9 +521,13 @@ def load_dense_state_dict(
     directory = require_checkpoint(path)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
+    specs = saved_specs(meta)
+    if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
+        if verify:
+            torch_dist.verify_files(directory, meta)
+        return config, torch_dist.read_dense(directory, list(specs))
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
-    specs = saved_specs(meta)
     shapes = {name: spec.global_shape for name, spec in specs.items()}
     dense: dict[str, torch.Tensor] = {}
     for saved_rank, pp_rank in sorted(files, key=lambda key: (key[1], key[0])):

@@ -1,6 +1,7 @@
-"""Saving a GPT checkpoint (see `load` for the layout): each (TP, PP) rank's model
-shard written by its DP rank 0, the distributed optimizer's slices by every DP rank
-(`optimizer_slices`), each rank's RNG states, then the metadata and `latest`, atomically."""
+"""Saving a GPT checkpoint (see `load` for the layout): in the "torch" format each (TP, PP)
+rank's model shard written by its DP rank 0, the distributed optimizer's slices by every DP
+rank (`optimizer_slices`); in "torch_dist" DCP's files (`torch_dist`); then each rank's RNG
+states, the metadata and `latest`, atomically."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from ..pipeline_parallel import duplicate_parameter_names
 from ..pipeline_parallel.layout import current_layout, model_chunks
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker
 from ..tensor_parallel.shard_spec import shard_spec
+from . import torch_dist
 from .errors import CheckpointError
-from .index import FORMAT, VERSION, model_file, rng_file
+from .index import FORMAT, TORCH_DIST_VERSION, VERSION, model_file, rng_file
 from .integrity import (
     describe_os_error,
     random_id,
@@ -88,12 +90,20 @@ def save_checkpoint(
     pp_group: dist.ProcessGroup | None = None,
     extra: dict | None = None,
     run_id: str | None = None,
+    ckpt_format: str = "torch",
 ) -> str:
     """Write checkpoint `iter_{iteration}` (a collective: call on every rank). `model` is a
     GPTModel or this rank's pipeline chunks (then pass `pp_group`). `run_id` (the same on
     every rank; default: a fresh one) is recorded in the metadata and in every shard.
     Returns its path. Fails on every rank alike, naming the file and the cause (ENOSPC,
-    EACCES, non-finite weights), and removes what it wrote, when any rank fails."""
+    EACCES, non-finite weights), and removes what it wrote, when any rank fails.
+    `ckpt_format`: "torch" (tpcore's files) or "torch_dist" (torch's distributed
+    checkpoint); loaders read either."""
+    if ckpt_format not in ("torch", torch_dist.FORMAT_NAME):
+        raise ValueError(
+            f"tpcore: save_checkpoint: ckpt_format must be 'torch' or 'torch_dist', not "
+            f"{ckpt_format!r}"
+        )
     chunks = model_chunks(model)
     if optimizer is not None:
         # parameter all-gathers still in flight (--overlap-param-gather)
@@ -113,7 +123,19 @@ def save_checkpoint(
     }
     records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 
+    skip = duplicate_parameter_names(chunks)
+    where = f"{final} (TP rank {dist.get_rank(tp_group)}, PP rank " + (
+        f"{0 if pp_group is None else dist.get_rank(pp_group)})"
+    )
+
+    to_save: dict = {}  # torch_dist: what DCP is given, built before its collective save
+
     def prepare() -> None:
+        _check_finite(
+            {n: p for c in chunks for n, p in c.named_parameters() if n not in skip}, where
+        )
+        if ckpt_format == torch_dist.FORMAT_NAME:
+            to_save["dcp"] = torch_dist.state_to_save(chunks, optimizer, skip)
         if rank == 0:
             try:
                 os.makedirs(save_dir, exist_ok=True)
@@ -127,18 +149,19 @@ def save_checkpoint(
                 ) from e
 
     def write_files() -> None:
-        if dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
+        if ckpt_format == torch_dist.FORMAT_NAME:  # a collective; DCP fails every rank alike
+            records.update(torch_dist.write(tmp, to_save.pop("dcp")))
+        elif dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
             tp_rank, pp_rank = (
                 dist.get_rank(tp_group),
                 0 if pp_group is None else dist.get_rank(pp_group),
             )
             path = model_file(tmp, tp_rank, pp_rank)
             state = _shard_state(chunks, optimizer)
-            _check_finite(state["model"], f"{final} (TP rank {tp_rank}, PP rank {pp_rank})")
             records[os.path.basename(path)] = save_checked(
                 {**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path
             )
-        if sharded:  # every DP rank writes its own slices: nothing is gathered
+        if sharded and ckpt_format == "torch":  # every DP rank its own slices: no gather
             tp_rank, pp_rank, dp_rank = (
                 dist.get_rank(tp_group),
                 0 if pp_group is None else dist.get_rank(pp_group),
@@ -166,7 +189,6 @@ def save_checkpoint(
         gathered: list = [None] * dist.get_world_size()
         # Every rank joins (the write phase succeeded everywhere) with its files and the
         # logical shard specs of its parameters: loaders without a model read them.
-        skip = duplicate_parameter_names(chunks)
         specs = {
             name: shard_spec(p).to_dict()
             for chunk in chunks
@@ -175,16 +197,20 @@ def save_checkpoint(
         }
         dist.all_gather_object(gathered, (records, specs))
         if rank == 0:
+            files = {k: v for part, _ in gathered for k, v in sorted(part.items())}
+            if ckpt_format == torch_dist.FORMAT_NAME:
+                files = torch_dist.files_of(tmp, files)
             metadata = {
                 "format": FORMAT,
-                "version": VERSION,
+                "version": VERSION if ckpt_format == "torch" else TORCH_DIST_VERSION,
+                "ckpt_format": ckpt_format,
                 **identity,
                 "consumed_samples": consumed_samples,
                 "distributed_optimizer": sharded,
                 "world_size": dist.get_world_size(),
                 "dtype": str(next(chunks[0].parameters()).dtype).removeprefix("torch."),
                 "model_config": dataclasses.asdict(chunks[0].config),
-                "files": {k: v for part, _ in gathered for k, v in sorted(part.items())},
+                "files": files,
                 "shard_specs": {k: v for _, part in gathered for k, v in part.items()},
                 **(extra or {}),
             }

@@ -179,6 +179,12 @@ class TrainArgs:
     load: str | None = _arg(
         None, "resume from (or reshard) the latest checkpoint in this directory"
     )
+    ckpt_format: str = _arg(
+        "torch",
+        "format of the checkpoints --save writes: torch (tpcore's files, one per TP x PP rank) or "
+        "torch_dist (torch's distributed checkpoint, DCP); --load reads either",
+        ("torch", "torch_dist"),
+    )
     verify_checkpoint: bool = _arg(
         True,
         "check each checkpoint file's size and CRC-32 before loading it (--no-verify-checkpoint "

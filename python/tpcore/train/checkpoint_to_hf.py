@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from ..checkpoint import torch_dist
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.index import read_metadata, require_checkpoint
 from ..checkpoint.load import saved_specs, shard_files, shard_opener
@@ -87,13 +88,28 @@ def checkpoint_to_hf(
     check_export_folder(
         out_dir, tokenizer
     )  # before the shards are read: other files there would be left beside the model
+    specs = saved_specs(meta)
+    stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
+    if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
+        if verify:  # every file checked before any is used
+            torch_dist.verify_files(directory, meta)
+        fetch = lambda name: [torch_dist.read_dense(directory, [name])[name]]  # noqa: E731
+        return _write(
+            out_dir,
+            config,
+            fetch,
+            dtype or stored_dtype,
+            meta,
+            tokenizer,
+            eod,
+            specs,
+            max_shard_size,
+        )
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
     names = list(ReferenceGPT(config, device="meta").state_dict())
     for key in sorted(files, key=lambda k: (k[1], k[0])):  # every file checked before any is used
         open_shard(key).check_names(saved.names_on(key[1], names))
-    specs = saved_specs(meta)
-    stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
     tp = saved.tensor_parallel_size
     opened: dict[tuple[int, int], object] = {}
 
@@ -125,11 +141,19 @@ def checkpoint_to_hf(
             )  # re-mapped past REMAP_BYTES: touched pages go
         return pieces
 
+    return _write(
+        out_dir, config, fetch, dtype or stored_dtype, meta, tokenizer, eod, specs, max_shard_size
+    )
+
+
+def _write(out_dir, config, fetch, dtype, meta, tokenizer, eod, specs, max_shard_size) -> str:
+    """`write_hf_folder` with the checkpoint's HF config, tokenizer and specs; raises what it
+    reports."""
     error = write_hf_folder(
         out_dir,
         config,
         fetch,
-        dtype=dtype or stored_dtype,
+        dtype=dtype,
         hf_config=meta.get("hf_config"),
         tokenizer=tokenizer,
         eos_token_id=eod,

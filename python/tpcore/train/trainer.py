@@ -498,6 +498,7 @@ class _Training:
             dp_group=self.dp_group,
             pp_group=self.pp_group,
             run_id=self.run_id,
+            ckpt_format=args.ckpt_format,
             extra={
                 "args": dataclasses.asdict(args),
                 "tokenizer": args.tokenizer
