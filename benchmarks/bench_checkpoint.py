@@ -15,9 +15,13 @@ before the step (VmHWM, reset through /proc/self/clear_refs), the larger rank's.
   CRC-32 of every file, memory-mapped loading of only the shared index ranges).
 - tpcore_noverify: the same, loaded with `verify=False` (the files' CRC-32 not checked: each
   rank then reads only what it needs; DCP has no checksums, so this is the like-for-like load).
-- torch_dist: `torch.distributed.checkpoint.save` / `load` of `tpcore.sharded_state_dict`
-  and `tpcore.sharded_optimizer_state_dict` (ShardedTensors from the shard specs), then
-  `tpcore.load_sharded_state_dict` / `load_sharded_optimizer_state_dict`.
+- torch_dist: the same calls with `ckpt_format="torch_dist"` (the trainer's `--ckpt-format
+  torch_dist`): DCP's files plus tpcore's metadata, CRC-32 of every file (summed after DCP
+  wrote it), RNG files, atomic publish; loaded through DCP after the checksums.
+- torch_dist_noverify: the same, loaded with `verify=False`.
+- dcp: bare `torch.distributed.checkpoint.save` / `load` of `tpcore.sharded_state_dict`
+  and `tpcore.sharded_optimizer_state_dict`, then `tpcore.load_sharded_state_dict` /
+  `load_sharded_optimizer_state_dict` (no checksums, no metadata, no RNG).
 
 Both write to --workdir (removed after) and load right after saving, so reads come from the
 page cache alike.
@@ -112,7 +116,8 @@ def _worker(rank, world, store, args, results):
     model, opt = build(0)
     saved = {k: v.clone() for k, v in tensors(model, opt).items()}
     params = sum(p.numel() for p in model.parameters()) * dist.get_world_size(tp_group)
-    times = {f: {"save": [], "load": []} for f in ("tpcore", "tpcore_noverify", "torch_dist")}
+    formats = ("tpcore", "tpcore_noverify", "torch_dist", "torch_dist_noverify", "dcp")
+    times = {f: {"save": [], "load": []} for f in formats}
     peaks = {f: {"save": 0.0, "load": 0.0} for f in times}
     for repeat in range(args.repeats):
         for fmt in times:
@@ -123,7 +128,7 @@ def _worker(rank, world, store, args, results):
                 dist.barrier()
                 base = _reset_peak()
                 start = time.perf_counter()
-                if fmt.startswith("tpcore") and phase == "save":
+                if fmt != "dcp" and phase == "save":
                     save_checkpoint(
                         path,
                         1,
@@ -132,9 +137,10 @@ def _worker(rank, world, store, args, results):
                         consumed_samples=0,
                         tp_group=tp_group,
                         dp_group=dp_group,
+                        ckpt_format="torch" if fmt.startswith("tpcore") else "torch_dist",
                     )
-                elif fmt.startswith("tpcore"):
-                    verify = fmt == "tpcore"
+                elif fmt != "dcp":
+                    verify = not fmt.endswith("_noverify")
                     load_checkpoint(
                         path, fresh, fresh_opt, tp_group=tp_group, load_rng=False, verify=verify
                     )
