@@ -22,7 +22,12 @@ from torch import nn
 from .. import comm
 from .._module_utils import SharesProcessGroups
 from ..parallel_state import resolve_tensor_group
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ScaledVocabParallelEmbedding,
+    VocabParallelEmbedding,
+)
 from ..tensor_parallel.shard_spec import ShardSpec, set_shard_spec
 from .grads import install_gradient_sums
 from .lm_head import VocabParallelLMHead
@@ -30,7 +35,6 @@ from .moe import install_moe_blocks
 from .plan import Load, Plan, Replacement, make_plan
 from .policy import get_policy
 from .rank_config import RankConfig
-from .scaled_embedding import ScaledVocabParallelEmbedding
 from .slices import spec_ranges
 from .split_norm import SplitRMSNorm
 from .weights import BLOCK_BYTES, DenseSource, SafetensorsSource

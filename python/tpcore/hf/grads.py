@@ -4,8 +4,8 @@ norms over each head (Qwen3's and Gemma 3's q / k norms).
 
 During each forward of such a module, its parameters pass through an identity whose
 backward sums the gradient over the ranks that share the parameter (`copy_to_tensor_parallel`
-for the whole group, `_SumGrad` for a block of it), the way `models/gqa.py` does it for
-GPTModel. The sum is made before the gradient is accumulated
+for the whole group, `tensor_parallel.shared_grads.sum_over_copies` for blocks of it, as
+GPTModel does). The sum is made before the gradient is accumulated
 into `.grad`, so gradient accumulation stays exact, and it follows whatever parameter the
 module holds when it runs: freezing or unfreezing later, `load_state_dict(assign=True)`.
 """
@@ -18,39 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
 from ..tensor_parallel.mappings import copy_to_tensor_parallel
+from ..tensor_parallel.shared_grads import sum_over_copies
 
 __all__ = ["install_gradient_sums", "sum_replicated_kv_grads"]
 
 Through = Callable[[torch.Tensor], torch.Tensor]
-
-
-class _SumGrad(torch.autograd.Function):
-    """Identity; backward: the sum of the gradients of ranks `[first, first + count)` of
-    `group` (an all-gather, then the block's sum), over rows `[lo, hi)` of dim 0 only when
-    `rows` is given (the k / v rows of a fused q|k|v layer), the rest left as it is."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        param: torch.Tensor,
-        group: dist.ProcessGroup,
-        first: int,
-        count: int,
-        rows: tuple[int, int] | None,
-    ) -> torch.Tensor:
-        ctx.group, ctx.first, ctx.count, ctx.rows = group, first, count, rows
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        lo, hi = ctx.rows or (0, grad.shape[0])
-        every = comm.all_gather(grad[lo:hi].unsqueeze(0), 0, ctx.group)
-        summed = every[ctx.first : ctx.first + ctx.count].sum(0)
-        if ctx.rows is not None:
-            summed = torch.cat([grad[:lo], summed, grad[hi:]])
-        return summed, None, None, None, None
 
 
 def _hook_module(module: nn.Module, through: Through) -> None:
@@ -85,12 +58,11 @@ def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
         _hook_module(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))
     if layout.kv_replicated:
         copies = layout.tp_size // layout.kv_heads  # adjacent ranks sharing one KV head
-        first = layout.tp_rank // copies * copies
         for rep in plan.replacements:
             if rep.kv_replicated:
                 _hook_module(
                     model.get_submodule(rep.name),
-                    lambda p, rows=rep.kv_rows: _SumGrad.apply(p, group, first, copies, rows),
+                    lambda p, rows=rep.kv_rows: sum_over_copies(p, group, copies, rows),
                 )
 
 

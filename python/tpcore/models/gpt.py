@@ -35,6 +35,7 @@ from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_
 from ..tensor_parallel.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
+from ..tensor_parallel.scaled_embedding import ScaledVocabParallelEmbedding
 from ..tensor_parallel.shard_spec import set_shard_spec, shard, shard_spec, unshard
 from .common import (
     apply_rotary,
@@ -42,7 +43,6 @@ from .common import (
     make_norm,
     mlp_activation,
     rotary_tables,
-    scale_embedding,
 )
 from .config import GPTConfig
 from .gpt_specs import gpt_shard_specs
@@ -121,12 +121,11 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if not self.replicated_kv:
             return self.qkv(x)
-        # The same GEMM, its weight and bias through ReplicatedKVGrad: copies of a KV head get the
+        # The same GEMM, its weight and bias through replicated_kv_grad: copies of a KV head get the
         # summed gradient.
         c, layer = self.config, self.qkv
         weight, bias = (
-            replicated_kv_grad(t, c, self.group, self.tp_rank, self.tp_size)
-            for t in (layer.weight, layer.bias)
+            replicated_kv_grad(t, c, self.group, self.tp_size) for t in (layer.weight, layer.bias)
         )
         return _op_entry.column_parallel_linear(
             x, weight, bias, live_group_name(self.group), False, c.sequence_parallel
@@ -227,7 +226,8 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.group = config, group
-        self.word = VocabParallelEmbedding(
+        scaled = config.embedding_scale is not None  # Gemma's: the lookup times a constant
+        self.word = (ScaledVocabParallelEmbedding if scaled else VocabParallelEmbedding)(
             config.vocab_size,
             config.hidden_size,
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
@@ -235,6 +235,7 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
             group=group,
             dtype=dtype,
             device="meta",
+            **({"embed_scale": config.embedding_scale} if scaled else {}),
         )
         if config.position_embedding == "learned":
             self.position = nn.Embedding(
@@ -245,7 +246,7 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = scale_embedding(self.config, self.word(ids.t()))
+        x = self.word(ids.t())
         if hasattr(self, "position"):
             pos = self.position.weight[: ids.shape[1]]
             if self.config.sequence_parallel:  # this rank's sequence shard of the positions

@@ -21,6 +21,7 @@ from .mappings import (
 )
 from .random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker, model_parallel_manual_seed
 from .recompute import checkpoint
+from .scaled_embedding import ScaledVocabParallelEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
@@ -29,6 +30,7 @@ __all__ = [
     "ShardedInit",
     "init_shard_",
     "VocabParallelEmbedding",
+    "ScaledVocabParallelEmbedding",
     "pad_vocab_size",
     "vocab_shard",
     "vocab_parallel_cross_entropy",

@@ -1,11 +1,12 @@
-"""The vocab-parallel form of transformers' scaled word embeddings (Gemma's: the lookup
-times a constant, `embed_scale` = sqrt(hidden))."""
+"""Scaled word embeddings, vocab-parallel (Gemma's: the lookup times a constant,
+`embed_scale` = sqrt(hidden)): GPTModel's with `embedding_scale`, and `tpcore.hf`'s
+replacement of transformers' scaled embeddings."""
 
 from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel import VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding
 
 __all__ = ["ScaledVocabParallelEmbedding"]
 
