@@ -390,7 +390,7 @@ SAMPLING = [(0.7, 5, 0.8), (1.3, 20, 1.0), (1.0, None, 0.5), (1.0, 1, 1.0), (0.5
 def _sampling_job(rank, world, path):
     import tpcore
     import tpcore.hf
-    from tpcore.hf.generate import candidates, filtered_probs
+    from tpcore.tensor_parallel.sampling import candidates, filtered_probs
 
     tp = 4
     tpcore.initialize_model_parallel(tensor_parallel_size=tp)

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from checks import GPT_VARIANTS as VARIANTS
-from checks import expect_error, setup_tp
+from checks import GQA_VARIANTS, assert_close, expect_error, setup_tp
 from tpcore.models import GPTModel, ReferenceGPT, generate
+from tpcore.models.kv_cache import KVCache
 
 NEW = 4
 
@@ -133,6 +134,7 @@ def _bad_inputs(rank, world):
         ("temperature must be > 0", (ok, 2), dict(temperature=0.0)),
         ("temperature must be > 0", (ok, 2), dict(temperature=-1.0)),
         ("top_k must be an int >= 1", (ok, 2), dict(top_k=0)),
+        ("top_p must be in (0, 1]", (ok, 2), dict(top_p=0.0)),
         ("prompt token id 50 is out of range [0, 50)", (torch.full((1, 3), 50), 2), {}),
         ("prompt token id -1 is out of range [0, 50)", (torch.full((1, 3), -1), 2), {}),
         ("eod 50 is out of range [0, 50)", (ok, 2), dict(eod=50)),
@@ -152,3 +154,34 @@ def _bad_inputs(rank, world):
 
 def test_bad_inputs_raise_on_every_rank(cpu_ranks):
     cpu_ranks.run(_bad_inputs)
+
+
+def _decode_matches_forward(rank, world, tp):
+    """`GPTModel.decode` with its KV cache (a prompt, single tokens, then two at once) gives
+    the logits a forward over the whole sequence gives at the same positions; the cache
+    refuses tokens past its length and the model's positions."""
+    setup_tp(tp)
+    variants = {**VARIANTS, **{k: GQA_VARIANTS[k] for k in ("llama_kv1", "qwen3_kv2", "gemma")}}
+    for name, config in variants.items():
+        torch.manual_seed(0)
+        model = GPTModel(config).eval()
+        ids = _prompt(2, 9, seed=5)
+        with torch.no_grad():
+            full = model(ids)  # [b, s, vocab_padded / tp]
+            cache = KVCache(config.max_position_embeddings)
+            for lo, hi in ((0, 4), (4, 5), (5, 6), (6, 7), (7, 9)):
+                got = model.decode(ids[:, lo:hi], cache)
+                assert_close(got, full[:, hi - 1], f"{name} TP{tp}: tokens {lo}..{hi - 1}")
+            assert cache.length == 9
+    with torch.no_grad():
+        short = KVCache(3)
+        expect_error(ValueError, "exceed its 3", model.decode, _prompt(1, 4), short)
+        long = KVCache(64)
+        expect_error(
+            ValueError, "exceed max_position_embeddings", model.decode, _prompt(1, 17), long
+        )
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_decode_with_kv_cache_matches_forward(cpu_ranks, tp):
+    cpu_ranks.run(_decode_matches_forward, tp)

@@ -1,10 +1,6 @@
-"""Generation with the LM head kept vocab-parallel: no rank ever holds `[batch, vocab]` logits.
-
-Greedy decoding takes each rank's best (logit, id) and all-gathers those `[tp, batch]`
-pairs; sampling all-gathers each rank's top-k candidates `[tp, batch, k]`, then every rank
-applies temperature, top-k and top-p (as transformers' logits warpers do) to the same
-candidates and draws with the same seeded generator, so all ranks pick the same token.
-The model runs with its KV cache (`past_key_values`), one token per step after the prompt.
+"""Generation from a `tpcore.hf` model with the LM head kept vocab-parallel: no rank ever
+holds `[batch, vocab]` logits (`tensor_parallel.sampling` picks the tokens). The model runs
+with its KV cache (`past_key_values`), one token per step after the prompt.
 """
 
 from __future__ import annotations
@@ -14,59 +10,10 @@ import inspect
 import torch
 from torch import nn
 
-from .. import comm
-from ..models.generate import check_sampling_args
+from ..tensor_parallel.sampling import check_sampling_args, next_token
 from .lm_head import VocabParallelLMHead, local_logits
 
-__all__ = ["generate", "select_greedy", "candidates", "filtered_probs"]
-
-
-def select_greedy(local: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
-    """Global argmax ids `[b]` from this rank's logits `[b, rows]` whose first column is id
-    `vocab_start` (ties: the smallest id, as torch.argmax)."""
-    value, index = local.max(-1)
-    pairs = torch.stack(
-        [value.double(), (index + vocab_start).double()], -1
-    )  # ids < 2**53 are exact
-    gathered = comm.all_gather(pairs.unsqueeze(0), 0, group)  # [tp, b, 2]
-    best = gathered[..., 0].argmax(0)  # the first rank holding the maximum
-    return gathered[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
-
-
-def candidates(
-    local: torch.Tensor, vocab_start: int, group, top_k: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, ids), both `[b, c]` and the same on every rank: the union of each rank's
-    `top_k` best, or with `top_k=None` the whole vocabulary (a full gather). Ids of `-inf`
-    logits (vocabulary padding) are -1."""
-    k = local.shape[-1] if top_k is None else min(top_k, local.shape[-1])
-    values, index = local.topk(k, -1)
-    pairs = torch.stack([values.double(), (index + vocab_start).double()], -1)
-    gathered = comm.all_gather(pairs, 1, group)  # [b, tp*k, 2]
-    logits, ids = gathered[..., 0].to(local.dtype), gathered[..., 1].long()
-    return logits, ids.masked_fill(logits == float("-inf"), -1)
-
-
-def filtered_probs(
-    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, probabilities), `[b, c]`, ids in ascending order: the candidates' distribution
-    after temperature, top-k (ties at the k-th logit kept) and top-p (the smallest set whose
-    probability exceeds `top_p`, at least one token), as transformers' Temperature-, TopK-
-    and TopPLogitsWarper do on the full logits. Sorting by id makes the draw independent
-    of the order the candidates were gathered in."""
-    ids, order = ids.sort(-1)
-    logits = logits.gather(-1, order).float() / temperature
-    logits = logits.masked_fill(ids < 0, float("-inf"))
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, -1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_index = logits.sort(-1)  # ascending
-        remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
-        remove[..., -1] = False  # keep at least the most likely
-        logits = logits.masked_fill(remove.scatter(-1, sorted_index, remove), float("-inf"))
-    return ids, logits.softmax(-1)
+__all__ = ["generate"]
 
 
 def _check(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, head) -> None:
@@ -157,20 +104,17 @@ def generate(
                 **keep_last,
             )
             for step in range(max_new_tokens):
-                local = out.logits[:, -1, :].float()
-                local[:, max(0, head.vocab_size - head.vocab_start) :] = float(
-                    "-inf"
-                )  # padding rows
-                if do_sample:
-                    logits, ids = candidates(local, head.vocab_start, head.group, top_k)
-                    ids, probs = filtered_probs(
-                        logits, ids, temperature=temperature, top_k=top_k, top_p=top_p
-                    )
-                    nxt = ids.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(
-                        -1
-                    )
-                else:
-                    nxt = select_greedy(local, head.vocab_start, head.group)
+                nxt = next_token(
+                    out.logits[:, -1, :],
+                    head.vocab_start,
+                    head.vocab_size,
+                    head.group,
+                    greedy=not do_sample,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
+                )
                 if eos is not None:
                     nxt = nxt.masked_fill(done, pad)
                     done |= torch.isin(nxt, eos)

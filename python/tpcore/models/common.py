@@ -132,7 +132,8 @@ def attention_core(
     dropout: float,
     dropout_stream: str | None = None,
 ) -> torch.Tensor:
-    """Causal attention. q `[s, b, h, d]`, k / v `[s, b, kv, d]` (kv divides h) -> `[s, b, h*d]`.
+    """Causal attention. q `[s, b, h, d]`, k / v `[t, b, kv, d]` (kv divides h) -> `[s, b, h*d]`.
+    With t > s (decoding after cached tokens) the queries are the last s positions.
 
     Dropout on the probabilities draws from torch's generator (inside SDPA), or, with
     `dropout_stream`, from that RNG-tracker stream: then the probabilities `[b, h, s, s]` are
@@ -142,7 +143,11 @@ def attention_core(
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-    if dropout > 0 and dropout_stream is not None:
+    s, t = q.shape[2], k.shape[2]
+    if t > s:  # query i is position t - s + i: it sees keys up to there
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    elif dropout > 0 and dropout_stream is not None:
         out = _attention_tracked_dropout(q, k, v, dropout, dropout_stream)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -1,33 +1,24 @@
 """Autoregressive sampling from a `GPTModel` (tensor parallel) or a `ReferenceGPT`.
 
-No KV cache: every step recomputes the window of the last `max_position_embeddings`
-tokens. With a `GPTModel` this is a collective: call it on every TP rank with the same
-arguments; all of them return the same tokens (the gathered logits are identical on
-every rank and each rank samples from its own generator seeded with `seed`).
-With `sequence_parallel` the window is right-padded to a multiple of the TP size:
-attention is causal, so padding after the last token leaves its logits unchanged.
+A `GPTModel` decodes with a KV cache (`GPTModel.decode`): the prompt once, then one token
+per step. Tokens are picked from the vocab-parallel logits (`tensor_parallel.sampling`:
+no rank holds `[batch, vocab]` logits), the same on every rank, so this is a collective:
+call it on every TP rank with the same arguments. Past `max_position_embeddings` tokens,
+and for a `ReferenceGPT` or with `sequence_parallel`, each step recomputes the window of
+the last `max_position_embeddings` tokens instead; with `sequence_parallel` that window is
+right-padded to a multiple of the TP size (attention is causal, so padding after the last
+token leaves its logits unchanged).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..tensor_parallel.sampling import check_sampling_args, next_token
 from .gpt import GPTModel
+from .kv_cache import KVCache
 
 __all__ = ["generate"]
-
-
-def check_sampling_args(
-    what: str, max_new_tokens: int, temperature: float, top_k: int | None
-) -> None:
-    """The sampling options every generator takes; raises a ValueError prefixed by `what`."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"{what} max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"{what} temperature must be > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"{what} top_k must be an int >= 1 or None, got {top_k!r}")
 
 
 def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
@@ -63,16 +54,16 @@ def _check(model, prompt, max_new_tokens, temperature, top_k, eod) -> None:
             )
 
 
-def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits `[b, vocab]` for the last position of `ids`."""
-    c, n = model.config, ids.shape[1]
+def _recomputed_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's logits `[b, vocab(_padded / tp)]` of the last position of `ids`, from a
+    forward over all of them."""
+    n = ids.shape[1]
     if not isinstance(model, GPTModel):
-        return model(ids)[:, -1, : c.vocab_size]
+        return model(ids)[:, -1]
     # right-pad: causal, so the last real token's logits hold
-    if c.sequence_parallel and n % model.tp_size:
+    if model.config.sequence_parallel and n % model.tp_size:
         ids = torch.cat([ids, ids.new_zeros(ids.shape[0], model.tp_size - n % model.tp_size)], 1)
-    shard = model(ids)[:, n - 1].contiguous()  # [b, vocab_padded / tp]
-    return comm.all_gather(shard, -1, model.group)[:, : c.vocab_size]
+    return model(ids)[:, n - 1]
 
 
 def generate(
@@ -82,31 +73,48 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     greedy: bool = False,
     seed: int = 0,
     eod: int | None = None,
 ) -> torch.Tensor:
     """`prompt [batch, t]` int64 -> `[batch, t + new]`, new <= max_new_tokens (fewer when every
-    sequence has emitted `eod`; a finished sequence is padded with `eod`)."""
+    sequence has emitted `eod`; a finished sequence is padded with `eod`). Sampling draws
+    from temperature / top-k / top-p (`top_k=None`: the whole vocabulary); `greedy` takes
+    the most likely token."""
     _check(model, prompt, max_new_tokens, temperature, top_k, eod)
-    device = next(model.parameters()).device
-    tokens, window = prompt.to(device), model.config.max_position_embeddings
+    if not 0 < top_p <= 1:
+        raise ValueError(f"tpcore: generate: top_p must be in (0, 1], got {top_p!r}")
+    c, device = model.config, next(model.parameters()).device
+    tokens, window = prompt.to(device), c.max_position_embeddings
+    tp = isinstance(model, GPTModel)
+    group = model.group if tp else None
+    vocab_start = model.tp_rank * model.head_weight().shape[0] if tp else 0
+    cache = KVCache(window) if tp and not c.sequence_parallel else None
     generator = torch.Generator(device=device).manual_seed(seed)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
+            fresh = tokens  # the tokens the cache has not seen
             for _ in range(max_new_tokens):
-                logits = _last_logits(model, tokens[:, -window:]).float()
-                if greedy:
-                    nxt = logits.argmax(-1)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None and top_k < logits.shape[-1]:
-                        kth = logits.topk(top_k, -1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+                if cache is not None and cache.length + fresh.shape[1] <= window:
+                    local = model.decode(fresh, cache)
+                else:  # past the positions the model has: recompute the last window
+                    cache, local = None, _recomputed_logits(model, tokens[:, -window:])
+                nxt = next_token(
+                    local,
+                    vocab_start,
+                    c.vocab_size,
+                    group,
+                    greedy=greedy,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
+                )
+                fresh = nxt.unsqueeze(1)
                 if eod is not None:
                     nxt = nxt.masked_fill(done, eod)
                     done |= nxt == eod

@@ -48,6 +48,7 @@ from .config import GPTConfig
 from .gpt_specs import gpt_shard_specs
 from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
+from .kv_cache import KVCache
 from .reference_gpt import ReferenceGPT
 
 __all__ = ["GPTModel", "finalize_sequence_parallel_grads", "attach_gpt_shard_specs"]
@@ -110,9 +111,14 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
             self.k_norm = make_norm(c, dtype, "meta", c.head_dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
         qkv = self._qkv(x)  # [s, b, (h/tp + 2 kv/tp) d], the full sequence
+        if cache is not None:  # decoding: no recompute, keys and values kept
+            return self.proj(self._core(qkv, rope, cache))
         core = partial(self._core, rope=rope)
         # Selective recompute: the attention core's activations are rebuilt in backward.
         out = checkpoint(core, qkv) if self.config.recompute == "selective" else core(qkv)
@@ -132,7 +138,10 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         )
 
     def _core(
-        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
@@ -146,6 +155,8 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
             )
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:  # [cached + s] keys and values
+            k, v = cache[0].append(cache[1], k, v)
         dropout = self.config.attention_dropout if self.training else 0.0
         # This rank's heads: its own dropout masks, from the model-parallel stream.
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
@@ -212,9 +223,11 @@ class ParallelBlock(nn.Module):
                 *self.input_norm.parameters(), *self.post_attention_norm.parameters()
             )
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope, cache: tuple[KVCache, int] | None = None
+    ) -> torch.Tensor:
         sp = self.sequence_parallel
-        x = x + _dropout(self.dropout, self.attention(self.input_norm(x), rope), sp)
+        x = x + _dropout(self.dropout, self.attention(self.input_norm(x), rope, cache), sp)
         return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
 
 
@@ -245,10 +258,11 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
                 _mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`ids [b, s]` at positions `start..start + s - 1` -> `[s(/tp), b, h]`."""
         x = self.word(ids.t())
         if hasattr(self, "position"):
-            pos = self.position.weight[: ids.shape[1]]
+            pos = self.position.weight[start : start + ids.shape[1]]
             if self.config.sequence_parallel:  # this rank's sequence shard of the positions
                 tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
                 pos = pos.chunk(tp, 0)[rank]
@@ -419,6 +433,48 @@ class GPTModel(SharesProcessGroups, nn.Module):
         }
         dense.load_state_dict(state)
         return dense
+
+    def decode(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Inference with a KV cache: `ids [b, s]` are the tokens after the `cache.length`
+        ones already seen (all of the prompt at first, then one per step). Appends their
+        keys and values to `cache` and returns this rank's logits of the last one
+        `[b, vocab_padded/tp]`. A collective over the TP group. The whole model only (not
+        a pipeline stage), without sequence parallelism (its layers expect sequence shards)."""
+        c = self.config
+        if not (self.pre_process and self.post_process and len(self.layers) == c.num_layers):
+            raise ValueError("tpcore: GPTModel.decode: this is one pipeline stage, not the model")
+        if c.sequence_parallel:
+            raise ValueError("tpcore: GPTModel.decode: not with sequence_parallel")
+        start, s = cache.length, ids.shape[1]
+        if start + s > cache.max_length:  # checked here, before any collective
+            raise ValueError(
+                f"tpcore: GPTModel.decode: {start} cached + {s} new tokens exceed its "
+                f"{cache.max_length}"
+            )
+        if start + s > c.max_position_embeddings:
+            raise ValueError(
+                f"tpcore: GPTModel.decode: {start} cached + {s} new tokens exceed "
+                f"max_position_embeddings {c.max_position_embeddings}"
+            )
+        x = self.embedding(ids, start)
+        rope = None
+        if c.position_embedding == "rotary":
+            cos, sin = rotary_tables(
+                start + s, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling
+            )
+            rope = cos[start:], sin[start:]
+        for index, layer in zip(self.layers_indices(), self.layers):
+            x = layer(x, rope, (cache, index))
+        cache.advance(s)
+        x = self.final_norm(x[-1:])
+        logits = _op_entry.column_parallel_linear(
+            x, self.head_weight(), None, live_group_name(self.group), False, False
+        )
+        return logits[0]
+
+    def layers_indices(self) -> list[int]:
+        """The global indices of this model's (or stage's) layers, in order."""
+        return [int(name) for name, _ in self.layers.named_children()]
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
