@@ -36,11 +36,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from tpcore.hf.gpt_bridge import config_from_hf  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import init_ranks, run_on_ranks  # noqa: E402
 
 import tpcore  # noqa: E402
-from tpcore.models import GPTConfig, GPTModel, export_hf, load_hf_weights  # noqa: E402
+from tpcore.hf.gpt_bridge import export_hf, load_hf_weights
+from tpcore.models import GPTModel  # noqa: E402
 from tpcore.pipeline_parallel import build_gpt_stages  # noqa: E402
 from tpcore.train import ParallelAdamW, save_checkpoint  # noqa: E402
 from tpcore.train.convert import main as convert_main  # noqa: E402
@@ -94,7 +97,7 @@ def _layout(tp: int, pp: int) -> None:
 
 def _load(folder: str, dtype: torch.dtype):
     """This rank's chunks of the folder's model (no collective)."""
-    chunks = build_gpt_stages(GPTConfig.from_hf(folder), _init=False, dtype=dtype)
+    chunks = build_gpt_stages(config_from_hf(folder), _init=False, dtype=dtype)
     load_hf_weights(chunks, folder)
     return chunks
 
@@ -154,7 +157,7 @@ def _step_time(rank, world, store, folder, rounds, steps, seq, results):
     torch.set_num_threads(1)
     init_ranks(rank, world, store, "cpu")
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
-    config = GPTConfig.from_hf(folder)
+    config = config_from_hf(folder)
     torch.manual_seed(0)
     models = {
         "--load-hf": GPTModel(config, _init=False, dtype=torch.float32),
@@ -207,7 +210,7 @@ def main() -> None:
     # checked here, not by a rank after the model was written: the cases load at TP 4 and at
     # PP 2
     try:
-        GPTConfig.from_hf(
+        config_from_hf(
             llama_config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)
         ).check_tp(4)
         if args.layers < 2:

@@ -254,7 +254,7 @@ def _torch_dist_round_trip(rank, world, root):
     DCP file is named on every rank before anything is loaded."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from tpcore.train.checkpoint_to_hf import checkpoint_to_hf
+    from tpcore.hf.gpt_bridge.checkpoint import checkpoint_to_hf
 
     setup_tp(2)
     tp_group, dp_group = tp_dp_groups()

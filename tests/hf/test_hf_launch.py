@@ -213,7 +213,7 @@ def test_verify_console_script_names_a_folder_it_cannot_load(tmp_path, capsys):
 
 
 def test_verify_names_first_divergence():
-    from tpcore.hf.verify import _compare
+    from tpcore.hf.tensor_parallel.verify import _compare
 
     base = {f"hidden_states[{i}]": torch.ones(2, 3, 4) for i in range(3)} | {
         "logits": torch.ones(2, 3, 5)

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 import tpcore.hf
 from checks import expect_error
 from hf_families import FAMILIES, VOCAB, load_dense, save_family
-from tpcore.hf.plan import make_plan
-from tpcore.hf.policy import match
+from tpcore.hf.tensor_parallel.plan import make_plan
+from tpcore.hf.tensor_parallel.policy import match
 
 
 def test_pattern_matching():
@@ -331,7 +331,7 @@ def test_errors_before_any_collective(cpu_ranks, tmp_path):
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    from tpcore.hf.weights import SafetensorsSource
+    from tpcore.hf.tensor_parallel.weights import SafetensorsSource
 
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):

@@ -17,8 +17,8 @@ from test_hf_loading import _corrupt_checkpoints_job, _tiny
 import tpcore.hf
 from checks import expect_error
 from hf_families import FAMILIES, load_dense, prompt, save_family
-from tpcore.hf.plan import Load, make_plan
-from tpcore.hf.weights import SafetensorsSource
+from tpcore.hf.tensor_parallel.plan import Load, make_plan
+from tpcore.hf.tensor_parallel.weights import SafetensorsSource
 
 
 def _experts_source(path: str) -> SafetensorsSource:
@@ -361,7 +361,7 @@ def _split_norm_job(rank, world):
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
     import tpcore
-    from tpcore.hf.split_norm import SplitRMSNorm
+    from tpcore.hf.tensor_parallel.split_norm import SplitRMSNorm
     from tpcore.parallel_state import get_tensor_model_parallel_rank
 
     tpcore.initialize_model_parallel(tensor_parallel_size=2)

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import transformers
 
-from tpcore.hf.rank_config import RankConfig
+from tpcore.hf.tensor_parallel.rank_config import RankConfig
 
 
 def _view():

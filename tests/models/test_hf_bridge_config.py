@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from tpcore.hf.gpt_bridge import config_from_hf, config_to_hf  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 
 from checks import expect_error  # noqa: E402
@@ -60,13 +62,13 @@ def _families():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma", "gpt2"])
 def test_from_hf_to_hf_round_trip(family):
     hf = _families()[family]
-    config = GPTConfig.from_hf(hf)
-    exported = config.to_hf(hf.to_dict())
+    config = config_from_hf(hf)
+    exported = config_to_hf(config, hf.to_dict())
     assert exported["model_type"] == family
     back = transformers.AutoConfig.for_model(**exported)  # transformers reads what to_hf writes
     assert type(back) is type(hf)
-    assert GPTConfig.from_hf(back) == config
-    assert GPTConfig.from_hf(config.to_hf()) == config  # without the source config too
+    assert config_from_hf(back) == config
+    assert config_from_hf(config_to_hf(config)) == config  # without the source config too
     if family == "gpt2":
         assert (config.norm, config.activation, config.position_embedding, config.bias) == (
             "layernorm",
@@ -141,10 +143,10 @@ def test_both_rope_spellings():
         num_attention_heads=8,
         intermediate_size=96,
     )
-    old = GPTConfig.from_hf(
+    old = config_from_hf(
         {**base, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
-    new = GPTConfig.from_hf(
+    new = config_from_hf(
         {**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
     )
     assert (
@@ -152,9 +154,9 @@ def test_both_rope_spellings():
         and old.rotary_base == 1e6
         and old.rotary_scaling == {"rope_type": "linear", "factor": 2.0}
     )
-    plain = GPTConfig.from_hf({**base, "rope_theta": 3e4, "rope_scaling": None})
+    plain = config_from_hf({**base, "rope_theta": 3e4, "rope_scaling": None})
     assert plain.rotary_base == 3e4 and plain.rotary_scaling is None
-    written = old.to_hf()
+    written = config_to_hf(old)
     assert written["rope_theta"] == 1e6 and written["rope_scaling"] == {
         "rope_type": "linear",
         "factor": 2.0,
@@ -173,7 +175,7 @@ def test_rotary_frequencies_match_transformers(scaling):
         expected = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config=hf).inv_freq
     else:
         expected, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
-    config = GPTConfig.from_hf(hf)
+    config = config_from_hf(hf)
     got = rotary_frequencies(config.head_dim, config.rotary_base, config.rotary_scaling)
     torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
     if scaling is not None:  # the scaling changed something, so the comparison could fail
@@ -205,7 +207,7 @@ def test_unsupported_types_and_options_are_named(change, words):
     if config.get("num_hidden_layers", 1) is None:
         del config["num_hidden_layers"]
     with pytest.raises(ValueError) as info:
-        GPTConfig.from_hf(config)
+        config_from_hf(config)
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
@@ -216,15 +218,19 @@ def test_gpt2_options_and_to_hf_refusals():
         ("activation_function", "relu"),
     ):
         with pytest.raises(ValueError, match=option):
-            GPTConfig.from_hf({**transformers.GPT2Config().to_dict(), option: value})
+            config_from_hf({**transformers.GPT2Config().to_dict(), option: value})
     with pytest.raises(ValueError, match="no supported Hugging Face family"):
-        GPTConfig(
-            vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, norm="rmsnorm"
-        ).to_hf()
+        config_to_hf(
+            GPTConfig(
+                vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, norm="rmsnorm"
+            )
+        )
     with pytest.raises(ValueError, match="grouped-query"):
-        GPTConfig(
-            vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, num_kv_heads=1
-        ).to_hf()
+        config_to_hf(
+            GPTConfig(
+                vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, num_kv_heads=1
+            )
+        )
     gemma = dict(
         vocab_size=10,
         num_layers=1,
@@ -236,29 +242,35 @@ def test_gpt2_options_and_to_hf_refusals():
         bias=False,
         embedding_scale=4.0,
     )
-    assert GPTConfig(**gemma).to_hf()["model_type"] == "gemma"
+    assert config_to_hf(GPTConfig(**gemma))["model_type"] == "gemma"
     with pytest.raises(
         ValueError,
         match=r"Gemma has no embedding_scale \(must be sqrt\(hidden_size\)\), MLP biases",
     ):
-        GPTConfig(**{**gemma, "embedding_scale": 2.0, "mlp_bias": True}).to_hf()
+        config_to_hf(GPTConfig(**{**gemma, "embedding_scale": 2.0, "mlp_bias": True}))
     with pytest.raises(
         ValueError,
         match="no supported Hugging Face family has norm='layernorm', activation='geglu'",
     ):
-        GPTConfig(
-            vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, activation="geglu"
-        ).to_hf()  # (a KeyError)
+        config_to_hf(
+            GPTConfig(
+                vocab_size=10,
+                num_layers=1,
+                hidden_size=8,
+                num_attention_heads=2,
+                activation="geglu",
+            )
+        )  # (a KeyError)
     with pytest.raises(ValueError, match="only gemma scales its embeddings"):
-        GPTConfig(**{**gemma, "norm": "rmsnorm", "activation": "swiglu"}).to_hf()
+        config_to_hf(GPTConfig(**{**gemma, "norm": "rmsnorm", "activation": "swiglu"}))
     with pytest.raises(ValueError, match="hidden_act='relu'"):
-        GPTConfig.from_hf({**transformers.GemmaConfig(**SMALL).to_dict(), "hidden_act": "relu"})
+        config_from_hf({**transformers.GemmaConfig(**SMALL).to_dict(), "hidden_act": "relu"})
     with pytest.raises(
         ValueError, match="embedding_scale must be None or a positive finite number"
     ):
         GPTConfig(**{**gemma, "embedding_scale": 0})
     with pytest.raises(FileNotFoundError, match="config.json"):
-        GPTConfig.from_hf("/nonexistent/model")
+        config_from_hf("/nonexistent/model")
 
 
 def test_new_fields_default_to_todays_model():
@@ -429,17 +441,17 @@ def test_head_width_spellings_and_families():
     folder_config = transformers.LlamaConfig(
         **SMALL, head_dim=8
     ).to_dict()  # head_dim written, equal to 64 / 8
-    assert GPTConfig.from_hf(folder_config) == GPTConfig.from_hf(
+    assert config_from_hf(folder_config) == config_from_hf(
         transformers.LlamaConfig(**SMALL).to_dict()
     )
     odd = GPTConfig(**{**base, "hidden_size": 60}, kv_channels=16, num_kv_heads=2)
-    exported = odd.to_hf()
+    exported = config_to_hf(odd)
     assert exported["model_type"] == "mistral" and exported["head_dim"] == 16
     assert (
-        GPTConfig.from_hf(transformers.AutoConfig.for_model(**exported)) == odd
+        config_from_hf(transformers.AutoConfig.for_model(**exported)) == odd
     )  # transformers builds it
     with pytest.raises(ValueError, match="hidden_size 60 not divisible by num_attention_heads 8"):
-        dataclasses.replace(odd, qkv_bias=True, proj_bias=True).to_hf()
+        config_to_hf(dataclasses.replace(odd, qkv_bias=True, proj_bias=True))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -453,6 +465,6 @@ def test_keys_left_out_read_as_transformers_reads_them(family):
     ).to_dict()
     for key in ("head_dim", "sliding_window", "max_window_layers", "layer_types"):
         d.pop(key, None)
-    mine, theirs = GPTConfig.from_hf(d), GPTConfig.from_hf(transformers.AutoConfig.for_model(**d))
+    mine, theirs = config_from_hf(d), config_from_hf(transformers.AutoConfig.for_model(**d))
     assert mine == theirs
     assert mine.sliding_window == 4096 and mine.head_dim == (128 if family == "qwen3" else 8)

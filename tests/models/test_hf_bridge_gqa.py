@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from tpcore.hf.gpt_bridge import config_from_hf  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -60,14 +62,14 @@ def _load_job(rank, world, folders, out):
     from test_hf_bridge_models import _run_stages
 
     import tpcore
-    from tpcore.models import GPTConfig, export_hf, load_hf_weights
+    from tpcore.hf.gpt_bridge import export_hf, load_hf_weights
     from tpcore.pipeline_parallel import build_gpt_stages
 
     for kv, tp, pp in ((2, 4, 1), (1, 2, 2), (1, 4, 1)):
         folder, ids, expected, loss = folders[kv]
         tpcore.initialize_model_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
         state = tpcore.parallel_state.get_parallel_state()
-        config = GPTConfig.from_hf(folder, make_vocab_size_divisible_by=2)
+        config = config_from_hf(folder, make_vocab_size_divisible_by=2)
         chunks = build_gpt_stages(config, _init=False)
         load_hf_weights(chunks, folder)
         qkv = dict(chunks[0].named_parameters())[
@@ -121,14 +123,15 @@ def _train_and_save(rank, world, folder, save_dir, dense_file):
     """TP 4 from the HF folder, 3 AdamW steps with active clipping, checkpoint; the dense
     weights and AdamW moments (gathered, first copy of each KV head) into `dense_file`."""
     from checks import param_specs, setup_tp
-    from tpcore.models import GPTConfig, GPTModel, load_hf_weights
+    from tpcore.hf.gpt_bridge import load_hf_weights
+    from tpcore.models import GPTModel
     from tpcore.tensor_parallel.shard_spec import unshard
     from tpcore.train import save_checkpoint
     from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 
     setup_tp(4)
     tp_group, dp_group = tp_dp_groups()
-    config = GPTConfig.from_hf(folder, make_vocab_size_divisible_by=2)
+    config = config_from_hf(folder, make_vocab_size_divisible_by=2)
     model = GPTModel(config, _init=False)
     load_hf_weights(model, folder)
     opt = make_adamw(model, config)

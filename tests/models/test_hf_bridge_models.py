@@ -19,6 +19,8 @@ import shutil
 import pytest
 import torch
 
+from tpcore.hf.gpt_bridge import config_from_hf  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -151,7 +153,8 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
     import torch.distributed as dist
 
     import tpcore
-    from tpcore.models import GPTConfig, generate, load_hf_weights
+    from tpcore.hf.gpt_bridge import load_hf_weights
+    from tpcore.models import generate
     from tpcore.pipeline_parallel import build_gpt_stages
 
     ok = []
@@ -160,7 +163,7 @@ def _load_job(rank, world, folder, ids, expected, loss, greedy, family):
         state = tpcore.parallel_state.get_parallel_state()
         # make_vocab_size_divisible_by=2: the vocabulary of 97 is padded to a multiple of
         # 2 x TP, so every rank holds real rows and the last one padding too.
-        config = GPTConfig.from_hf(folder, make_vocab_size_divisible_by=2)
+        config = config_from_hf(folder, make_vocab_size_divisible_by=2)
         chunks = build_gpt_stages(config, num_model_chunks=v, _init=False)
         load_hf_weights(chunks, folder)
         for chunk in chunks:
@@ -208,11 +211,11 @@ def test_hf_into_gptmodel_matches_transformers(cpu_ranks, family_case):
 
 def _round_trip_job(rank, world, folder, out):
     import tpcore
-    from tpcore.models import GPTConfig, export_hf, load_hf_weights
+    from tpcore.hf.gpt_bridge import export_hf, load_hf_weights
     from tpcore.pipeline_parallel import build_gpt_stages
 
     tpcore.initialize_model_parallel(tensor_parallel_size=2, pipeline_parallel_size=2)
-    chunks = build_gpt_stages(GPTConfig.from_hf(folder), _init=False)
+    chunks = build_gpt_stages(config_from_hf(folder), _init=False)
     load_hf_weights(chunks, folder)
     with open(os.path.join(folder, "config.json")) as f:
         source = json.load(f)
@@ -341,16 +344,16 @@ def _bad_folder_job(rank, world, good_folder, cases):
     import torch.distributed as dist
 
     import tpcore
-    from tpcore.models import GPTConfig, load_hf_weights
+    from tpcore.hf.gpt_bridge import load_hf_weights
     from tpcore.pipeline_parallel import build_gpt_stages
 
     tpcore.initialize_model_parallel(tensor_parallel_size=2, pipeline_parallel_size=2)
-    good = GPTConfig.from_hf(good_folder)
+    good = config_from_hf(good_folder)
     messages = []
     for path, error, words, *config_from in cases:
         try:
             chunks = build_gpt_stages(
-                GPTConfig.from_hf(config_from[0]) if config_from else good, _init=False
+                config_from_hf(config_from[0]) if config_from else good, _init=False
             )
             load_hf_weights(chunks, path)
         except error as e:

@@ -10,22 +10,46 @@
 `parallelize(model)` splits a model already in memory. Families: see
 `supported_model_types()`; `register_policy(Policy(...))` adds one. Needs `transformers`
 (`pip install tpcore[hf]`).
+
+Two sub-packages: `tensor_parallel` (the one-call tensor parallelism of transformers models
+above, whose names this package gives) and `gpt_bridge` (tpcore's own GPTModel to and from
+Hugging Face folders: `config_from_hf`, `load_hf_weights`, `export_hf`, `checkpoint_to_hf`;
+it needs no transformers).
 """
 
-import importlib.util
+import importlib
 
-if importlib.util.find_spec("transformers") is None:
-    raise ImportError("tpcore.hf needs the transformers package: pip install 'tpcore[hf]'")
+_API = {
+    "parallelize": "parallelize",
+    "from_pretrained": "parallelize",
+    "generate": "generate",
+    "sum_replicated_kv_grads": "grads",
+    "launch": "launcher",
+    "ParallelModel": "launcher",
+    "WorkerError": "launcher",
+    "VocabParallelLMHead": "lm_head",
+    "local_logits": "lm_head",
+    "find_lm_head": "lm_head",
+    "make_plan": "plan",
+    "Policy": "policy",
+    "register_policy": "policy",
+    "unregister_policy": "policy",
+    "get_policy": "policy",
+    "supported_model_types": "policy",
+    "verify": "verify",
+    "VerifyReport": "verify",
+    "verify_main": "verify",
+}
 
-from .convert import from_pretrained, parallelize
-from .generate import generate
-from .grads import sum_replicated_kv_grads
-from .launcher import ParallelModel, WorkerError, launch
-from .lm_head import VocabParallelLMHead, find_lm_head, local_logits
-from .plan import make_plan
-from .policy import Policy, get_policy, register_policy, supported_model_types, unregister_policy
-from .verify import VerifyReport, verify
-from .verify import main as verify_main
+
+def __getattr__(name: str):
+    # The one-call API loads on first use (and needs transformers then), so that
+    # `tpcore.hf.gpt_bridge` imports without it.
+    if name in _API:
+        module = importlib.import_module(f".tensor_parallel.{_API[name]}", __name__)
+        return getattr(module, "main" if name == "verify_main" else name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "parallelize",

@@ -1,11 +1,9 @@
-"""GPT models: the tensor-parallel GPTModel, its plain-PyTorch reference, and the Hugging
-Face bridge (GPTConfig.from_hf / to_hf, load_hf_weights, export_hf)."""
+"""GPT models: the tensor-parallel GPTModel, its plain-PyTorch reference, generation.
+(To and from Hugging Face folders: `tpcore.hf.gpt_bridge`.)"""
 
 from .config import GPTConfig
 from .generate import generate
 from .gpt import GPTModel, finalize_sequence_parallel_grads
-from .hf_export import export_hf
-from .hf_weights import load_hf_weights
 from .reference_gpt import ReferenceGPT
 
 __all__ = [
@@ -14,6 +12,4 @@ __all__ = [
     "ReferenceGPT",
     "finalize_sequence_parallel_grads",
     "generate",
-    "load_hf_weights",
-    "export_hf",
 ]

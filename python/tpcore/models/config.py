@@ -215,21 +215,6 @@ class GPTConfig:
             else self.hidden_size // self.num_attention_heads
         )
 
-    @classmethod
-    def from_hf(cls, path_or_config, **overrides) -> "GPTConfig":
-        """The GPTConfig of a Hugging Face model: a folder with `config.json`, that file, its
-        dict, or a transformers config (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`); `overrides`
-        set run-time fields (sequence_parallel, recompute, dropout, ...). See `hf_config`."""
-        from .hf_config import config_from_hf
-
-        return config_from_hf(path_or_config, **overrides)
-
-    def to_hf(self, base: dict | None = None) -> dict:
-        """The `config.json` dict transformers builds this architecture from (see `hf_config`)."""
-        from .hf_config import config_to_hf
-
-        return config_to_hf(self, base)
-
     def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming what does not split over `tp` tensor-parallel ranks.
         Fewer KV heads than ranks is fine when they divide `tp`: each rank then holds a copy

@@ -14,11 +14,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..hf.gpt_bridge.config import config_to_hf
 from ..models import GPTConfig
 from ..optimizer.setup import DataParallelOptions
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
-from .hf_bridge import (
+from .hf_flags import (
     apply_hf_architecture,
     check_given_flags,
     check_save_hf_paths,
@@ -278,7 +279,7 @@ class TrainArgs:
         if self.save_hf:
             check_save_hf_paths(self, need)
             try:
-                config.to_hf()
+                config_to_hf(config)
             except ValueError as e:
                 need(False, f"--save-hf: {str(e).removeprefix('tpcore: ')}")
         self._check_pipeline(need)

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype and not args.to_hf:
         p.error("--dtype needs --to-hf")
     if args.to_hf:
-        from .checkpoint_to_hf import checkpoint_to_hf
+        from ..hf.gpt_bridge.checkpoint import checkpoint_to_hf
 
         try:
             checkpoint_to_hf(

@@ -20,9 +20,9 @@ from ..checkpoint.load import find_checkpoint, load_checkpoint, save_checkpoint
 from ..comm_threads import prioritize_communication_threads
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
+from ..hf.gpt_bridge.config import read_hf_config
 from ..models import ReferenceGPT
 from ..models.generate import generate
-from ..models.hf_config import read_hf_config
 from ..optimizer.parallel_adamw import LossScaler
 from ..optimizer.setup import make_optimizer
 from ..pipeline_parallel import (
@@ -39,7 +39,7 @@ from ..tensor_parallel.random import model_parallel_manual_seed
 from .arguments import TrainArgs
 from .errors import TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
-from .hf_bridge import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
+from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .lr_schedule import learning_rate
 from .same_arguments import check_same_arguments

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._workers import collect_answers, next_task, stop_workers
+from ..._workers import collect_answers, next_task, stop_workers
 
 __all__ = ["launch", "ParallelModel", "WorkerError"]
 
@@ -73,7 +73,7 @@ def _import_model_code(path: str, model_class) -> None:
     constructor pulls in lazily), by building it once on the meta device."""
     import transformers
 
-    from .convert import _model_class
+    from .parallelize import _model_class
 
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -117,7 +117,7 @@ def _worker(
         )
         import tpcore
 
-        from .convert import from_pretrained
+        from .parallelize import from_pretrained
 
         tpcore.initialize_model_parallel(tensor_parallel_size=world)
         _import_model_code(

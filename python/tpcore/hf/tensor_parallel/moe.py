@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from ...tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 from .grads import _hook_module
 from .moe_plan import grouped_gemm_refusal
 

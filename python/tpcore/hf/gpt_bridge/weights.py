@@ -1,6 +1,6 @@
 """Hugging Face weights into a GPTModel, each rank reading only its slices.
 
-    config = GPTConfig.from_hf(path)
+    config = config_from_hf(path)
     model = GPTModel(config)                  # or build_gpt_stages(config, ...): any stage or chunk
     load_hf_weights(model, path)              # model.safetensors or a sharded index
 
@@ -24,11 +24,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..safetensors_io import SafetensorsFolder
-from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
-from .config import GPTConfig
-from .gpt_specs import gpt_shard_specs
-from .hf_config import config_from_hf, hf_family, read_hf_config
+from ...models.config import GPTConfig
+from ...models.gpt_specs import gpt_shard_specs
+from ...safetensors_io import SafetensorsFolder
+from ...tensor_parallel.shard_spec import ShardSpec, shard_spec
+from .config import config_from_hf, hf_family, read_hf_config
 
 __all__ = ["load_hf_weights", "hf_sources", "source_shapes", "ARCHITECTURE_FIELDS"]
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from .._paths import inside, same_folder
+from ..hf.gpt_bridge.config import config_from_hf, read_hf_config
 from ..models import GPTConfig
-from ..models.hf_config import read_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,7 @@ def check_given_flags(values: dict[str, object]) -> None:
     path = values.get("load_hf")
     if not path or not os.path.isdir(path):
         return  # TrainArgs names a missing folder
-    config = GPTConfig.from_hf(path)
+    config = config_from_hf(path)
     for flag, value_of in _FLAGS.items():
         given = values.get(flag)
         if flag == "kv_channels" and given is None:  # None is hidden / heads
@@ -91,7 +92,7 @@ def apply_hf_architecture(
             f"--load-hf {path} is not a folder (a Hugging Face model saved with save_pretrained)",
         )
     try:
-        config = GPTConfig.from_hf(path)
+        config = config_from_hf(path)
     except (ValueError, OSError) as e:
         need(False, f"--load-hf {path}: {str(e).removeprefix('tpcore: ')}")
     for flag, value_of in _FLAGS.items():
@@ -120,23 +121,6 @@ def apply_hf_architecture(
         args.tokenizer = path
 
 
-def _same_folder(a: str, b: str) -> bool:
-    """Whether paths `a` and `b` name one folder (relative paths, symbolic links and, where
-    both exist, hard links or bind mounts resolved)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
-        return False
-
-
-def _inside(path: str, folder: str) -> bool:
-    """Whether `path` lies below `folder` (relative paths and symbolic links resolved)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path != folder and os.path.commonpath([path, folder]) == folder
-
-
 def check_save_hf_paths(args, need: Callable[[bool, str], None]) -> None:
     """`need` that `--save-hf` is none of the run's other folders. Into `--load-hf` the
     export would overwrite the weights training started from, then fail copying the
@@ -154,13 +138,13 @@ def check_save_hf_paths(args, need: Callable[[bool, str], None]) -> None:
         ),
     ):
         need(
-            not folder or not _same_folder(args.save_hf, folder),
+            not folder or not same_folder(args.save_hf, folder),
             f"--save-hf {args.save_hf} is the {flag} folder {folder}: export into a folder of its "
             "own (a new or empty one)",
         )
     for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
         need(
-            not folder or not _inside(folder, args.save_hf),
+            not folder or not inside(folder, args.save_hf),
             f"--save-hf {args.save_hf} holds the {flag} folder {folder}: the export would find the "
             "run's files there and refuse the folder after training; export into a folder of its "
             "own (a new or empty one)",
@@ -173,7 +157,7 @@ def check_save_hf_folder(args, device: torch.device | str) -> None:
     import torch.distributed as dist
 
     from ..agreement import all_or_none
-    from ..models.hf_export import check_export_folder
+    from ..hf.gpt_bridge.export import check_export_folder
 
     def check() -> None:
         if dist.get_rank() == 0:
@@ -184,7 +168,7 @@ def check_save_hf_folder(args, device: torch.device | str) -> None:
 
 def hf_model_config(args) -> GPTConfig:
     """The GPTConfig of `--load-hf` with the run-time flags applied."""
-    return GPTConfig.from_hf(
+    return config_from_hf(
         args.load_hf,
         dropout=args.dropout,
         attention_dropout=args.attention_dropout,
@@ -206,7 +190,7 @@ def check_tokenizer_fits(tokenizer, config: GPTConfig, path: str) -> None:
 def load_initial_hf_weights(chunks: Sequence, path: str, device) -> None:
     """Fill this rank's chunks from the folder; every rank raises if any rank failed."""
     from ..agreement import all_or_none
-    from ..models import load_hf_weights
+    from ..hf.gpt_bridge import load_hf_weights
 
     all_or_none(
         lambda: load_hf_weights(chunks, path),
@@ -218,7 +202,7 @@ def load_initial_hf_weights(chunks: Sequence, path: str, device) -> None:
 
 def save_hf(chunks: Sequence, args, tokenizer, *, pp_group, dp_group) -> str:
     """Export the trained model to `args.save_hf` (a collective over every rank)."""
-    from ..models import export_hf
+    from ..hf.gpt_bridge import export_hf
 
     return export_hf(
         chunks,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..tensor_parallel.shard_spec import Part, ShardSpec
+from ...tensor_parallel.shard_spec import Part, ShardSpec
 
 __all__ = [
     "Load",

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.mappings import copy_to_tensor_parallel
-from ..tensor_parallel.shared_grads import sum_over_copies
+from ...tensor_parallel.mappings import copy_to_tensor_parallel
+from ...tensor_parallel.shared_grads import sum_over_copies
 
 __all__ = ["install_gradient_sums", "sum_replicated_kv_grads"]
 

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..tensor_parallel import ColumnParallelLinear, gather_from_tensor_parallel
+from ...tensor_parallel import ColumnParallelLinear, gather_from_tensor_parallel
 
 __all__ = ["VocabParallelLMHead", "local_logits", "find_lm_head"]
 

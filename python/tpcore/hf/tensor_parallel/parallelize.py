@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from .._module_utils import SharesProcessGroups
-from ..parallel_state import resolve_tensor_group
-from ..tensor_parallel import (
+from ... import comm
+from ..._module_utils import SharesProcessGroups
+from ...parallel_state import resolve_tensor_group
+from ...tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     ScaledVocabParallelEmbedding,
     VocabParallelEmbedding,
 )
-from ..tensor_parallel.shard_spec import ShardSpec, set_shard_spec
+from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec
 from .grads import install_gradient_sums
 from .lm_head import VocabParallelLMHead
 from .moe import install_moe_blocks

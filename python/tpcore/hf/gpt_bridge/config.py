@@ -1,8 +1,8 @@
 """GPTConfig <-> Hugging Face `config.json` for the families GPTModel computes exactly.
 
     # a folder, its config.json, a dict or a transformers config
-    config = GPTConfig.from_hf("path/to/llama")
-    json.dump(config.to_hf(), open("config.json", "w"))
+    config = config_from_hf("path/to/llama")
+    json.dump(config_to_hf(config), open("config.json", "w"))
 
 Families: `gpt2` (LayerNorm, tanh or erf GeLU, learned positions, biases everywhere) and the
 Llama shape `llama`, `mistral`, `qwen2`, `qwen3`, `gemma` (RMSNorm, SwiGLU, rotary, GQA;
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 
-from .config import GPTConfig
+from ...models.config import GPTConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "read_hf_config", "hf_family"]
 

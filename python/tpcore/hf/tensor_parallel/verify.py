@@ -205,8 +205,8 @@ def verify(
     """Compare `path_or_model` (a save_pretrained folder or a dense transformers model) with
     its tensor-parallel version at `tensor_parallel_size`, on random prompts (or `input_ids`).
     Returns a `VerifyReport` (printed by rank 0 unless `print_report=False`)."""
-    from .convert import from_pretrained, parallelize
     from .launcher import launch
+    from .parallelize import from_pretrained, parallelize
 
     rtol = RTOL[dtype] if rtol is None else rtol
     if isinstance(path_or_model, (str, os.PathLike)):

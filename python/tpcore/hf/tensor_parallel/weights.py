@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ..safetensors_io import BLOCK_BYTES, SafetensorsFolder
+from ...safetensors_io import BLOCK_BYTES, SafetensorsFolder
 from .plan import Load
 
 __all__ = ["DenseSource", "SafetensorsSource", "BLOCK_BYTES"]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._module_utils import SharesProcessGroups
-from ..parallel_state import resolve_tensor_group
-from ..tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from ..._module_utils import SharesProcessGroups
+from ...parallel_state import resolve_tensor_group
+from ...tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 __all__ = ["SplitRMSNorm"]
 

@@ -16,15 +16,16 @@ import os
 
 import torch
 
-from ..checkpoint import torch_dist
-from ..checkpoint.errors import CheckpointError
-from ..checkpoint.index import read_metadata, require_checkpoint
-from ..checkpoint.load import saved_specs, shard_files, shard_opener
-from ..data.tokenizer import load_tokenizer
-from ..models import GPTConfig, ReferenceGPT
-from ..models.hf_export import DEFAULT_MAX_SHARD_SIZE, check_export_folder, write_hf_folder
-from ..pipeline_parallel.layout import ParallelLayout
-from .hf_bridge import _same_folder
+from ..._paths import same_folder
+from ...checkpoint import torch_dist
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.index import read_metadata, require_checkpoint
+from ...checkpoint.load import saved_specs, shard_files, shard_opener
+from ...data.tokenizer import load_tokenizer
+from ...models import GPTConfig, ReferenceGPT
+from ...pipeline_parallel.layout import ParallelLayout
+from .config import config_to_hf
+from .export import DEFAULT_MAX_SHARD_SIZE, check_export_folder, write_hf_folder
 
 __all__ = ["checkpoint_to_hf"]
 
@@ -75,10 +76,12 @@ def checkpoint_to_hf(
     directory = require_checkpoint(checkpoint)
     meta = read_metadata(directory)
     config = GPTConfig(**meta["model_config"])
-    config.to_hf(meta.get("hf_config"))  # a family must fit before anything is read or written
+    config_to_hf(
+        config, meta.get("hf_config")
+    )  # a family must fit before anything is read or written
     tokenizer, eod = _tokenizer_of(meta)
     source = (meta.get("args") or {}).get("load_hf")  # as the run was given it: resolved from here
-    if source and _same_folder(
+    if source and same_folder(
         out_dir, source
     ):  # its files may all be ones an export writes: its weights would go
         raise FileExistsError(

@@ -10,7 +10,7 @@ import inspect
 import torch
 from torch import nn
 
-from ..tensor_parallel.sampling import check_sampling_args, next_token
+from ...tensor_parallel.sampling import check_sampling_args, next_token
 from .lm_head import VocabParallelLMHead, local_logits
 
 __all__ = ["generate"]

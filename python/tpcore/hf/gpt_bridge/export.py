@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from .._atomic import atomic_output
-from ..safetensors_io import SafetensorsWriter
-from ..tensor_parallel.shard_spec import ShardSpec, merged_views
-from .config import GPTConfig
-from .gpt_specs import gpt_shard_specs
-from .hf_config import config_to_hf, hf_family
-from .hf_weights import hf_sources, source_shapes
-from .reference_gpt import ReferenceGPT
+from ... import comm
+from ..._atomic import atomic_output
+from ...models.config import GPTConfig
+from ...models.gpt_specs import gpt_shard_specs
+from ...models.reference_gpt import ReferenceGPT
+from ...safetensors_io import SafetensorsWriter
+from ...tensor_parallel.shard_spec import ShardSpec, merged_views
+from .config import config_to_hf, hf_family
+from .weights import hf_sources, source_shapes
 
 __all__ = [
     "export_hf",
@@ -84,7 +84,7 @@ def plan_hf_files(
     """The weights files (name, entries in writing order) of `config`'s export: GPTModel
     parameters in the dense model's order, each's Hugging Face tensors consecutively;
     a new file starts where one would pass `max_shard_size` bytes."""
-    family = hf_family(config.to_hf()["model_type"])
+    family = hf_family(config_to_hf(config)["model_type"])
     itemsize = torch.empty(0, dtype=dtype).element_size()
     entries = []
     for name, spec in gpt_shard_specs(config).items():
@@ -336,13 +336,13 @@ def export_hf(
     tensor (on gloo groups about twice that: gloo's all-gather stages through a buffer of
     its own). `dtype`: default the parameters'. Raises on every rank when writing failed on
     the writer. Returns `out_dir`."""
-    from ..parallel_state import (
+    from ...parallel_state import (
         get_data_parallel_group,
         get_pipeline_model_parallel_group,
         is_initialized,
     )
-    from ..pipeline_parallel import duplicate_parameter_names, p2p
-    from ..pipeline_parallel.layout import current_layout
+    from ...pipeline_parallel import duplicate_parameter_names, p2p
+    from ...pipeline_parallel.layout import current_layout
 
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
     first = chunks[0]

@@ -1,0 +1,24 @@
+"""tpcore's GPTModel to and from Hugging Face folders, without transformers:
+
+    config = config_from_hf("path/to/llama")        # GPTConfig of a config.json
+    model = GPTModel(config); load_hf_weights(model, "path/to/llama")   # each rank its slices
+    export_hf(model, "out/")                         # a running model (a collective)
+    checkpoint_to_hf("checkpoints/run", "out/")      # a checkpoint, in one process
+
+Families: GPT-2, Llama, Mistral, Qwen2/3, Gemma (`config.SUPPORTED_MODEL_TYPES`).
+"""
+
+from .checkpoint import checkpoint_to_hf
+from .config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_hf_config
+from .export import export_hf
+from .weights import load_hf_weights
+
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "read_hf_config",
+    "SUPPORTED_MODEL_TYPES",
+    "load_hf_weights",
+    "export_hf",
+    "checkpoint_to_hf",
+]
