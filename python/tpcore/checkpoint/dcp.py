@@ -134,6 +134,9 @@ def _from_sharded(value, local: torch.Tensor, spec: ShardSpec) -> None:
             target = local.narrow(dim, local_start, length)
             if target.data_ptr() != loaded.data_ptr() or target.stride() != loaded.stride():
                 target.copy_(loaded)
+        if spec.kind == "vocab":  # padding rows are in no checkpoint: zero, whatever was there
+            real = sum(length for _, _, length in ranges)
+            local.narrow(0, real, local.shape[0] - real).zero_()
     if any(_has_copies(spec, r) for r in range(spec.tp_size)):  # every rank of the group joins
         _fill_copies(local, spec)
 

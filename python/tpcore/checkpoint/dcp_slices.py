@@ -171,7 +171,8 @@ def slice_state_dict(optimizer, *, for_load: bool) -> dict:
                 out[key] = value
                 continue
             buffer = torch.zeros(cover.shape, dtype=torch.float32, device=value.device)
-            buffer.view(-1)[cover.offset : cover.offset + value.numel()].copy_(value)
+            if not for_load:  # (loading: what no box covers, vocabulary padding, stays zero)
+                buffer.view(-1)[cover.offset : cover.offset + value.numel()].copy_(value)
             out[key] = _checkpointable(buffer, spec, boxes)
         state[piece.name] = out
     result: dict = {"state": state}
