@@ -17,9 +17,50 @@ from ..models import GPTModel, ReferenceGPT
 from . import duplicate_parameter_names, p2p
 from .layout import current_layout
 
-__all__ = ["gather_model_on_first_stage"]
+__all__ = ["gather_model_on_first_stage", "stage_tags", "move_to_first_stage"]
 
 _FIRST_TAG = 16  # message tags 16, 17, ...: one per parameter, above the schedules' tags
+_MAX_TAG = 1 << 15  # tags stay below the 2**16 the backends allow
+
+
+def stage_tags(config) -> dict[str, int]:
+    """A point-to-point tag for every parameter name of the whole GPT, in the dense model's
+    order, above the schedules' tags (they wrap past 2**15: a caller with many parameters
+    in flight at once must keep them fewer than that)."""
+    names = ReferenceGPT(config, device="meta").state_dict()
+    return {name: _FIRST_TAG + i % (_MAX_TAG - _FIRST_TAG) for i, name in enumerate(names)}
+
+
+def move_to_first_stage(
+    items: Sequence[tuple[str, torch.Tensor | None, Sequence[int], int, int]],
+    *,
+    pp_group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor | None]:
+    """Bring tensors from the pipeline ranks that own them to pipeline rank 0, in one batch
+    of messages. `items`: `(name, tensor, shape, owner, tag)`, the tensor given on its
+    owner (None elsewhere). Returns, on rank 0, every item's tensor (its own as given); on
+    the others, None for each. Call on every rank of `pp_group` with the same items."""
+    rank = dist.get_rank(pp_group)
+    sends = [
+        (t.contiguous(), 0, tag, name)
+        for name, t, _, owner, tag in items
+        if owner == rank and rank != 0
+    ]
+    recvs = [
+        (list(shape), owner, tag, name)
+        for name, _, shape, owner, tag in items
+        if owner != 0 and rank == 0
+    ]
+    received = iter(
+        p2p.batch_send_recv(sends, recvs, dtype=dtype, device=device, group=pp_group)
+        if sends or recvs
+        else []
+    )
+    if rank != 0:
+        return [None] * len(items)
+    return [t if owner == 0 else next(received) for _, t, _, owner, _ in items]
 
 
 def gather_model_on_first_stage(
@@ -36,32 +77,28 @@ def gather_model_on_first_stage(
         return first
     rank = dist.get_rank(pp_group)
     param = next(first.parameters())
-    tags = {
-        name: _FIRST_TAG + i
-        for i, name in enumerate(ReferenceGPT(first.config, device="meta").state_dict())
-    }
+    tags = stage_tags(first.config)
+    skip = duplicate_parameter_names(chunks)
     mine = {
         name: p.detach()
         for chunk in chunks
         for name, p in chunk.named_parameters()
-        if name not in duplicate_parameter_names(chunks)
+        if name not in skip
     }
+    # (a model on the meta device, for the shapes: every rank knows what rank 0 receives)
+    meta = GPTModel(first.config, group=first.group, dtype=param.dtype, device="meta", _init=False)
+    shapes = {name: list(p.shape) for name, p in meta.named_parameters()}
+    items = [
+        (name, mine.get(name), shapes[name], layout.pipeline_rank_of(name), tags[name])
+        for name in shapes
+    ]
+    tensors = move_to_first_stage(items, pp_group=pp_group, dtype=param.dtype, device=param.device)
     if rank != 0:
-        sends = [(t.contiguous(), 0, tags[name], name) for name, t in mine.items()]
-        p2p.batch_send_recv(sends, [], dtype=param.dtype, device=param.device, group=pp_group)
         return None
     model = GPTModel(
         first.config, group=first.group, dtype=param.dtype, device=param.device, _init=False
     )
-    received = [(name, p) for name, p in model.named_parameters() if name not in mine]
-    recvs = [
-        (list(p.shape), layout.pipeline_rank_of(name), tags[name], name) for name, p in received
-    ]
-    tensors = p2p.batch_send_recv([], recvs, dtype=param.dtype, device=param.device, group=pp_group)
     with torch.no_grad():
-        for (_, p), t in zip(received, tensors):
-            p.copy_(t)
-        for name, p in model.named_parameters():
-            if name in mine:
-                p.copy_(mine[name])
+        for (name, *_), t in zip(items, tensors):
+            model.get_parameter(name).copy_(t)
     return model

@@ -33,7 +33,6 @@ from ... import comm
 from ..._atomic import atomic_output
 from ...models.config import GPTConfig
 from ...models.gpt_specs import gpt_shard_specs
-from ...models.reference_gpt import ReferenceGPT
 from ...safetensors_io import SafetensorsWriter
 from ...tensor_parallel.shard_spec import ShardSpec, merged_views
 from .config import config_to_hf, hf_family
@@ -61,9 +60,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 """The files of a Hugging Face tokenizer copied with the export, where the source has them."""
-_TAG = (
-    1 << 15
-)  # point-to-point tags of the export (below the 2**16 the backend allows), above the schedules'
 
 
 @dataclass(frozen=True)
@@ -341,7 +337,8 @@ def export_hf(
         get_pipeline_model_parallel_group,
         is_initialized,
     )
-    from ...pipeline_parallel import duplicate_parameter_names, p2p
+    from ...pipeline_parallel import duplicate_parameter_names
+    from ...pipeline_parallel.gather import move_to_first_stage, stage_tags
     from ...pipeline_parallel.layout import current_layout
 
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
@@ -362,11 +359,7 @@ def export_hf(
         if name not in skip
     }
     param = next(first.parameters())
-    # One message in flight at a time, so tags may repeat; distinct ones name the tensor in errors.
-    tags = {
-        name: _TAG + i % _TAG
-        for i, name in enumerate(ReferenceGPT(config, device="meta").state_dict())
-    }
+    tags = stage_tags(config)  # one message in flight at a time: tags may repeat
     tp = dist.get_world_size(tp_group)
     # The specs of the parameters other stages hold are GPTModel's (a stage holds only its own).
     specs = {name: spec.at(tp, 0) for name, spec in gpt_shard_specs(config).items()}
@@ -384,25 +377,11 @@ def export_hf(
             gathered = (
                 mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
             )
-        # this stage's TP rank 0 sends the buffer to the first stage's
-        if owner != 0 and tp_rank == 0:
-            if pp_rank == owner:
-                p2p.batch_send_recv(
-                    [(gathered.contiguous(), 0, tags[name], name)],
-                    [],
-                    dtype=param.dtype,
-                    device=param.device,
-                    group=pp_group,
-                )
-                gathered = None
-            elif pp_rank == 0:
-                gathered = p2p.batch_send_recv(
-                    [],
-                    [(gathered_shape(name), owner, tags[name], name)],
-                    dtype=param.dtype,
-                    device=param.device,
-                    group=pp_group,
-                )[0]
+        if owner != 0 and tp_rank == 0:  # this stage's TP rank 0 sends it to the first stage's
+            item = (name, gathered, gathered_shape(name), owner, tags[name])
+            (gathered,) = move_to_first_stage(
+                [item], pp_group=pp_group, dtype=param.dtype, device=param.device
+            )
         if gathered is None or tp_rank != 0 or pp_rank != 0:
             return None
         return [gathered] if replicated else list(gathered.chunk(tp, 0))
