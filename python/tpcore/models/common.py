@@ -13,13 +13,21 @@ from .config import GPTConfig
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim (Zhang & Sennrich 2019)."""
+    """x / rms(x) * weight over the last dim (Zhang & Sennrich 2019), in float32; the weight
+    applies after the cast back to x's dtype (as Llama's), or before it with
+    `weight_after_cast=False` (as OLMo 2's)."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype | None = None, device=None
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype | None = None,
+        device=None,
+        *,
+        weight_after_cast: bool = True,
     ) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_after_cast = eps, weight_after_cast
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,7 +36,9 @@ class RMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalized(x).to(x.dtype) * self.weight
+        if self.weight_after_cast:
+            return self.normalized(x).to(x.dtype) * self.weight
+        return (self.weight * self.normalized(x)).to(x.dtype)
 
 
 class GemmaRMSNorm(RMSNorm):

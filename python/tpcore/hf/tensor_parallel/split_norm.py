@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..._module_utils import SharesProcessGroups
+from ...models.common import RMSNorm
 from ...parallel_state import resolve_tensor_group
 from ...tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 __all__ = ["SplitRMSNorm"]
 
 
-class SplitRMSNorm(SharesProcessGroups, nn.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)` over a feature dim split over the TP group, in
-    float32 with the weight applied before casting back (as transformers' `Olmo2RMSNorm`),
-    or after it with `weight_after_cast` (as `OlmoeRMSNorm`).
+class SplitRMSNorm(SharesProcessGroups, RMSNorm):
+    """`RMSNorm` over a feature dim split over the TP group: the weight applied before
+    casting back (as transformers' `Olmo2RMSNorm`), or after it with `weight_after_cast`
+    (as `OlmoeRMSNorm`).
 
     Shapes: input `[..., features/tp]` (this rank's heads), weight `[features/tp]`; output
     like the input. The mean runs over all `features`.
@@ -41,29 +41,28 @@ class SplitRMSNorm(SharesProcessGroups, nn.Module):
         device: torch.device | str | None = None,
         weight_after_cast: bool = False,
     ) -> None:
-        super().__init__()
-        self.weight_after_cast = weight_after_cast
+        RMSNorm.__init__(
+            self, local_features, eps, dtype, device, weight_after_cast=weight_after_cast
+        )
         self.group = resolve_tensor_group(group)
         self.tp_size = dist.get_world_size(self.group)
-        self.variance_epsilon = eps
-        self.weight = nn.Parameter(torch.ones(local_features, dtype=dtype, device=device))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        squares = hidden.pow(2).sum(-1, keepdim=True)
+    @property
+    def variance_epsilon(self) -> float:
+        """transformers' name for `eps`."""
+        return self.eps
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32, the mean of squares over every rank's features."""
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:  # forward and backward: the sum over every rank
             squares = copy_to_tensor_parallel(
                 reduce_from_tensor_parallel(squares, self.group), self.group
             )
-        variance = squares / (hidden.shape[-1] * self.tp_size)
-        normed = hidden * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight_after_cast:
-            return self.weight * normed.to(dtype)
-        return (self.weight * normed).to(dtype)
+        return xf * torch.rsqrt(squares / (xf.shape[-1] * self.tp_size) + self.eps)
 
     def extra_repr(self) -> str:
         return (
-            f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, "
-            f"eps={self.variance_epsilon}"
+            f"{tuple(self.weight.shape)} of {self.weight.shape[0] * self.tp_size}, eps={self.eps}"
         )
