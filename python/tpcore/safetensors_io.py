@@ -234,6 +234,16 @@ class SafetensorsFolder:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
+    def find(self, key: str, prefix: str = "") -> str | None:
+        """The folder's name for `key`: as it is, or without or with `prefix + "."` (the
+        base model's prefix, "model" or "transformer": transformers finds a checkpoint's
+        tensors either way); None when the folder has none of them."""
+        candidates = [key]
+        if prefix:
+            head = prefix + "."
+            candidates.append(key[len(head) :] if key.startswith(head) else head + key)
+        return next((k for k in candidates if k in self.files), None)
+
     def stored_shape(self, key: str) -> tuple[list[int], str]:
         """(shape, file) of tensor `key`."""
         file = self.files[key]

@@ -6,6 +6,7 @@ unsupported model fails with a clear error before any weight moves."""
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -238,7 +239,7 @@ def _expected_shards(
     return expected
 
 
-def _shards_job(rank, world, name, path, sharded_path):
+def _shards_job(rank, world, name, path, sharded_path, base_path):
     import tpcore
 
     dense = load_file(f"{path}/model.safetensors")
@@ -248,7 +249,7 @@ def _shards_job(rank, world, name, path, sharded_path):
             tpcore.parallel_state.get_tensor_model_parallel_group()
         )
         expected = _expected_shards(name, dense, tp, tp_rank)
-        for source in (path, sharded_path):
+        for source in (path, sharded_path, base_path):
             model = tpcore.hf.from_pretrained(source)
             state = model.state_dict()
             assert expected.keys() <= state.keys()
@@ -269,7 +270,19 @@ def test_shards_are_the_dense_slices(cpu_ranks, tmp_path, name):
         sharded, max_shard_size="40KB"
     )
     assert (sharded / "model.safetensors.index.json").exists()
-    assert all(cpu_ranks.run(_shards_job, name, path, str(sharded)))
+    # The tensors as the base model saves them: no `model.` / `transformer.` prefix.
+    base = tmp_path / "base_model"
+    base.mkdir()
+    prefix = "transformer." if name == "gpt2" else "model."
+    tensors = load_file(f"{path}/model.safetensors")
+    assert any(k.startswith(prefix) for k in tensors)
+    save_file(
+        {k.removeprefix(prefix): v for k, v in tensors.items()},
+        str(base / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    shutil.copy(f"{path}/config.json", base / "config.json")
+    assert all(cpu_ranks.run(_shards_job, name, path, str(sharded), str(base)))
 
 
 def _errors_job(rank, world, path):

@@ -224,9 +224,21 @@ def _round_trip_job(rank, world, folder, out):
 
 
 def test_round_trip_is_bitwise(cpu_ranks, family_case, tmp_path):
+    """Loaded from the tensors as a base model saves them (no `model.` / `transformer.`
+    prefix, which transformers finds either way), exported as the *ForCausalLM was."""
     family, folder, ids, logits, _, _ = family_case
-    out = str(tmp_path / "export")
-    files = cpu_ranks.run(_round_trip_job, folder, out, timeout=300)[0]
+    out, base = str(tmp_path / "export"), tmp_path / "base_model"
+    base.mkdir()
+    prefix = "transformer." if family == "gpt2" else "model."
+    tensors = safetensors.load_file(os.path.join(folder, "model.safetensors"))
+    assert any(k.startswith(prefix) for k in tensors), sorted(tensors)[:3]
+    safetensors.save_file(
+        {k.removeprefix(prefix): v for k, v in tensors.items()},
+        str(base / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    shutil.copy(os.path.join(folder, "config.json"), base / "config.json")
+    files = cpu_ranks.run(_round_trip_job, str(base), out, timeout=300)[0]
     assert (
         "model.safetensors.index.json" in files
         and "config.json" in files

@@ -155,11 +155,10 @@ class HFFolder:
 
     def key(self, key: str) -> str:
         """The folder's name for `key` (as is, or without / with the family's prefix)."""
-        prefix = _PREFIX[self.family]
-        for candidate in (key, key.removeprefix(prefix), prefix + key):
-            if candidate in self.tensors:
-                return candidate
-        raise KeyError(key)
+        found = self.tensors.find(key, _PREFIX[self.family].rstrip("."))
+        if found is None:
+            raise KeyError(key)
+        return found
 
     def check(self) -> None:
         """Every tensor the whole model needs is there with the shape the config gives."""

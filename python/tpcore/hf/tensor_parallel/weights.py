@@ -82,13 +82,12 @@ class SafetensorsSource(SafetensorsFolder):
             for pattern, replacement in self.renames
             if re.search(pattern, key)
         ]
-        candidates = list(names)
-        if self.prefix:
-            head = self.prefix + "."
-            candidates += [
-                name[len(head) :] if name.startswith(head) else head + name for name in names
-            ]
-        return next((k for k in candidates if k in self.files), None)
+        for prefix in ("", self.prefix):  # every spelling as it is first, then with the prefix
+            for name in names:
+                found = self.find(name, prefix)
+                if found is not None:
+                    return found
+        return None
 
     def resolve_experts(self, key: str) -> str | None:
         """`key` if it names a fused experts tensor stored expert by expert, else None."""
