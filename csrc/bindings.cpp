@@ -9,8 +9,8 @@
 #include "comm/shm/backend.h"
 #include "kernels/cpu/cpu_buffer_pool.h"
 #include "kernels/kernels.h"
+#include "tensor_parallel/functions.h"
 #include "tensor_parallel/input_checks.h"
-#include "tensor_parallel/ops.h"
 
 namespace py = pybind11;
 using tpcore::Group;

@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "tensor_parallel/ops.h"
+#include "tensor_parallel/functions.h"
 
 namespace tpcore {
 namespace {

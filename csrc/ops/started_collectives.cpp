@@ -12,7 +12,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "tensor_parallel/ops.h"
+#include "tensor_parallel/functions.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
 #define TPCORE_HAVE_REGISTER_WORK 1

@@ -13,8 +13,8 @@
 #include "kernels/kernels.h"
 #include "tensor_parallel/autocast_util.h"
 #include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/functions.h"
 #include "tensor_parallel/input_checks.h"
-#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 

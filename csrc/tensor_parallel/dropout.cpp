@@ -10,7 +10,7 @@
 
 #include "kernels/kernels.h"
 #include "tensor_parallel/autograd_util.h"
-#include "tensor_parallel/ops.h"
+#include "tensor_parallel/functions.h"
 
 namespace tpcore {
 namespace {

@@ -10,8 +10,8 @@
 
 #include "kernels/kernels.h"
 #include "tensor_parallel/autograd_util.h"
+#include "tensor_parallel/functions.h"
 #include "tensor_parallel/input_checks.h"
-#include "tensor_parallel/ops.h"
 
 namespace tpcore {
 namespace {

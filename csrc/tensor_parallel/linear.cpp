@@ -10,7 +10,7 @@
 
 #include "tensor_parallel/autocast_util.h"
 #include "tensor_parallel/autograd_util.h"
-#include "tensor_parallel/ops.h"
+#include "tensor_parallel/functions.h"
 
 namespace tpcore {
 namespace {

@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "tensor_parallel/autograd_util.h"
-#include "tensor_parallel/ops.h"
+#include "tensor_parallel/functions.h"
 
 namespace tpcore {
 namespace {

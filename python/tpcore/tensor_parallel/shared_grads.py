@@ -1,6 +1,6 @@
 """Gradients of a tensor copied on several tensor-parallel ranks, each of which backward
 gives only its own share of: key/value heads copied because TP exceeds the KV head count
-(GPTModel, `models/gqa.py`; `tpcore.hf`, `hf/grads.py`).
+(GPTModel, `models/gqa.py`; `tpcore.hf`, `hf/tensor_parallel/grads.py`).
 
 `sum_over_copies(t, group, copies, rows)` is an identity in forward; its backward sums the
 gradient (rows `[lo, hi)` of dim 0 only, when `rows` is given: the K/V rows of a fused QKV

@@ -1,4 +1,4 @@
-// tpcore's tensor-parallel ops: the layer ops (kernels of the CompositeImplicitAutograd
+// tpcore's tensor-parallel functions: the layer ops (kernels of the CompositeImplicitAutograd
 // custom operators, autograd inside) and the primitive kernels behind them (CPU / CUDA
 // kernels of the primitive custom operators). Groups are passed by name.
 #pragma once
