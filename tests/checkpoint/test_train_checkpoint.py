@@ -306,6 +306,14 @@ def _torch_dist_round_trip(rank, world, root):
         assert config_read == config and set(state) == set(dense)
         for name, want in dense.items():
             assert torch.equal(state[name], want), name
+        # tpcore-convert reads it as well.
+        from tpcore.train.convert import load_dense_gpt
+        from tpcore.train.convert import main as convert
+
+        assert convert(["--load", path, "--output", os.path.join(root, "dense.safetensors")]) == 0
+        exported, _ = load_dense_gpt(os.path.join(root, "dense.safetensors"))
+        for name, got in exported.state_dict().items():
+            assert torch.equal(got, dense[name]), name
         # The Hugging Face export reads both formats alike.
         import safetensors.torch
 
