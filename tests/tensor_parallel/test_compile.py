@@ -388,7 +388,7 @@ def _layers_in_user_model(rank, world, tp):
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert_close(q.grad, p.grad, f"grad of {name}")
     # tpcore.hf's scaled embedding (Gemma's) compiles with no graph break.
-    from tpcore.hf.scaled_embedding import ScaledVocabParallelEmbedding
+    from tpcore.tensor_parallel import ScaledVocabParallelEmbedding
 
     scaled = ScaledVocabParallelEmbedding(30, 8, embed_scale=8**0.5)
     # fullgraph=True raises at a graph break, naming it

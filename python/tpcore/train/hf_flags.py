@@ -7,10 +7,10 @@ Run-time choices (dropout, sequence parallelism, recompute, the fused head + los
 the flags. The tokenizer is the folder's tokenizer.json unless `--tokenizer` names another;
 the first step starts from the folder's weights (each rank reads its slices) unless `--load`
 resumes a checkpoint.
-`--save-hf`: at the end, the model is exported there (`models.export_hf`); before training
+`--save-hf`: at the end, the model is exported there (`hf.gpt_bridge.export_hf`); before training
 starts, the architecture is checked to fit a Hugging Face family, and the folder to be
 none of the run's other folders (the `--load-hf` model would be overwritten by its own
-export) and to hold no files but an earlier export's (`models.hf_export.check_export_folder`:
+export) and to hold no files but an earlier export's (`hf.gpt_bridge.export.check_export_folder`:
 another model's files would be left beside this one).
 """
 

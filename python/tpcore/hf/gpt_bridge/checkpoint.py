@@ -5,7 +5,7 @@
 One process, no process group. Every shard file is checked first (size and CRC-32 against
 the metadata, the shard's identity), then each parameter's TP pieces are taken as views
 of the memory-mapped files of its pipeline stage, and its Hugging Face tensors are
-written from them block by block (`models.hf_export.write_hf_folder`): no full tensor is
+written from them block by block (`export.write_hf_folder`): no full tensor is
 built. Peak host memory is the mapped pages touched: about the largest tensor, plus at
 most 16 MiB of earlier ones per TP file (a file is re-mapped past that), not the model.
 """

@@ -13,7 +13,7 @@ tensors (q / k / v, gate / up, GPT-2's transposed Conv1D weights) as views of th
 converted and written block by block, and dropped: the writer holds one tensor's pieces
 at a time, no merged copy. `export_hf` fetches by all-gathering a parameter's pieces into
 one buffer over its stage's TP group and sending that buffer to the first stage, one
-parameter at a time; `tpcore.train.checkpoint_to_hf` fetches views of a checkpoint's
+parameter at a time; `gpt_bridge.checkpoint_to_hf` fetches views of a checkpoint's
 memory-mapped shards.
 """
 

@@ -230,8 +230,8 @@ def _save_pretrained_refused(cls: str, *args, **kwargs) -> None:
         "holds only its slices, and the folder would hold one rank's slices under the full model's "
         "names, which transformers cannot load. Save the dense model (or keep its folder) before "
         "splitting; to export fine-tuned weights, fine-tune through tpcore's Hugging Face bridge "
-        "(tpcore.models.load_hf_weights into a GPTModel, or the trainer's --load-hf) and export "
-        "with tpcore.models.export_hf (the trainer's --save-hf)"
+        "(tpcore.hf.gpt_bridge.load_hf_weights into a GPTModel, or the trainer's --load-hf) and "
+        "export with tpcore.hf.gpt_bridge.export_hf (the trainer's --save-hf)"
     )
 
 
