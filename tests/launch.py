@@ -36,7 +36,13 @@ PRELOAD = [
     "tpcore",
     "tpcore.train",
     "transformers.modeling_utils",
-    "tpcore.hf",
+    # tpcore.hf loads its one-call API lazily: its modules are named here so that every
+    # warm process has them
+    "tpcore.hf.tensor_parallel.parallelize",
+    "tpcore.hf.tensor_parallel.generate",
+    "tpcore.hf.tensor_parallel.launcher",
+    "tpcore.hf.tensor_parallel.verify",
+    "tpcore.hf.gpt_bridge",
 ]
 # torchrun ends the other workers this long after SIGTERM with SIGKILL.
 KILL_GRACE_S = 30.0

@@ -129,6 +129,19 @@ def test_bad_data_parallel_flags_name_the_flag(argv, match):
     expect_error(ValueError, match, parse_args, argv)
 
 
+def test_ckpt_format_is_checked(monkeypatch):
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_args(["--ckpt-format", "zarr"])
+    argv = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+    assert parse_args(argv).ckpt_format == "torch_dist"
+    # A torch without DCP's CheckpointableTensor cannot take the optimizer's DP slices.
+    import tpcore.train.arguments as arguments
+
+    monkeypatch.setattr(arguments, "has_checkpointable", lambda: False)
+    expect_error(ValueError, "needs torch 2.15 or newer", parse_args, argv)
+    assert parse_args(["--ckpt-format", "torch_dist"]).ckpt_format == "torch_dist"
+
+
 def test_data_parallel_flags_parse():
     args = parse_args(
         [

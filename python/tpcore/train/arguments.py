@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..checkpoint.dcp_slices import has_checkpointable
 from ..hf.gpt_bridge.config import config_to_hf
 from ..models import GPTConfig
 from ..optimizer.setup import DataParallelOptions
@@ -250,6 +251,12 @@ class TrainArgs:
         )
         need(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         need(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
+        need(
+            not (self.ckpt_format == "torch_dist" and self.use_distributed_optimizer)
+            or has_checkpointable(),
+            "--ckpt-format torch_dist with --use-distributed-optimizer needs torch 2.15 or newer "
+            "(DCP's CheckpointableTensor, for the optimizer's DP slices); use --ckpt-format torch",
+        )
         need(
             self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1"
         )
