@@ -157,10 +157,7 @@ def read(
 
     def check() -> None:
         if verify:
-            names = sorted(f for f in meta["files"] if not f.startswith("rng_"))
-            me, world = dist.get_rank(group), dist.get_world_size(group)
-            for name in names[me::world]:
-                verify_file(os.path.join(directory, name), meta["files"])
+            verify_files(directory, meta, share=(dist.get_rank(group), dist.get_world_size(group)))
         state = _state(chunks, optimizer, for_load=True)
         loaded["state"] = _fit(state, _saved_keys(directory), directory)
 
@@ -181,12 +178,12 @@ def read(
         optimizer.reset_from_params()
 
 
-def verify_files(directory: str, meta: dict) -> None:
-    """Check every file of the checkpoint but the RNG states against its recorded size and
-    CRC-32 (in this process)."""
-    for name in sorted(meta["files"]):
-        if not name.startswith("rng_"):
-            verify_file(os.path.join(directory, name), meta["files"])
+def verify_files(directory: str, meta: dict, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the checkpoint's files but the RNG states (each checked by the rank that reads
+    it) against their recorded size and CRC-32; `share=(i, n)`: the i-th of n shares of them."""
+    names = sorted(f for f in meta["files"] if not f.startswith("rng_"))
+    for name in names[share[0] :: share[1]]:
+        verify_file(os.path.join(directory, name), meta["files"])
 
 
 def read_dense(directory: str, names: Sequence[str]) -> dict[str, torch.Tensor]:

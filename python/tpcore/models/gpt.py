@@ -463,7 +463,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 start + s, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling
             )
             rope = cos[start:], sin[start:]
-        for index, layer in zip(self.layers_indices(), self.layers):
+        for index, layer in enumerate(self.layers):  # (any key per layer names its cache)
             x = layer(x, rope, (cache, index))
         cache.advance(s)
         x = self.final_norm(x[-1:])
@@ -471,10 +471,6 @@ class GPTModel(SharesProcessGroups, nn.Module):
             x, self.head_weight(), None, live_group_name(self.group), False, False
         )
         return logits[0]
-
-    def layers_indices(self) -> list[int]:
-        """The global indices of this model's (or stage's) layers, in order."""
-        return [int(name) for name, _ in self.layers.named_children()]
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
