@@ -1,14 +1,14 @@
 // CUDA kernels of the vocab-parallel cross-entropy: per-token stats (one pass, online
 // softmax) and the gradient (one read, one write), fp32 accumulation for any logits dtype.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+// Light headers only: the host side is cross_entropy_cuda.cpp.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cfloat>
 #include <type_traits>
 
+#include "kernels/cuda/launchers.h"
 #include "kernels/cuda/vec.cuh"
-#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {
@@ -126,53 +126,51 @@ __global__ void grad_kernel(const T* logits, const int64_t* __restrict__ target,
 
 }  // namespace
 
-at::Tensor cross_entropy_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
-                                    int64_t vocab_start, int64_t valid) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t rows = logits.size(0);
-  at::Tensor stats = at::empty({rows, 4}, logits.options().dtype(at::kFloat));
-  if (rows == 0) return stats;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ce_stats", [&] {
-    const auto launch = [&](auto vec) {
-      stats_kernel<scalar_t, decltype(vec)::value><<<grid_blocks(rows), kThreads, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), stats.data_ptr<float>(), rows,
-          logits.size(1), vocab_start, valid);
-    };
-    if (logits.size(1) % kVec16<scalar_t> == 0 && aligned16(logits.data_ptr())) {
-      launch(std::integral_constant<int, kVec16<scalar_t>>{});
-    } else {
-      launch(std::integral_constant<int, 1>{});
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return stats;
+namespace cuda_launch {
+
+template <typename T>
+void cross_entropy_stats(const T* logits, const int64_t* target, float* stats, int64_t rows,
+                         int64_t stride, int64_t vocab_start, int64_t valid, int64_t blocks,
+                         cudaStream_t stream) {
+  const auto launch = [&](auto vec) {
+    stats_kernel<T, decltype(vec)::value>
+        <<<blocks, kThreads, 0, stream>>>(logits, target, stats, rows, stride, vocab_start, valid);
+  };
+  if (stride % kVec16<T> == 0 && aligned16(logits)) {
+    launch(std::integral_constant<int, kVec16<T>>{});
+  } else {
+    launch(std::integral_constant<int, 1>{});
+  }
 }
 
-void cross_entropy_grad_cuda(const at::Tensor& logits, const at::Tensor& target,
-                             const at::Tensor& lse, const at::Tensor& scale, at::Tensor& out,
-                             int64_t vocab_start, int64_t valid, int64_t vocab, double smoothing,
-                             double z_loss) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t rows = logits.size(0);
-  if (rows == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "ce_grad", [&] {
-    const auto launch = [&](auto vec) {
-      grad_kernel<scalar_t, decltype(vec)::value><<<grid_blocks(rows), kThreads, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), lse.data_ptr<float>(),
-          scale.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, logits.size(1), vocab_start,
-          valid, 1.f / static_cast<float>(vocab), static_cast<float>(smoothing),
-          static_cast<float>(z_loss));
-    };
-    if (logits.size(1) % kVec16<scalar_t> == 0 && aligned16(logits.data_ptr()) &&
-        aligned16(out.data_ptr())) {
-      launch(std::integral_constant<int, kVec16<scalar_t>>{});
-    } else {
-      launch(std::integral_constant<int, 1>{});
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+template <typename T>
+void cross_entropy_grad(const T* logits, const int64_t* target, const float* lse,
+                        const float* scale, T* out, int64_t rows, int64_t stride,
+                        int64_t vocab_start, int64_t valid, float inv_vocab, float smoothing,
+                        float z_loss, int64_t blocks, cudaStream_t stream) {
+  const auto launch = [&](auto vec) {
+    grad_kernel<T, decltype(vec)::value>
+        <<<blocks, kThreads, 0, stream>>>(logits, target, lse, scale, out, rows, stride,
+                                          vocab_start, valid, inv_vocab, smoothing, z_loss);
+  };
+  if (stride % kVec16<T> == 0 && aligned16(logits) && aligned16(out)) {
+    launch(std::integral_constant<int, kVec16<T>>{});
+  } else {
+    launch(std::integral_constant<int, 1>{});
+  }
 }
 
+#define TPCORE_INSTANTIATE(T)                                                                   \
+  template void cross_entropy_stats<T>(const T*, const int64_t*, float*, int64_t, int64_t,      \
+                                       int64_t, int64_t, int64_t, cudaStream_t);                \
+  template void cross_entropy_grad<T>(const T*, const int64_t*, const float*, const float*, T*, \
+                                      int64_t, int64_t, int64_t, int64_t, float, float, float,  \
+                                      int64_t, cudaStream_t);
+TPCORE_INSTANTIATE(float)
+TPCORE_INSTANTIATE(double)
+TPCORE_INSTANTIATE(c10::Half)
+TPCORE_INSTANTIATE(c10::BFloat16)
+#undef TPCORE_INSTANTIATE
+
+}  // namespace cuda_launch
 }  // namespace tpcore

@@ -1,25 +1,36 @@
 // CUDA kernel of the counter-based dropout (kernels/philox.h). The (seed, offset) pair is read
 // from device memory inside the kernel, so a CUDA graph replays it with the values of each
-// replay, and no host copy is needed.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+// replay, and no host copy is needed. Light headers only: the host side is dropout_cuda.cpp.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
-#include "kernels/kernels.h"
+#include "kernels/cuda/launchers.h"
 #include "kernels/philox.h"
 
 namespace tpcore {
 namespace {
 
-constexpr int kThreads = 256;
+// at::opmath_type for the dtypes dropout is built for (ATen/OpMathType.h, without ATen).
+template <typename T>
+struct OpMath {
+  using type = T;
+};
+template <>
+struct OpMath<c10::Half> {
+  using type = float;
+};
+template <>
+struct OpMath<c10::BFloat16> {
+  using type = float;
+};
+template <typename T>
+using opmath_t = typename OpMath<T>::type;
 
 template <typename scalar_t>
 __global__ void dropout_kernel(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                int64_t n, const int64_t* __restrict__ state, uint32_t threshold,
-                               at::opmath_type<scalar_t> scale) {
-  using acc_t = at::opmath_type<scalar_t>;
+                               opmath_t<scalar_t> scale) {
+  using acc_t = opmath_t<scalar_t>;
   const uint64_t seed = static_cast<uint64_t>(state[0]);
   const uint64_t first = static_cast<uint64_t>(state[1]) / 4;
   const int64_t blocks = (n + 3) / 4;
@@ -39,22 +50,23 @@ __global__ void dropout_kernel(const scalar_t* __restrict__ in, scalar_t* __rest
 
 }  // namespace
 
-at::Tensor dropout_cuda(const at::Tensor& input, const at::Tensor& state, uint32_t threshold,
-                        double scale) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  const at::Tensor x = input.contiguous();
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const int64_t n = x.numel();
-  if (n == 0) return out;
-  const int64_t blocks = grid_blocks((n + 4 * kThreads - 1) / (4 * kThreads));
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "tpcore_dropout", [&] {
-    dropout_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), n,
-        state.const_data_ptr<int64_t>(), threshold, static_cast<at::opmath_type<scalar_t>>(scale));
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+namespace cuda_launch {
+
+template <typename T>
+void dropout(const T* in, T* out, int64_t n, const int64_t* state, uint32_t threshold, double scale,
+             int64_t blocks, cudaStream_t stream) {
+  dropout_kernel<T><<<blocks, kDropoutThreads, 0, stream>>>(in, out, n, state, threshold,
+                                                            static_cast<opmath_t<T>>(scale));
 }
 
+#define TPCORE_INSTANTIATE(T)                                                                \
+  template void dropout<T>(const T*, T*, int64_t, const int64_t*, uint32_t, double, int64_t, \
+                           cudaStream_t);
+TPCORE_INSTANTIATE(float)
+TPCORE_INSTANTIATE(double)
+TPCORE_INSTANTIATE(c10::Half)
+TPCORE_INSTANTIATE(c10::BFloat16)
+#undef TPCORE_INSTANTIATE
+
+}  // namespace cuda_launch
 }  // namespace tpcore

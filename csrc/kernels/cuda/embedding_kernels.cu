@@ -1,23 +1,20 @@
 // CUDA kernels of the vocab-parallel embedding: masked lookup, deterministic backward
-// (chunked per row, see kernels/embedding_plan.h). No host synchronisation.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+// (chunked per row, see kernels/embedding_plan.h). No host synchronisation. Light headers
+// only: the host side is embedding_cuda.cpp.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
-#include <initializer_list>
-#include <type_traits>
-
+#include "kernels/cuda/launchers.h"
 #include "kernels/cuda/vec.cuh"
 #include "kernels/embedding_plan.h"
-#include "kernels/kernels.h"
 
 namespace tpcore {
 namespace {
 
 namespace plan = embedding_plan;
 
-constexpr int kThreads = 256;
-constexpr int kSumThreads = 128;  // threads per column tile of the backward
+constexpr int kThreads = cuda_launch::kEmbeddingThreads;
+constexpr int kSumThreads = cuda_launch::kEmbeddingSumThreads;
 
 // One block per token (grid-stride): copy its row if it lives here, zeros otherwise,
 // VEC elements per load (dim % VEC == 0, rows 16-byte aligned when VEC > 1).
@@ -145,88 +142,60 @@ __global__ void combine_kernel(const int64_t* __restrict__ sk, const int32_t* __
   }
 }
 
-template <typename T>
-int vec_width(int64_t dim, std::initializer_list<const void*> ptrs) {
-  if (dim % kVec16<T> != 0) return 1;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return 1;
-  return kVec16<T>;
+}  // namespace
+
+namespace cuda_launch {
+
+template <typename T, int VEC>
+void embedding_lookup(const int64_t* ids, const T* weight, T* out, int64_t n, int64_t rows,
+                      int64_t dim, int64_t vocab_start, int64_t blocks, cudaStream_t stream) {
+  lookup_kernel<T, VEC>
+      <<<blocks, kThreads, 0, stream>>>(ids, weight, out, n, rows, dim, vocab_start);
+}
+
+void embedding_shared_chunks(const int64_t* sk, int32_t* flag, int64_t n, int64_t rows,
+                             int64_t blocks, cudaStream_t stream) {
+  shared_chunk_kernel<<<blocks, kThreads, 0, stream>>>(sk, flag, n, rows);
 }
 
 template <typename T, int VEC>
-void launch_backward(const at::Tensor& grad_out, const at::Tensor& sorted, const at::Tensor& order,
-                     int64_t rows, at::Tensor& grad_weight, cudaStream_t stream) {
-  const int64_t n = sorted.numel(), dim = grad_out.size(1);
-  const int64_t tiles = (dim / VEC + kSumThreads - 1) / kSumThreads;
-  TORCH_CHECK(tiles <= 65535, "tpcore: embedding backward: embedding dim ", dim, " is too wide");
-  const auto idx = sorted.options();
-  at::Tensor shared = at::empty({n}, idx.dtype(at::kInt));
-  shared_chunk_kernel<<<grid_blocks((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      sorted.data_ptr<int64_t>(), shared.data_ptr<int32_t>(), n, rows);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor slot_end = at::cumsum(shared, 0, at::kLong);
-  const int64_t slots = plan::max_shared_chunks(n);
-  at::Tensor partial = at::empty({slots, dim}, grad_out.options().dtype(at::kFloat));
-  at::Tensor partial_row = at::full({slots}, -1, idx);
-  const dim3 grid(static_cast<unsigned>(grid_blocks(n)), static_cast<unsigned>(tiles));
+void embedding_chunk_sum(const T* grad, const int64_t* sk, const int64_t* order,
+                         const int32_t* shared, const int64_t* slot_end, int64_t n, int64_t rows,
+                         int64_t dim, float* partial, int64_t* partial_row, T* grad_weight,
+                         int64_t blocks, int64_t tiles, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
   chunk_sum_kernel<T, VEC><<<grid, kSumThreads, 0, stream>>>(
-      grad_out.data_ptr<T>(), sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
-      shared.data_ptr<int32_t>(), slot_end.data_ptr<int64_t>(), n, rows, dim,
-      partial.data_ptr<float>(), partial_row.data_ptr<int64_t>(), grad_weight.data_ptr<T>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  combine_kernel<T, VEC><<<grid, kSumThreads, 0, stream>>>(
-      sorted.data_ptr<int64_t>(), shared.data_ptr<int32_t>(), slot_end.data_ptr<int64_t>(),
-      partial.data_ptr<float>(), partial_row.data_ptr<int64_t>(), n, slots, dim,
-      grad_weight.data_ptr<T>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      grad, sk, order, shared, slot_end, n, rows, dim, partial, partial_row, grad_weight);
 }
 
-}  // namespace
-
-void embedding_lookup_cuda(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_start,
-                           const at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(weight.device());
-  const int64_t n = ids.numel(), rows = weight.size(0), dim = weight.size(1);
-  if (n == 0 || dim == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, weight.scalar_type(), "emb_lookup", [&] {
-        const auto* w = weight.data_ptr<scalar_t>();
-        auto* o = out.data_ptr<scalar_t>();
-        const auto launch = [&](auto vec) {
-          lookup_kernel<scalar_t, decltype(vec)::value><<<grid_blocks(n), kThreads, 0, stream>>>(
-              ids.data_ptr<int64_t>(), w, o, n, rows, dim, vocab_start);
-        };
-        if (vec_width<scalar_t>(dim, {w, o}) > 1) {
-          launch(std::integral_constant<int, kVec16<scalar_t>>{});
-        } else {
-          launch(std::integral_constant<int, 1>{});
-        }
-      });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+template <typename T, int VEC>
+void embedding_combine(const int64_t* sk, const int32_t* shared, const int64_t* slot_end,
+                       const float* partial, const int64_t* partial_row, int64_t n, int64_t slots,
+                       int64_t dim, T* grad_weight, int64_t blocks, int64_t tiles,
+                       cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
+  combine_kernel<T, VEC><<<grid, kSumThreads, 0, stream>>>(sk, shared, slot_end, partial,
+                                                           partial_row, n, slots, dim, grad_weight);
 }
 
-at::Tensor embedding_backward_cuda(const at::Tensor& ids, const at::Tensor& grad_out, int64_t rows,
-                                   int64_t vocab_start, int64_t padding_idx) {
-  const c10::cuda::CUDAGuard guard(grad_out.device());
-  const int64_t dim = grad_out.size(1);
-  at::Tensor grad_weight = at::zeros({rows, dim}, grad_out.options());
-  if (ids.numel() == 0 || rows == 0 || dim == 0) return grad_weight;
-  // Tokens of other ranks (and padding_idx) get key `rows`, which sorts last and is dropped.
-  const at::Tensor local = ids - vocab_start;
-  const at::Tensor keep = (local >= 0) & (local < rows) & (ids != padding_idx);
-  const at::Tensor keys = at::where(keep, local, at::full_like(local, rows));
-  auto [sorted, order] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "emb_bwd", [&] {
-    if (vec_width<scalar_t>(dim, {grad_out.data_ptr(), grad_weight.data_ptr()}) > 1) {
-      launch_backward<scalar_t, kVec16<scalar_t>>(grad_out, sorted, order, rows, grad_weight,
-                                                  stream);
-    } else {
-      launch_backward<scalar_t, 1>(grad_out, sorted, order, rows, grad_weight, stream);
-    }
-  });
-  return grad_weight;
-}
+#define TPCORE_INSTANTIATE_VEC(T, VEC)                                                             \
+  template void embedding_lookup<T, VEC>(const int64_t*, const T*, T*, int64_t, int64_t, int64_t,  \
+                                         int64_t, int64_t, cudaStream_t);                          \
+  template void embedding_chunk_sum<T, VEC>(                                                       \
+      const T*, const int64_t*, const int64_t*, const int32_t*, const int64_t*, int64_t, int64_t,  \
+      int64_t, float*, int64_t*, T*, int64_t, int64_t, cudaStream_t);                              \
+  template void embedding_combine<T, VEC>(const int64_t*, const int32_t*, const int64_t*,          \
+                                          const float*, const int64_t*, int64_t, int64_t, int64_t, \
+                                          T*, int64_t, int64_t, cudaStream_t);
+#define TPCORE_INSTANTIATE(T)  \
+  TPCORE_INSTANTIATE_VEC(T, 1) \
+  TPCORE_INSTANTIATE_VEC(T, kVec16<T>)
+TPCORE_INSTANTIATE(float)
+TPCORE_INSTANTIATE(double)
+TPCORE_INSTANTIATE(c10::Half)
+TPCORE_INSTANTIATE(c10::BFloat16)
+#undef TPCORE_INSTANTIATE
+#undef TPCORE_INSTANTIATE_VEC
 
+}  // namespace cuda_launch
 }  // namespace tpcore
