@@ -13,7 +13,7 @@
 #include "tensor_parallel/input_checks.h"
 
 namespace py = pybind11;
-using tpcore::Group;
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 namespace {
 
@@ -57,20 +57,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // Collectives in flight (eager only); the synchronous collectives, the mappings and the
   // layers are custom operators: torch.ops.tpcore.* (ops/schemas.cpp).
-  m.def("all_reduce_inplace_async", &tpcore::all_reduce_inplace_async, py::arg("tensor"),
-        py::arg("group"), release_gil());
-  m.def("all_gather_async", &tpcore::all_gather_async, py::arg("input"), py::arg("dim"),
-        py::arg("group"), release_gil());
-  m.def("reduce_scatter_async", &tpcore::reduce_scatter_async, py::arg("input"), py::arg("dim"),
-        py::arg("group"), release_gil());
-  m.def("reduce_scatter_via_all_reduce", &tpcore::reduce_scatter_via_all_reduce, py::arg("input"),
-        py::arg("dim"), py::arg("group"), release_gil());
+  // Groups arrive as the intrusive_ptr that torch's bindings hold (tpcore::Group converts).
+  m.def(
+      "all_reduce_inplace_async",
+      [](at::Tensor tensor, const ProcessGroupPtr& group) {
+        return tpcore::all_reduce_inplace_async(std::move(tensor), group);
+      },
+      py::arg("tensor"), py::arg("group"), release_gil());
+  m.def(
+      "all_gather_async",
+      [](const at::Tensor& input, int64_t dim, const ProcessGroupPtr& group) {
+        return tpcore::all_gather_async(input, dim, group);
+      },
+      py::arg("input"), py::arg("dim"), py::arg("group"), release_gil());
+  m.def(
+      "reduce_scatter_async",
+      [](const at::Tensor& input, int64_t dim, const ProcessGroupPtr& group) {
+        return tpcore::reduce_scatter_async(input, dim, group);
+      },
+      py::arg("input"), py::arg("dim"), py::arg("group"), release_gil());
+  m.def(
+      "reduce_scatter_via_all_reduce",
+      [](const at::Tensor& input, int64_t dim, const ProcessGroupPtr& group) {
+        return tpcore::reduce_scatter_via_all_reduce(input, dim, group);
+      },
+      py::arg("input"), py::arg("dim"), py::arg("group"), release_gil());
 
   // Test hooks: stand in for a backend without a collective; cap CUDA grids to exercise
   // the grid-stride loops on small inputs.
   m.def("_collective_fallbacks", &tpcore::collective_fallbacks);
-  m.def("_mark_collective_missing", &tpcore::mark_collective_missing, py::arg("group"),
-        py::arg("op"), py::arg("like"), py::arg("missing") = true);
+  m.def(
+      "_mark_collective_missing",
+      [](const ProcessGroupPtr& group, const std::string& op, const at::Tensor& like,
+         bool missing) { tpcore::mark_collective_missing(group, op, like, missing); },
+      py::arg("group"), py::arg("op"), py::arg("like"), py::arg("missing") = true);
   m.def("_set_max_grid_blocks", &tpcore::set_max_grid_blocks, py::arg("cap"));
   // The CUDA embedding backward's chunked plan, run on the CPU (tests check the plan there).
   m.def("_embedding_backward_chunked_reference", &tpcore::embedding_backward_chunked_reference,
@@ -80,7 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // what).
   m.def(
       "batch_isend_irecv",
-      [](const Group& group,
+      [](const ProcessGroupPtr& group,
          const std::vector<std::tuple<at::Tensor, int64_t, int64_t, std::string>>& sends,
          const std::vector<std::tuple<std::vector<int64_t>, int64_t, int64_t, std::string>>& recvs,
          at::ScalarType dtype, at::Device device, bool check_shapes) {
@@ -146,7 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // calls); returns the seconds taken, to separate the transport's cost from the caller's.
   m.def(
       "_shm_all_reduce_loop",
-      [](const Group& group, const at::Tensor& tensor, int64_t iters) {
+      [](const ProcessGroupPtr& group, const at::Tensor& tensor, int64_t iters) {
         auto* shm = tpcore::shm::ShmBackend::of(group, tensor);
         TORCH_CHECK_VALUE(shm && tensor.is_contiguous(),
                           "tpcore: _shm_all_reduce_loop needs a tpcore-backend group and a "

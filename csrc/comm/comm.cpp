@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm/shm/backend.h"
 
@@ -94,6 +95,31 @@ at::Tensor concat_gathered(const at::Tensor& buffer, int64_t dim) {
 }
 
 }  // namespace
+
+Group::Group() noexcept = default;
+Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> group) noexcept : ptr_(std::move(group)) {}
+Group::Group(const Group& other) noexcept = default;
+Group::Group(Group&& other) noexcept = default;
+Group& Group::operator=(const Group& other) noexcept = default;
+Group& Group::operator=(Group&& other) noexcept = default;
+Group::~Group() = default;
+
+PendingCollective::PendingCollective() noexcept = default;
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work,
+                                     std::function<at::Tensor()> finish)
+    : work_(std::move(work)), finish_(std::move(finish)) {}
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, at::Tensor output)
+    : work_(std::move(work)), result_(std::move(output)), known_(true) {}
+PendingCollective::PendingCollective(at::Tensor done) : result_(std::move(done)), known_(true) {
+  waited_ = true;
+}
+PendingCollective::PendingCollective(const PendingCollective& other) = default;
+PendingCollective::PendingCollective(PendingCollective&& other) noexcept = default;
+PendingCollective& PendingCollective::operator=(const PendingCollective& other) = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept = default;
+PendingCollective::~PendingCollective() = default;
+
+bool PendingCollective::is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
 
 at::Tensor PendingCollective::wait() {
   if (!waited_) {

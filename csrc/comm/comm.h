@@ -7,35 +7,67 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 #include <c10/util/string_view.h>
 
 #include <functional>
 #include <optional>
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
+
+// Declared only: <torch/csrc/distributed/c10d/ProcessGroup.hpp> costs ~15 s of parsing in
+// every file that includes it, and most users of this header only pass groups along. Files
+// that call into a group (group->...) include it themselves.
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
 
 namespace tpcore {
 
-using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+// A shared reference to a c10d::ProcessGroup: an intrusive_ptr whose copy, move and
+// destruction are defined in comm.cpp (where ProcessGroup is complete), so it can be held
+// and passed where ProcessGroup is only declared. Converts to and from the intrusive_ptr.
+class Group {
+ public:
+  Group() noexcept;
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> group) noexcept;  // NOLINT: implicit on purpose
+  Group(const Group& other) noexcept;
+  Group(Group&& other) noexcept;
+  Group& operator=(const Group& other) noexcept;
+  Group& operator=(Group&& other) noexcept;
+  ~Group();
 
-// A collective in flight. wait() blocks until it is done and returns its result.
+  c10d::ProcessGroup* get() const noexcept { return ptr_.get(); }
+  c10d::ProcessGroup* operator->() const noexcept { return ptr_.get(); }
+  c10d::ProcessGroup& operator*() const noexcept { return *ptr_.get(); }
+  explicit operator bool() const noexcept { return ptr_.defined(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& ptr() const noexcept { return ptr_; }
+  operator const c10::intrusive_ptr<c10d::ProcessGroup>&() const noexcept { return ptr_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> ptr_;
+};
+
+// A collective in flight. wait() blocks until it is done and returns its result. Its special
+// members are defined in comm.cpp, where c10d::Work is complete.
 class PendingCollective {
  public:
-  PendingCollective() = default;
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish)
-      : work_(std::move(work)), finish_(std::move(finish)) {}
+  PendingCollective() noexcept;
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish);
   // A collective whose result is `output` itself once `work` completes (no finishing step).
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, at::Tensor output)
-      : work_(std::move(work)), result_(std::move(output)), known_(true) {}
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, at::Tensor output);
   // A collective that needed no communication (e.g. a group of size 1).
-  explicit PendingCollective(at::Tensor done) : result_(std::move(done)), known_(true) {
-    waited_ = true;
-  }
+  explicit PendingCollective(at::Tensor done);
+  PendingCollective(const PendingCollective& other);
+  PendingCollective(PendingCollective&& other) noexcept;
+  PendingCollective& operator=(const PendingCollective& other);
+  PendingCollective& operator=(PendingCollective&& other) noexcept;
+  ~PendingCollective();
 
   at::Tensor wait();
   // Whether wait() would return without blocking.
-  bool is_completed() const { return waited_ || !work_ || work_->isCompleted(); }
+  bool is_completed() const;
   // The tensor wait() will return, when it is known before the work completes (the
   // collective writes into it); nullopt when a finishing step builds it.
   std::optional<at::Tensor> output() const {

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "comm/p2p.h"
 
 namespace tpcore {
