@@ -1,6 +1,8 @@
 #include "kernels/cpu/cpu_buffer_pool.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <cstdlib>

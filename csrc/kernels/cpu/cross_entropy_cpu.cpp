@@ -4,8 +4,10 @@
 // block's max, then its exps against the running max, rescaling the running sum
 // when the max grows). The backward is one read and one write per element. The
 // inner loops (softmax_loops.h) are SIMD, built for AVX2+FMA where the CPU has it.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

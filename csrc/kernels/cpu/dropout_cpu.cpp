@@ -1,10 +1,11 @@
 // CPU kernel of the counter-based dropout (kernels/philox.h): out = x * (keep ? scale : 0).
 // Threads take whole chunks; each chunk's Philox words come from the vectorized loop
 // (kernels/cpu/philox_words.h), then one pass applies them.
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 

@@ -1,7 +1,11 @@
 // CPU reference of the CUDA embedding backward (kernels/cuda/embedding_kernels.cu): the same
 // plan (kernels/embedding_plan.h) and the same fp32 sums in the same order, as loops, so
 // that the plan is tested where no GPU is. Tests call it; the layers use embedding_cpu.cpp.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 
 #include <vector>
 
@@ -20,8 +24,10 @@ std::tuple<at::Tensor, int64_t, int64_t> embedding_backward_chunked_reference(
   at::Tensor grad_weight = at::zeros({rows, dim}, grad.options());
   if (n == 0 || rows == 0) return {grad_weight.to(grad_out.scalar_type()), 0, 0};
   // The keys and their stable sort, as in embedding_backward_cuda.
-  const at::Tensor local = ids - vocab_start;
-  const at::Tensor keep = (local >= 0) & (local < rows) & (ids != padding_idx);
+  // (The method forms of `ids - vocab_start` and `(local >= 0) & (local < rows) &
+  // (ids != padding_idx)`: ATen/TensorOperators.h would pull in all of ATen/Functions.h.)
+  const at::Tensor local = ids.sub(vocab_start);
+  const at::Tensor keep = local.ge(0).bitwise_and(local.lt(rows)).bitwise_and(ids.ne(padding_idx));
   const at::Tensor keys = at::where(keep, local, at::full_like(local, rows));
   auto [sorted, order_t] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const int64_t* sk = sorted.data_ptr<int64_t>();

@@ -1,6 +1,7 @@
 // CPU kernels of the vocab-parallel embedding: masked lookup and deterministic backward.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstring>
 
