@@ -11,6 +11,8 @@ not divide by 2 or 4, so the vocab padding is exercised everywhere.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -76,8 +78,31 @@ def _outputs(model, ids, mask, routes: dict | None = None) -> dict[str, torch.Te
     return result
 
 
-def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
-    """Every output of `parallel` equals `dense`'s. In float32 up to summation order
+@dataclasses.dataclass
+class DenseReference:
+    """What every split model of one family is compared with, computed once per job (the
+    dense model's outputs do not depend on the TP size): `want`, the dense model's outputs;
+    in bfloat16 also `truth`, the float32 model's (`exact`), with `want` then taken under
+    the float32 model's MoE routing; and `generated`, the dense greedy ids (decoders)."""
+
+    dense: Any
+    exact: Any
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    want: dict
+    truth: dict | None
+    generated: torch.Tensor | None
+
+
+def dense_reference(dense, ids, mask, exact=None, generate: bool = True) -> DenseReference:
+    truth = None if exact is None else _outputs(exact, ids, mask)
+    want = _outputs(dense, ids, mask, routes=truth)
+    generated = dense.generate(ids, max_new_tokens=20, do_sample=False) if generate else None
+    return DenseReference(dense, exact, ids, mask, want, truth, generated)
+
+
+def compare_outputs(ref: DenseReference, parallel, what: str) -> None:
+    """Every output of `parallel` equals the dense model's. In float32 up to summation order
     (checks.RTOL), MoE routing exactly. In bfloat16 each partial sum that crosses a
     collective is rounded once more than in the dense model, and that compounds over the
     layers; so the split model must be as accurate as the dense bf16 model: its distance
@@ -86,9 +111,10 @@ def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
     bf16 (even the dense bf16 model's), and then the outputs differ by whole experts. So
     both bf16 models send every token where the float32 model does (`_outputs(routes=)`),
     and where the split model's own choice differs from it, the token must be a near-tie."""
-    if exact is None:
-        want, got = _outputs(dense, ids, mask), _outputs(parallel, ids, mask)
-        assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
+    want, truth = ref.want, ref.truth
+    got = _outputs(parallel, ref.ids, ref.mask, routes=truth)
+    assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
+    if truth is None:
         for name in want:
             if name.startswith("experts"):
                 assert torch.equal(got[name], want[name]), (
@@ -97,12 +123,6 @@ def compare_outputs(dense, parallel, ids, mask, what: str, exact=None) -> None:
             else:
                 assert_close(got[name], want[name], f"{what} {name}")
         return
-    truth = _outputs(exact, ids, mask)
-    want, got = (
-        _outputs(dense, ids, mask, routes=truth),
-        _outputs(parallel, ids, mask, routes=truth),
-    )
-    assert got.keys() == want.keys(), f"{what}: outputs {sorted(got)} != {sorted(want)}"
     _check_near_ties(want, got, truth, what)
     for name in want:
         if name.startswith(("experts", "probs")):
@@ -159,23 +179,23 @@ def _explained_by_near_tie(dense, exact, want, got, what: str) -> None:
     )
 
 
-def compare_generation(dense, parallel, ids, what: str, exact=None) -> None:
+def compare_generation(ref: DenseReference, parallel, what: str) -> None:
     """Greedy, 20 new tokens, KV cache: HF generate on the split model and tpcore.hf.generate
     give the dense ids (in bf16: up to a near-tie that rounding breaks the other way, see
     `_explained_by_near_tie`), and always each other's."""
     import tpcore.hf
 
-    want = dense.generate(ids, max_new_tokens=20, do_sample=False)
-    assert want.shape[1] == ids.shape[1] + 20
-    got_hf = parallel.generate(ids, max_new_tokens=20, do_sample=False)
-    got = tpcore.hf.generate(parallel, ids, max_new_tokens=20)
+    want = ref.generated
+    assert want.shape[1] == ref.ids.shape[1] + 20
+    got_hf = parallel.generate(ref.ids, max_new_tokens=20, do_sample=False)
+    got = tpcore.hf.generate(parallel, ref.ids, max_new_tokens=20)
     assert torch.equal(got, got_hf), (
         f"{what}: tpcore.hf.generate\n{got}\n!= model.generate\n{got_hf}"
     )
-    if exact is None or torch.equal(got, want):
+    if ref.exact is None or torch.equal(got, want):
         assert torch.equal(got, want), f"{what}: generated\n{got}\n!= dense\n{want}"
     else:
-        _explained_by_near_tie(dense, exact, want, got, what)
+        _explained_by_near_tie(ref.dense, ref.exact, want, got, what)
 
 
 def _family_job(rank, world, name, path, dtype):
@@ -187,6 +207,7 @@ def _family_job(rank, world, name, path, dtype):
     exact = None if dtype == torch.float32 else load_dense(path, cls, torch.float32)
     ids = prompt()
     mask = padded_mask(ids) if name in ENCODERS else None
+    ref = dense_reference(dense, ids, mask, exact, generate=name not in ENCODERS)
     for tp in (1, 2, 4):
         tpcore.initialize_model_parallel(tensor_parallel_size=tp)
         if tp == 1 and rank:  # TP=1: the other ranks would check the same model on the same input
@@ -197,18 +218,11 @@ def _family_job(rank, world, name, path, dtype):
             path, dtype=dtype, tensor_parallel_size=tp, model_class=cls
         )
         assert next(model.parameters()).dtype == dtype
-        compare_outputs(dense, model, ids, mask, what, exact)
+        compare_outputs(ref, model, what)
         if name not in ENCODERS:
-            compare_generation(dense, model, ids, what, exact)
+            compare_generation(ref, model, what)
         if tp == 2:  # the in-memory path gives the same model
-            compare_outputs(
-                dense,
-                tpcore.hf.parallelize(copy.deepcopy(dense)),
-                ids,
-                mask,
-                what + " parallelize",
-                exact,
-            )
+            compare_outputs(ref, tpcore.hf.parallelize(copy.deepcopy(dense)), what + " parallelize")
         tpcore.destroy_model_parallel()
     return True
 

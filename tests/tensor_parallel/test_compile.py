@@ -10,6 +10,12 @@ autograd's joint graph) happens before the backend, so most cases compile with `
 inductor's code generation costs a minute a case on a cold cache here and adds nothing to
 them, since tpcore's ops reach inductor as opaque kernels. INDUCTOR_CASES run the full
 inductor path: GPTs whose ops cover every tpcore op under inductor, and the user's model.
+Inductor's own C++ kernels are generated without SIMD (`_scalar_inductor`): the vectorized
+ones take g++ a third longer to build and hold no tpcore code.
+
+The GPTs have one layer (every op of a layer is traced all the same; dynamo unrolls the
+layers, so each one more costs as much again), except MULTI_LAYER_CASES, which pass the
+residual stream, the sequence-parallel split and recompute from one layer to the next.
 """
 
 from __future__ import annotations
@@ -180,8 +186,23 @@ compile_tested = pytest.mark.skipif(
 )
 
 
+def _scalar_inductor():
+    """Inductor with scalar C++ kernels: see the module's docstring."""
+    return torch._inductor.config.patch({"cpp.vec_isa_ok": False})
+
+
 def _eager_and_compiled_gpt(
-    rank, world, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend
+    rank,
+    world,
+    tp,
+    variant,
+    sequence_parallel,
+    fused,
+    recompute,
+    dynamic,
+    dropout,
+    backend,
+    num_layers,
 ):
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -196,9 +217,8 @@ def _eager_and_compiled_gpt(
         recompute=recompute,
         dropout=dropout,
         attention_dropout=dropout,
+        num_layers=num_layers,
     )
-    if backend == "inductor":  # one layer: inductor's cold compile grows with the graph
-        config = dataclasses.replace(config, num_layers=1)
     tpcore.model_parallel_manual_seed(11)
     tracker = tpcore.get_rng_tracker()
     for stream in (MODEL_PARALLEL_RNG, REPLICATED_RNG):
@@ -210,6 +230,15 @@ def _eager_and_compiled_gpt(
     eager, model = models
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend=counter)
+    with _scalar_inductor():
+        _compare_steps(config, eager, model, compiled, counter, tracker, sequence_parallel, dynamic)
+    if dropout:
+        with torch.no_grad(), _scalar_inductor():
+            ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+            assert compiled(ids, ids) != model.eval()(ids, ids), "dropout must change the loss"
+
+
+def _compare_steps(config, eager, model, compiled, counter, tracker, sequence_parallel, dynamic):
     g = torch.Generator().manual_seed(1)
     # Static: the second step runs the cached graphs. Dynamic: one graph, three shapes.
     shapes = [(BATCH, SEQ), (BATCH + 1, SEQ // 2), (1, 2 * SEQ)] if dynamic else [(BATCH, SEQ)] * 2
@@ -238,11 +267,6 @@ def _eager_and_compiled_gpt(
         assert counter.frame_count == 1, (
             f"{counter.frame_count} compilations for {len(shapes)} steps of one shape"
         )
-    if dropout:
-        with torch.no_grad():
-            assert compiled(ids, target) != model.eval()(ids, target), (
-                "dropout must change the loss"
-            )
 
 
 # A covering set: every TP size, tied (gpt2) and untied (llama, qwen3) heads, sequence parallelism
@@ -280,6 +304,9 @@ DROPOUT_CASES = [
 # (every other tpcore op reaches inductor in test_layers_compile_inside_a_user_model).
 INDUCTOR_CASES = [(2, "gpt2", True, True, "full", False, 0.2)]
 
+# Two layers: sequence parallelism and selective recompute across a layer boundary.
+MULTI_LAYER_CASES = {(2, "llama", True, False, "selective", False, 0.0, "aot_eager")}
+
 
 @compile_tested
 @pytest.mark.parametrize(
@@ -291,17 +318,9 @@ INDUCTOR_CASES = [(2, "gpt2", True, True, "full", False, 0.2)]
 def test_compiled_gpt_matches_eager(
     cpu_ranks, tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend
 ):
+    case = (tp, variant, sequence_parallel, fused, recompute, dynamic, dropout, backend)
     cpu_ranks.run(
-        _eager_and_compiled_gpt,
-        tp,
-        variant,
-        sequence_parallel,
-        fused,
-        recompute,
-        dynamic,
-        dropout,
-        backend,
-        timeout=900,
+        _eager_and_compiled_gpt, *case, 2 if case in MULTI_LAYER_CASES else 1, timeout=900
     )
 
 
@@ -381,10 +400,11 @@ def _layers_in_user_model(rank, world, tp):
     compiled = torch.compile(model, fullgraph=True)  # inductor
     ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
     target = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(2))
-    want, got = eager(ids, target), compiled(ids, target)
-    assert_close(got, want.detach(), "loss")
-    want.backward()
-    got.backward()
+    with _scalar_inductor():  # the backward graph compiles at the first backward
+        want, got = eager(ids, target), compiled(ids, target)
+        assert_close(got, want.detach(), "loss")
+        want.backward()
+        got.backward()
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert_close(q.grad, p.grad, f"grad of {name}")
     # tpcore.hf's scaled embedding (Gemma's) compiles with no graph break.
@@ -437,8 +457,10 @@ def _layers_in_user_model(rank, world, tp):
         lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1,
         fullgraph=True,
     )  # inductor
+    with _scalar_inductor():
+        compiled_out = fn(x)
     assert_close(
-        fn(x),
+        compiled_out,
         tpcore.comm.all_gather(tpcore.comm.reduce_scatter(x * 2, 1), 0) + 1,
         "compiled collectives",
     )
