@@ -35,6 +35,8 @@ PRELOAD = [
     "torch.distributed",
     "tpcore",
     "tpcore.train",
+    # torch's DCP, which tpcore imports on first use (a second of CPU a process)
+    "torch.distributed.checkpoint",
     "transformers.modeling_utils",
     # tpcore.hf loads its one-call API lazily: its modules are named here so that every
     # warm process has them

@@ -44,9 +44,10 @@ __all__ = [
 ]
 
 
-USE_CHECKPOINTABLE = has_checkpointable()
+USE_CHECKPOINTABLE: bool | None = None
 """Build the sharded values as `CheckpointableTensor`s (torch 2.15+) rather than
-`ShardedTensor`s."""
+`ShardedTensor`s; None: whenever this torch has them, asked at the first use (importing
+torch.distributed.checkpoint costs a second that `import tpcore` need not pay)."""
 
 
 def _checkpointable(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -178,7 +179,8 @@ def _fill_copies(local: torch.Tensor, spec: ShardSpec) -> None:
 def _sharded(tensor: torch.Tensor, spec: ShardSpec):
     if spec.kind == "replicated":
         return tensor.detach()
-    return _checkpointable(tensor, spec) if USE_CHECKPOINTABLE else _to_sharded(tensor, spec)
+    use = has_checkpointable() if USE_CHECKPOINTABLE is None else USE_CHECKPOINTABLE
+    return _checkpointable(tensor, spec) if use else _to_sharded(tensor, spec)
 
 
 Model = nn.Module | Sequence[nn.Module]
