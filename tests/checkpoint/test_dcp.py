@@ -7,6 +7,7 @@ the dense model's state dict."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -115,17 +116,27 @@ def _gpt_step(model, opt, seed: int) -> torch.Tensor:
     return loss.detach()
 
 
-def _use(checkpointable: bool) -> None:
-    """Present shards as CheckpointableTensors (torch 2.15+), or as ShardedTensors (older torch)."""
+@contextlib.contextmanager
+def _presented_as(checkpointable: bool):
+    """Present shards as CheckpointableTensors (torch 2.15+), or as ShardedTensors (older
+    torch), for one job: the pool's ranks run later jobs with the default again."""
     import tpcore.checkpoint.dcp
 
     if checkpointable and not tpcore.checkpoint.dcp.has_checkpointable():
         pytest.skip("this torch's DCP has no CheckpointableTensor")
     tpcore.checkpoint.dcp.USE_CHECKPOINTABLE = checkpointable
+    try:
+        yield
+    finally:
+        tpcore.checkpoint.dcp.USE_CHECKPOINTABLE = None
 
 
 def _save(rank, world, root, checkpointable=True):
-    _use(checkpointable)
+    with _presented_as(checkpointable):
+        _save_as_presented(rank, world, root)
+
+
+def _save_as_presented(rank, world, root):
     setup_tp(2)
     torch.manual_seed(0)
     user = UserModel()
@@ -167,7 +178,11 @@ def tp2_dcp(cpu_ranks, tmp_path_factory):
 
 
 def _load(rank, world, root, tp, checkpointable=True):
-    _use(checkpointable)
+    with _presented_as(checkpointable):
+        _load_as_presented(rank, world, root, tp)
+
+
+def _load_as_presented(rank, world, root, tp):
     setup_tp(tp)
     saved = torch.load(os.path.join(root, "saved.pt"), weights_only=True)
     torch.manual_seed(1)  # other weights than the saved ones
