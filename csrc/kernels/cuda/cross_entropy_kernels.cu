@@ -166,10 +166,7 @@ void cross_entropy_grad(const T* logits, const int64_t* target, const float* lse
   template void cross_entropy_grad<T>(const T*, const int64_t*, const float*, const float*, T*, \
                                       int64_t, int64_t, int64_t, int64_t, float, float, float,  \
                                       int64_t, cudaStream_t);
-TPCORE_INSTANTIATE(float)
-TPCORE_INSTANTIATE(double)
-TPCORE_INSTANTIATE(c10::Half)
-TPCORE_INSTANTIATE(c10::BFloat16)
+TPCORE_FOR_EACH_KERNEL_DTYPE(TPCORE_INSTANTIATE)
 #undef TPCORE_INSTANTIATE
 
 }  // namespace cuda_launch

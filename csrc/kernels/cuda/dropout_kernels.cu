@@ -62,10 +62,7 @@ void dropout(const T* in, T* out, int64_t n, const int64_t* state, uint32_t thre
 #define TPCORE_INSTANTIATE(T)                                                                \
   template void dropout<T>(const T*, T*, int64_t, const int64_t*, uint32_t, double, int64_t, \
                            cudaStream_t);
-TPCORE_INSTANTIATE(float)
-TPCORE_INSTANTIATE(double)
-TPCORE_INSTANTIATE(c10::Half)
-TPCORE_INSTANTIATE(c10::BFloat16)
+TPCORE_FOR_EACH_KERNEL_DTYPE(TPCORE_INSTANTIATE)
 #undef TPCORE_INSTANTIATE
 
 }  // namespace cuda_launch

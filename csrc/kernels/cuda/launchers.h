@@ -11,6 +11,10 @@
 
 #include <cstdint>
 
+// Applies M to each element type the launchers are instantiated for (the dtypes the host side
+// dispatches on); the .cu files instantiate their templates with it.
+#define TPCORE_FOR_EACH_KERNEL_DTYPE(M) M(float) M(double) M(c10::Half) M(c10::BFloat16)
+
 namespace tpcore {
 
 // Elements of T in 16 bytes.
