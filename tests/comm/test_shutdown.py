@@ -2,78 +2,70 @@
 `torch.distributed.destroy_process_group()`, or tpcore's exit hook for a program that
 calls neither) no gloo thread is left, so none can still be freeing a tensor while Python
 finalizes (which aborts the process: "terminate called without an active exception").
-Each case runs in fresh processes, since it destroys the default group."""
+Each case is a whole program (it destroys the default group, and the abort happens as the
+interpreter finalizes): `programs.start` runs it as `python -c` would."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
-import traceback
 
+import programs
 import pytest
-
-from launch import warm_context
 
 WORLD = 2
 
 
-def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
-    try:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        import gc
-        import weakref
+def _start(script: str, rank: int, *args: str) -> programs.Program:
+    """`python -c script rank args...`, stdout and stderr together (programs.py: forked from a
+    server that imported torch, then a whole interpreter exit)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return programs.start(["-c", script, str(rank), *args], env=env)
 
-        import torch
-        import torch.distributed as dist
 
-        if imported == "early":
-            import tpcore  # imports torch.distributed.nn before any group exists
-
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
-        )
-        world = weakref.ref(dist.group.WORLD)
-        # torch imports torch.distributed.nn lazily here (as GPTModel does); imported now,
-        # its functions' default arguments capture the default group
-        torch.nn.Embedding(4, 4, device="meta")
-        import tpcore  # noqa: F811 - late: after init_process_group
-        from tpcore.train import DataParallelGrads
-
-        state = tpcore.initialize_model_parallel(1, backend="gloo")  # a 2-rank gloo DP group
-        data_group = weakref.ref(state.data_group)
-        model = torch.nn.Linear(4, 4)
-        grads = DataParallelGrads(model, dp_group=state.data_group, overlap_grad_reduce=True)
-        grads.start_step(1)
-        model(torch.ones(3, 4)).sum().backward()
-        grads.finish_grad_sync()
-        grads_ref = weakref.ref(grads)
-        del model, grads, state
-        dist.all_reduce(
-            torch.ones(8)
-        )  # a last collective right before the end, as a trainer's log has
-        if how == "shutdown":
-            tpcore.shutdown()
-        else:
-            tpcore.destroy_model_parallel()
-            dist.barrier()
-            dist.destroy_process_group()
-            gc.collect()
-            if how == "destroy_process_group, then the exit hook":
-                tpcore.exit_hook.release_at_exit()  # what atexit runs last
-        threads = [
-            open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
-        ]
-        results.put(
-            (rank, threads, world() is None, data_group() is None, grads_ref() is None, None)
-        )
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results.put((rank, [], False, False, False, traceback.format_exc()))
+# One rank of a two-rank gloo run that ends; prints what is left at its end as JSON.
+_ENDS_A_RUN = textwrap.dedent("""
+    import gc, json, os, sys, weakref
+    import torch
+    import torch.distributed as dist
+    rank, store, how, imported = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    if imported == "early":
+        import tpcore  # imports torch.distributed.nn before any group exists
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    world = weakref.ref(dist.group.WORLD)
+    # torch imports torch.distributed.nn lazily here (as GPTModel does); imported now, its
+    # functions' default arguments capture the default group
+    torch.nn.Embedding(4, 4, device="meta")
+    import tpcore  # late: after init_process_group
+    from tpcore.train import DataParallelGrads
+    state = tpcore.initialize_model_parallel(1, backend="gloo")  # a 2-rank gloo DP group
+    data_group = weakref.ref(state.data_group)
+    model = torch.nn.Linear(4, 4)
+    grads = DataParallelGrads(model, dp_group=state.data_group, overlap_grad_reduce=True)
+    grads.start_step(1)
+    model(torch.ones(3, 4)).sum().backward()
+    grads.finish_grad_sync()
+    grads_ref = weakref.ref(grads)
+    del model, grads, state
+    dist.all_reduce(torch.ones(8))  # a last collective right before the end, as a trainer's log has
+    if how == "shutdown":
+        tpcore.shutdown()
+    else:
+        tpcore.destroy_model_parallel()
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()
+        if how == "destroy_process_group, then the exit hook":
+            tpcore.exit_hook.release_at_exit()  # what atexit runs last
+    tasks = os.listdir("/proc/self/task")
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+    print(json.dumps({"threads": threads, "world_freed": world() is None,
+                      "group_freed": data_group() is None, "grads_freed": grads_ref() is None}))
+""")
 
 
 @pytest.mark.skipif(
@@ -91,37 +83,28 @@ def _rank(rank: int, store_path: str, how: str, imported: str, results) -> None:
     ],
 )
 def test_ending_a_run_frees_every_group_and_its_threads(how, imported):
-    # tpcore imported late must not be imported yet: a spawned process; else a warm one
-    ctx = mp.get_context("spawn") if imported == "late" else warm_context()
-    results = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="tpcore-shutdown-"), "store")
-    procs = [
-        ctx.Process(target=_rank, args=(r, store, how, imported, results), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
+    procs = [_start(_ENDS_A_RUN, r, store, how, imported) for r in range(WORLD)]
     try:
-        answers = [results.get(timeout=120) for _ in range(WORLD)]
-        for p in procs:
-            p.join(timeout=60)
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
-    for rank, threads, world_freed, group_freed, grads_freed, error in sorted(
-        answers, key=lambda a: a[0]
-    ):
-        assert error is None, f"rank {rank}:\n{error}"
-        assert not [t for t in threads if "gloo" in t], (
-            f"rank {rank}: gloo threads outlived the groups: {threads}"
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}: exit status {p.returncode}\n{out}"
+        left = json.loads(out.strip().splitlines()[-1])
+        assert not [t for t in left["threads"] if "gloo" in t], (
+            f"rank {rank}: gloo threads outlived the groups: {left['threads']}"
         )
-        assert world_freed, f"rank {rank}: the default group is still referenced after the end"
-        assert group_freed, (
+        assert left["world_freed"], (
+            f"rank {rank}: the default group is still referenced after the end"
+        )
+        assert left["group_freed"], (
             f"rank {rank}: tpcore's data-parallel group is still referenced after the end"
         )
-        assert grads_freed, f"rank {rank}: DataParallelGrads is kept alive by its gradient hooks"
-    assert [p.exitcode for p in procs] == [0] * WORLD
+        assert left["grads_freed"], (
+            f"rank {rank}: DataParallelGrads is kept alive by its gradient hooks"
+        )
 
 
 # A program that ends right after a collective, without shutdown(): tpcore's exit hook
@@ -156,17 +139,6 @@ _EXIT_PATHS = textwrap.dedent("""
     while not os.path.exists(release):  # rank 0 stays alive until the test saw rank 1 leave
         time.sleep(0.05)
 """)
-
-
-def _start(script: str, rank: int, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-c", script, str(rank), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def test_a_program_ending_right_after_a_collective_exits_cleanly():

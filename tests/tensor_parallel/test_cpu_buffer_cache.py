@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+
+import programs
 
 # Run in a fresh process: the limit is read once, when the cache is first used.
 _SCRIPT = (
@@ -53,7 +53,6 @@ print("cache ok")
 
 def test_cache_is_bounded_and_evicts_the_oldest():
     env = {**os.environ, "TPCORE_CPU_CACHE_MB": "3"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "cache ok" in proc.stdout, proc.stdout + proc.stderr
+    proc = programs.start(["-c", _SCRIPT], env=env)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "cache ok" in out, out

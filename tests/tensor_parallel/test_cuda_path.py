@@ -7,9 +7,8 @@ TP=1 layer stack's forward and backward, the RNG tracker under capture and on tw
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import programs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,10 +117,9 @@ def test_input_checks_off_from_the_environment():
     code = "import tpcore; print(tpcore.input_checks_enabled())"
     for value, expected in (("0", "False"), ("1", "True")):
         env = dict(os.environ, TPCORE_CHECK_INPUTS=value)
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert out.stdout.strip() == expected, out.stderr
+        proc = programs.start(["-c", code], env=env)
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0 and out.strip() == expected, out
 
 
 def test_coalescing_group_is_closed_when_a_send_throws():
