@@ -1,6 +1,10 @@
 """tpcore.hf.launch and tpcore.hf.verify from the test process itself, without torchrun:
 results equal the dense model's, per-rank memory while loading stays near model / TP,
-a worker's exception reaches the caller, a dead worker ends the call within seconds."""
+a worker's exception reaches the caller, a dead worker ends the call within seconds.
+
+The workers are forked from the tests' warm server (launch.warm_context) instead of spawned,
+which spends about 5 s of CPU per worker importing torch, transformers and tpcore; the test of
+a killed caller starts its workers the real way, by spawn."""
 
 from __future__ import annotations
 
@@ -14,8 +18,17 @@ import transformers
 import tpcore.hf
 from checks import assert_close
 from hf_families import save_family
+from launch import warm_context
+from tpcore.hf.tensor_parallel import launcher
 
 TP = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_workers():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher, "_worker_context", warm_context)
+        yield
 
 
 @pytest.fixture(scope="module")

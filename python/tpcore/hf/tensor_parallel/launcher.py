@@ -153,6 +153,12 @@ def _worker(
     dist.destroy_process_group()
 
 
+def _worker_context() -> mp.context.BaseContext:
+    """Workers start as fresh interpreters (spawn): safe whatever the caller holds (threads,
+    CUDA). The tests start them from a server that imported torch and tpcore instead."""
+    return mp.get_context("spawn")
+
+
 class ParallelModel:
     """Handle on N workers that hold one model split tensor-parallel (made by `launch`).
 
@@ -192,7 +198,7 @@ class ParallelModel:
         self._job_id = 0
         self._dir = tempfile.mkdtemp(prefix="tpcore-hf-")
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         backend = "nccl" if device == "cuda" else "gloo"
