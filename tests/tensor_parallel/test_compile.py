@@ -177,9 +177,9 @@ def test_opcheck_every_op(cpu_ranks, tp):
 
 BATCH, SEQ = 2, 8
 
-# What docs/development.md states: compiling whole models is tested from torch 2.15; on torch 2.4 dynamo
-# cannot trace the rotary tables (it makes the config's sizes symbolic). The ops themselves
-# (opcheck above) and eager use work on every supported torch.
+# What docs/development.md states: compiling whole models is tested from torch 2.15; on torch
+# 2.4 dynamo cannot trace the rotary tables (it makes the config's sizes symbolic). The ops
+# themselves (opcheck above) and eager use work on every supported torch.
 compile_tested = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15),
     reason="whole-model torch.compile is tested from torch 2.15",
