@@ -9,14 +9,14 @@ CORPUS := data/fortunes.jsonl
 DATASET := data/fortunes_text_document
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup build test lint format coverage train bench clean corpus
+.PHONY: setup build test lint format coverage train bench clean corpus docs
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
 # the extras (training; transformers for tpcore.hf), then tpcore itself, editable,
 # built against that torch (--no-build-isolation).
 setup:
 	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
-		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" $(LINTERS)
+		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" $(LINTERS) $(DOCS_TOOLS)
 	$(MAKE) build
 
 build:
@@ -68,6 +68,14 @@ $(CORPUS): | $(FORTUNES_DIR)
 
 $(DATASET).idx: $(CORPUS)
 	$(PYTHON) -m tpcore.data.preprocess --input $(CORPUS) --output-prefix $(DATASET) --append-eod --workers $(NPROC)
+
+# The docs site in build/site (mkdocs.yml): the README, docs/, benchmarks/README.md and an API
+# page from the docstrings, built offline in strict mode (a broken link fails), pictures drawn
+# by tools/build_docs.py from tpcore itself.
+DOCS_TOOLS := mkdocs==1.6.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+docs: setup
+	$(PYTHON) tools/build_docs.py
+	$(PYTHON) -m mkdocs build --strict
 
 bench: setup
 	$(PYTHON) benchmarks/bench_linear.py

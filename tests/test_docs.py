@@ -84,3 +84,20 @@ def test_block_runs(tmp_path, path, line, language, marker, code):
             timeout=300,
         )
     assert proc.returncode == 0, f"{where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_site_builds_in_strict_mode():
+    """`make docs`: a broken link, a missing page or an API reference that does not resolve
+    fails (mkdocs --strict); the pictures are drawn."""
+    for command in (
+        [sys.executable, str(REPO / "tools" / "build_docs.py")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict"],
+    ):
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{command}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    site = REPO / "build" / "site"
+    for page in ("index.html", "tensor_parallel/index.html", "api/index.html"):
+        assert (site / page).is_file(), page
+    assert "tpcore.ColumnParallelLinear" in (site / "api" / "index.html").read_text()
+    for figure in ("pipeline_interleaved", "headline_ratios"):
+        assert (site / "images" / f"{figure}.png").read_bytes()[:4] == b"\x89PNG", figure
