@@ -77,7 +77,18 @@ def _headline_ratios(path: Path) -> None:
     plt.close(fig)
 
 
+def _split(tp: int, kv_heads: int):
+    def draw(path: Path) -> None:
+        from tpcore.models.shard_plot import main as shard_plot
+
+        shard_plot(["--tp", str(tp), "--kv-heads", str(kv_heads), "--output", str(path)])
+
+    return draw
+
+
 FIGURES = {
+    "tp_split": ("A GPT layer's weights at TP=2", _split(2, 4)),
+    "tp_split_gqa": ("TP=4 with 2 KV heads: each KV head copied on two ranks", _split(4, 2)),
     "pipeline_gpipe": ("GPipe, p=4, m=8", _pipeline("gpipe", 1)),
     "pipeline_1f1b": ("1F1B, p=4, m=8", _pipeline("1f1b", 1)),
     "pipeline_interleaved": (
