@@ -86,7 +86,20 @@ def _split(tp: int, kv_heads: int):
     return draw
 
 
+# The main job's metrics, where `make train` has run here; the site says how to draw the
+# curve where it has not.
+MAIN_JOB_METRICS = REPO / "checkpoints" / "gpt_small" / "metrics.csv"
+
+
+def _loss_curve(path: Path) -> None:
+    from tpcore.train import plot_loss_curve
+
+    if not plot_loss_curve(str(MAIN_JOB_METRICS), str(path)):
+        raise SystemExit("tools/build_docs.py: the loss curve needs matplotlib")
+
+
 FIGURES = {
+    "loss_curve": ("The main job's loss (make train)", _loss_curve),
     "tp_split": ("A GPT layer's weights at TP=2", _split(2, 4)),
     "tp_split_gqa": ("TP=4 with 2 KV heads: each KV head copied on two ranks", _split(4, 2)),
     "pipeline_gpipe": ("GPipe, p=4, m=8", _pipeline("gpipe", 1)),
@@ -102,6 +115,8 @@ FIGURES = {
 def _figures(text: str, images: Path) -> str:
     def figure(match: re.Match) -> str:
         name = match.group(1)
+        if name == "loss_curve" and not MAIN_JOB_METRICS.exists():
+            return "(Run `make train`, then `make docs`, to draw the main job's loss curve here.)"
         if name not in FIGURES:
             raise SystemExit(
                 f"tools/build_docs.py: unknown figure {name!r}; known: {sorted(FIGURES)}"
