@@ -191,6 +191,7 @@ def _scalar_inductor():
     return torch._inductor.config.patch({"cpp.vec_isa_ok": False})
 
 
+@_scalar_inductor()  # inductor compiles at the first forward and the first backward
 def _eager_and_compiled_gpt(
     rank,
     world,
@@ -230,15 +231,6 @@ def _eager_and_compiled_gpt(
     eager, model = models
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend=counter)
-    with _scalar_inductor():
-        _compare_steps(config, eager, model, compiled, counter, tracker, sequence_parallel, dynamic)
-    if dropout:
-        with torch.no_grad(), _scalar_inductor():
-            ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-            assert compiled(ids, ids) != model.eval()(ids, ids), "dropout must change the loss"
-
-
-def _compare_steps(config, eager, model, compiled, counter, tracker, sequence_parallel, dynamic):
     g = torch.Generator().manual_seed(1)
     # Static: the second step runs the cached graphs. Dynamic: one graph, three shapes.
     shapes = [(BATCH, SEQ), (BATCH + 1, SEQ // 2), (1, 2 * SEQ)] if dynamic else [(BATCH, SEQ)] * 2
@@ -267,6 +259,11 @@ def _compare_steps(config, eager, model, compiled, counter, tracker, sequence_pa
         assert counter.frame_count == 1, (
             f"{counter.frame_count} compilations for {len(shapes)} steps of one shape"
         )
+    if dropout:
+        with torch.no_grad():
+            assert compiled(ids, target) != model.eval()(ids, target), (
+                "dropout must change the loss"
+            )
 
 
 # A covering set: every TP size, tied (gpt2) and untied (llama, qwen3) heads, sequence parallelism
@@ -387,6 +384,7 @@ class _UserModel(torch.nn.Module):
         return tpcore.vocab_parallel_cross_entropy(self.head(x), target, vocab_size=30)
 
 
+@_scalar_inductor()
 def _layers_in_user_model(rank, world, tp):
     setup_tp(tp)
     if rank >= tp:
@@ -400,11 +398,10 @@ def _layers_in_user_model(rank, world, tp):
     compiled = torch.compile(model, fullgraph=True)  # inductor
     ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
     target = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(2))
-    with _scalar_inductor():  # the backward graph compiles at the first backward
-        want, got = eager(ids, target), compiled(ids, target)
-        assert_close(got, want.detach(), "loss")
-        want.backward()
-        got.backward()
+    want, got = eager(ids, target), compiled(ids, target)
+    assert_close(got, want.detach(), "loss")
+    want.backward()
+    got.backward()
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert_close(q.grad, p.grad, f"grad of {name}")
     # tpcore.hf's scaled embedding (Gemma's) compiles with no graph break.
@@ -457,10 +454,8 @@ def _layers_in_user_model(rank, world, tp):
         lambda t: tpcore.comm.all_gather(tpcore.comm.reduce_scatter(t * 2, 1), 0) + 1,
         fullgraph=True,
     )  # inductor
-    with _scalar_inductor():
-        compiled_out = fn(x)
     assert_close(
-        compiled_out,
+        fn(x),
         tpcore.comm.all_gather(tpcore.comm.reduce_scatter(x * 2, 1), 0) + 1,
         "compiled collectives",
     )
