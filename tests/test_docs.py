@@ -64,6 +64,7 @@ def test_every_block_says_whether_it_runs():
 )
 def test_block_runs(tmp_path, path, line, language, marker, code):
     where = f"{path.relative_to(REPO)}:{line}"
+    top_level = set(os.listdir(REPO))
     if marker.startswith("torchrun"):
         assert language == "python", f"{where}: torchrun runs python blocks"
         script = tmp_path / "block.py"
@@ -74,16 +75,17 @@ def test_block_runs(tmp_path, path, line, language, marker, code):
             [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
         )
     else:
-        env = {**os.environ, "DOC_TMP": str(tmp_path), "PYTHON": sys.executable}
+        path_var = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         proc = subprocess.run(
             ["bash", "-e", "-c", code],
-            cwd=REPO,
-            env=env,
+            cwd=tmp_path,
+            env={**os.environ, "PATH": path_var},
             capture_output=True,
             text=True,
             timeout=300,
         )
     assert proc.returncode == 0, f"{where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert set(os.listdir(REPO)) == top_level, f"{where} wrote into the repository"
 
 
 def test_site_builds_in_strict_mode():
