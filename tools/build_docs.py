@@ -131,11 +131,13 @@ def _figures(text: str, images: Path) -> str:
 
 
 def _rewrite(text: str, mapping: dict[str, str]) -> str:
+    """Relative link targets renamed by `mapping` (anchors kept); others as they are."""
+
     def link(match: re.Match) -> str:
-        target, anchor = match.group(2), match.group(3) or ""
+        target, anchor = match.group(1), match.group(2) or ""
         return f"]({mapping.get(target, target)}{anchor})"
 
-    return re.sub(r"\]\((?!https?:)([./]*)?([^)#\s]+)(#[^)\s]*)?\)", lambda m: link(m), text)
+    return re.sub(r"\]\((?!https?:)([^)#\s]+)(#[^)\s]*)?\)", link, text)
 
 
 def main() -> None:
