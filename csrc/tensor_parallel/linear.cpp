@@ -58,14 +58,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> traced_backward(
     const at::Tensor& grad_, const at::Tensor& input, const at::Tensor& weight, GroupName group,
     bool sequence_parallel, std::array<bool, 3> mask) {
   const at::Tensor grad = grad_.contiguous();
-  at::Tensor total_input = sequence_parallel ? op::all_gather_start(input, group) : input;
+  // The whole sequence is gathered again only for the weight gradient (none: a frozen weight).
+  const bool gather = sequence_parallel && mask[1];
+  at::Tensor total_input = gather ? op::all_gather_start(input, group) : input;
   at::Tensor grad_input;
   if (mask[0]) {
     const at::Tensor partial = grad.matmul(weight);
     grad_input = sequence_parallel ? op::reduce_scatter_start(partial, group)
                                    : op::all_reduce_start(partial, group);
   }
-  if (sequence_parallel) total_input = op::wait_tensor(total_input);
+  if (gather) total_input = op::wait_tensor(total_input);
   const at::Tensor grad_2d = as_2d(grad);
   at::Tensor grad_weight, grad_bias;
   if (mask[1]) grad_weight = grad_2d.t().mm(as_2d(total_input));
@@ -151,8 +153,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
     bool sequence_parallel, std::array<bool, 3> mask) {
   const Group group = group_by_name(name);
   const at::Tensor grad_output = grad.contiguous();
+  // The whole sequence is gathered again only for the weight gradient (none: a frozen weight).
   PendingCollective gathered_input =
-      sequence_parallel ? all_gather_async(input, 0, group) : PendingCollective(input);
+      sequence_parallel && mask[1] ? all_gather_async(input, 0, group) : PendingCollective(input);
   // Issue the input-gradient reduction first, then compute the weight gradient while it
   // is in flight.
   PendingCollective grad_input;

@@ -97,6 +97,25 @@ def _check_row(tp_rank, tp, dtype, device, shape, bias, input_is_parallel, skip_
         assert_close(layer.bias.grad, dense.bias.grad, f"{what}: grad bias")
 
 
+def _frozen_column(tp_rank, tp, dtype, device):
+    """A frozen column layer (a base under LoRA) under sequence parallelism: backward skips the
+    second all-gather of the input (it only feeds the weight gradient); the input gradient is
+    still right."""
+    mine = lambda t, dim: t.chunk(tp, dim)[tp_rank]  # noqa: E731
+    torch.manual_seed(0)
+    dense = nn.Linear(IN, OUT, dtype=dtype, device=device).requires_grad_(False)
+    x, grad = _inputs((8, 2), dtype, device)
+    y_ref, gx_ref = _reference(dense, x, grad)
+    layer = tpcore.ColumnParallelLinear.from_dense(dense, sequence_parallel=True)
+    layer.requires_grad_(False)
+    xin = mine(x, 0).clone().requires_grad_(True)
+    out = layer(xin)
+    assert_close(out, mine(y_ref, -1), "frozen column: output")
+    out.backward(mine(grad, -1))
+    assert_close(xin.grad, mine(gx_ref, 0), "frozen column: grad input")
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
 def _linear_layers(rank, world, tp, dtype, device):
     tp_rank, tp = setup_tp(tp)
     flags = list(
@@ -109,6 +128,7 @@ def _linear_layers(rank, world, tp, dtype, device):
             _check_column(tp_rank, tp, dtype, device, shape, bias, flag, skip_bias_add, sp)
         if flag or not sp:  # sequence parallelism needs input_is_parallel
             _check_row(tp_rank, tp, dtype, device, shape, bias, flag, skip_bias_add, sp)
+    _frozen_column(tp_rank, tp, dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
