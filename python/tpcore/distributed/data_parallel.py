@@ -96,13 +96,12 @@ class DataParallelGrads:
         self.lookup_only = [p for p in lookup_only if p.requires_grad]
         self._lookup_only_ids = {id(p) for p in self.lookup_only}
         first_ids = {id(p) for p in self.split} | {id(p) for p in head_first}
-        if (
-            any(shard_spec(p).partial_grad for c in chunks for p in c.parameters())
-            and tp_group is None
+        if tp_group is None and any(
+            p.requires_grad and shard_spec(p).partial_grad for c in chunks for p in c.parameters()
         ):
             raise ValueError(
-                "tpcore: DataParallelGrads: sequence-parallel parameters need tp_group (their "
-                "gradients are summed over TP)"
+                "tpcore: DataParallelGrads: parameters whose gradient is a share to sum over TP "
+                "(sequence-parallel norms, LoRA adapters) need tp_group"
             )
         self.buffers: list[GradBuffer] = []
         self.chunk_buffers: list[list[GradBuffer]] = []
@@ -323,7 +322,7 @@ class DataParallelGrads:
             if id(p) in late:  # the DP mean, as the buckets'
                 _add_rows(p.main_grad, *late[id(p)], scale=1 / self.dp_size)
         self._sum_lookup_only()
-        self._sum_sequence_parallel()
+        self._sum_partial_grads()
         self._sum_tied()
         self.finished = True
 
@@ -388,8 +387,9 @@ class DataParallelGrads:
             _add_rows(p.main_grad, index, values, scale=1 / self.dp_size)
             self.rows_summed += values.shape[0]
 
-    def _sum_sequence_parallel(self) -> None:
-        # Each TP rank saw only its sequence shard: sum over TP (after the DP mean; both are sums).
+    def _sum_partial_grads(self) -> None:
+        # Each TP rank gave only its share (its sequence shard; its slice of a LoRA layer): sum
+        # over TP (after the DP mean; both are sums).
         grads = [p.main_grad for p in self.params if shard_spec(p).partial_grad]
         if not grads or dist.get_world_size(self.tp_group) == 1:
             return

@@ -270,8 +270,7 @@ def finalize_model_grads(
     gradients of the tied word embedding, so both copies take the same step."""
     tp_group = resolve_tensor_group(tp_group)
     for chunk in chunks:
-        if chunk.config.sequence_parallel:
-            finalize_sequence_parallel_grads(chunk, tp_group)
+        finalize_sequence_parallel_grads(chunk, tp_group)
     group = _embedding_group(chunks, embedding_group)
     if group is None or dist.get_world_size(group) == 1:
         return

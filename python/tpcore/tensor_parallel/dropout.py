@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .. import _op_entry
-from .random import MODEL_PARALLEL_RNG, get_rng_tracker
+from .random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 
-__all__ = ["tracked_dropout"]
+__all__ = ["tracked_dropout", "region_dropout"]
 
 
 def tracked_dropout(
@@ -32,3 +32,14 @@ def tracked_dropout(
         return x
     state = get_rng_tracker().draw(stream, x.numel(), x.device)
     return _op_entry.dropout(x, state, p)
+
+
+def region_dropout(x: torch.Tensor, p: float, training: bool, per_tp_rank: bool) -> torch.Tensor:
+    """Dropout whose mask differs across TP ranks when `per_tp_rank` (a TP or sequence-
+    parallel region: the model-parallel stream), and is identical on them otherwise (the
+    replicated stream; torch's generator where model_parallel_manual_seed was not called)."""
+    if not training or p == 0:
+        return x
+    if not per_tp_rank and not get_rng_tracker().has_counter(REPLICATED_RNG):
+        return torch.nn.functional.dropout(x, p)
+    return tracked_dropout(x, p, MODEL_PARALLEL_RNG if per_tp_rank else REPLICATED_RNG)

@@ -9,16 +9,24 @@ all-reduce over the group of a `[tp / copies, ...]` tensor in which each rank fi
 block's slot: no sub-groups, and every rank of a block gets the same bits. The sum is made
 inside autograd, before the gradient is accumulated into `.grad`, so gradient accumulation,
 recompute and any schedule around it stay exact.
+
+`sum_partial_grads(model, group)` sums, after backward, the gradients of replicated
+parameters whose shard spec says `partial_grad`: each rank's backward gave its share
+(norms under sequence parallelism saw one sequence shard; a LoRA adapter's replicated half
+saw one rank's slice of its layer). One all-reduce for all of them, once per step.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import comm
+from ..parallel_state import resolve_tensor_group
+from .shard_spec import shard_spec
 
-__all__ = ["sum_over_copies"]
+__all__ = ["sum_over_copies", "sum_partial_grads"]
 
 
 class _SumOverCopies(torch.autograd.Function):
@@ -55,3 +63,18 @@ def sum_over_copies(
     if copies == 1:
         return t
     return _SumOverCopies.apply(t, group, copies, rows)
+
+
+def sum_partial_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Sum over the TP `group` the `.grad` of every parameter of `model` whose shard spec says
+    `partial_grad` (one all-reduce; none when there is none). Call after backward, before the
+    step, on every TP rank."""
+    grads = [
+        p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None
+    ]
+    group = resolve_tensor_group(group)
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
