@@ -24,19 +24,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _op_entry, comm
+from .. import _op_entry
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from ..parallel_state import live_group_name, resolve_tensor_group
-from ..tensor_parallel.dropout import tracked_dropout
+from ..tensor_parallel.dropout import region_dropout
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.lora import active_adapter, column_forward
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..tensor_parallel.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from ..tensor_parallel.scaled_embedding import ScaledVocabParallelEmbedding
-from ..tensor_parallel.shard_spec import set_shard_spec, shard, shard_spec, unshard
+from ..tensor_parallel.shard_spec import set_shard_spec, shard, unshard
+from ..tensor_parallel.shared_grads import sum_partial_grads
 from .common import (
     apply_rotary,
     attention_core,
@@ -55,14 +57,8 @@ __all__ = ["GPTModel", "finalize_sequence_parallel_grads", "attach_gpt_shard_spe
 
 
 def _dropout(dropout: nn.Dropout, x: torch.Tensor, per_tp_rank: bool) -> torch.Tensor:
-    """Dropout whose mask differs across TP ranks when `per_tp_rank` (a TP or sequence-
-    parallel region: the model-parallel stream), and is identical on them otherwise (the
-    replicated stream; torch's generator where model_parallel_manual_seed was not called)."""
-    if not dropout.training or dropout.p == 0:
-        return x
-    if not per_tp_rank and not get_rng_tracker().has_counter(REPLICATED_RNG):
-        return dropout(x)
-    return tracked_dropout(x, dropout.p, MODEL_PARALLEL_RNG if per_tp_rank else REPLICATED_RNG)
+    """`dropout` applied through `region_dropout` (its masks per TP rank or replicated)."""
+    return region_dropout(x, dropout.p, dropout.training, per_tp_rank)
 
 
 def _create_dropout_counters(device: torch.device) -> None:
@@ -133,6 +129,9 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         weight, bias = (
             replicated_kv_grad(t, c, self.group, self.tp_size) for t in (layer.weight, layer.bias)
         )
+        if (adapter := active_adapter(layer)) is not None:  # LoRA: B's K/V rows are copies too
+            B = replicated_kv_grad(adapter.B, c, self.group, self.tp_size)
+            return column_forward(layer, x, weight, bias, B)
         return _op_entry.column_parallel_linear(
             x, weight, bias, live_group_name(self.group), False, c.sequence_parallel
         )
@@ -592,15 +591,7 @@ def finalize_sequence_parallel_grads(
     model: nn.Module, group: dist.ProcessGroup | None = None
 ) -> None:
     """Sum over TP the gradients of parameters whose shard spec says `partial_grad` (norms
-    and positions under sequence parallelism; the row layers' biases are summed by the
-    layers themselves): each rank saw only its sequence shard. Call after backward, before
-    the step."""
-    grads = [
-        p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None
-    ]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
-    flat = comm.all_reduce(flat, resolve_tensor_group(group))
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(piece.view_as(g))
+    and positions under sequence parallelism, LoRA adapters' replicated halves; the row
+    layers' biases are summed by the layers themselves): each rank saw only its share.
+    Call after backward, before the step (`sum_partial_grads`)."""
+    sum_partial_grads(model, group)

@@ -24,6 +24,7 @@ from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
+from .lora import active_adapter, column_forward, row_forward
 from .shard_spec import ShardSpec, set_shard_spec
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "InitMethod"]
@@ -272,6 +273,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        if (adapter := active_adapter(self)) is not None:  # LoRA (`lora.py`)
+            out = column_forward(self, x, self.weight, self._forward_bias(), adapter.B)
+            return self._result(out)
         out = _op_entry.column_parallel_linear(
             x,
             self.weight,
@@ -329,14 +333,17 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        out = _op_entry.row_parallel_linear(
-            x,
-            self.weight,
-            self._forward_bias(),
-            live_group_name(self.group),
-            self.input_is_parallel,
-            self.sequence_parallel,
-        )
+        if active_adapter(self) is not None:  # LoRA (`lora.py`)
+            out = row_forward(self, x, self._forward_bias())
+        else:
+            out = _op_entry.row_parallel_linear(
+                x,
+                self.weight,
+                self._forward_bias(),
+                live_group_name(self.group),
+                self.input_is_parallel,
+                self.sequence_parallel,
+            )
         if self.skip_bias_add and self.sequence_parallel and self.bias is not None:
             # The caller adds the bias to a sequence shard: hand it over through f, whose
             # backward sums its gradient over TP, so the bias stays correct on its own.
