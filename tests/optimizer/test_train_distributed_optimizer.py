@@ -48,8 +48,10 @@ def _compare(
     sequence_parallel=False,
     bucket_size=None,
     schedule="1f1b",
+    lora=False,
 ):
-    """Train 3 steps with each candidate and with today's optimizer; all must agree."""
+    """Train 3 steps with each candidate and with today's optimizer; all must agree. With
+    `lora`, every chunk's linear layers get adapters and the rest is frozen."""
     import dataclasses
 
     setup(tp, pp)
@@ -57,11 +59,19 @@ def _compare(
     config = config_for(variant, pp * v * 1 if pp > 1 else 2, sequence_parallel=sequence_parallel)
     dp, dp_rank = dist.get_world_size(_dp()), dist.get_rank(_dp())
     data = [batches(config, m, dp, seed=10 * step)[dp_rank] for step in range(len(LRS))]
-    runs = {"baseline": Run(config, BASELINE, v=v, dtype=dtype, schedule=schedule)}
+    prepare = _add_lora if lora else None
+    runs = {"baseline": Run(config, BASELINE, v=v, dtype=dtype, schedule=schedule, prepare=prepare)}
     for name, options in CANDIDATES.items():
         if bucket_size is not None:
             options = dataclasses.replace(options, bucket_size=bucket_size)
-        runs[name] = Run(config, options, v=v, dtype=dtype, schedule=schedule)
+        runs[name] = Run(config, options, v=v, dtype=dtype, schedule=schedule, prepare=prepare)
+    if lora:  # the optimizer (and the buffers) hold the adapters and nothing else
+        from tpcore.tensor_parallel import lora_adapters
+
+        for name, run in runs.items():
+            adapters = [a for c in run.chunks for a in lora_adapters(c).values()]
+            held = run.grads.params if run.grads is not None else run.opt.params
+            assert {id(p) for p in held} == {id(p) for a in adapters for p in (a.A, a.B)}, name
     # bf16: today's optimizer rounds the DP-mean gradient back into the bf16 .grad, the
     # buffers keep it in fp32: the two differ by bf16 rounding (checks.RTOL).
     tol = 1e-5 if dtype == torch.float32 else 2 * 2**-7
@@ -84,8 +94,18 @@ def _compare(
     # The runs moved the weights (a comparison of untouched weights proves nothing).
     assert any(
         not torch.equal(a, b)
-        for a, b in zip(base.values(), Run(config, BASELINE, v=v, dtype=dtype).params().values())
+        for a, b in zip(
+            base.values(),
+            Run(config, BASELINE, v=v, dtype=dtype, prepare=prepare).params().values(),
+        )
     )
+
+
+def _add_lora(chunks):
+    import tpcore
+
+    for chunk in chunks:
+        tpcore.add_lora(chunk, rank=4, alpha=8, target_modules=["qkv", "proj", "fc1", "fc2"])
 
 
 def _dp():
@@ -129,4 +149,17 @@ def test_buffers_and_distributed_optimizer_equal_todays_optimizer(
 ):
     cpu_ranks.run(
         _compare, tp, pp, v, variant, m, dtype, sp, bucket, "interleaved" if v > 1 else "1f1b"
+    )
+
+
+@pytest.mark.parametrize(
+    "tp,pp,variant,sp",
+    [(2, 1, "llama", False), (2, 1, "llama_kv1", True), (1, 2, "gpt2", False)],
+    ids=["tp2-dp2", "tp2-dp2-kv1-sp", "pp2-dp2"],
+)
+def test_lora_adapters_train_alike_with_every_optimizer(cpu_ranks, tp, pp, variant, sp):
+    """Only the adapters train (frozen base: no buffers, no optimizer state); their partial
+    gradients are summed over TP in the buffers' reduction as in finalize_model_grads."""
+    cpu_ranks.run(
+        _compare, tp, pp, 1, variant, 2 if pp == 1 else 4, "float32", sp, None, "1f1b", True
     )

@@ -87,7 +87,8 @@ class DataParallelGrads:
         # bucket sends the same bytes and leaves this rank's slice where it belongs.
         self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
-        self.tied = list(tied) if embedding_sum else []
+        # Frozen copies (fine-tuning adapters) have no buffer and nothing to sum.
+        self.tied = [p for p in tied if p.requires_grad] if embedding_sum else []
         # Splitting the embedding's two uses only pays when its reduction can start early. A
         # lookup-only embedding always takes its gradient token by token (no [vocab, h]
         # table per micro-batch) and, at DP > 1, is summed over DP as rows.

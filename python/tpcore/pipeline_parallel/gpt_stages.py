@@ -275,6 +275,8 @@ def finalize_model_grads(
     if group is None or dist.get_world_size(group) == 1:
         return
     for p in tied_embedding_copies(chunks):
+        if not p.requires_grad:  # frozen (fine-tuning adapters): both copies stay as they are
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         p.grad.copy_(comm.all_reduce(p.grad, group))
