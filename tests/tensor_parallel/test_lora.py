@@ -192,13 +192,21 @@ def _gpt(rank, world, tp, variant, sp):
             o.zero_grad()
 
     # Merged into the weights, the model computes the same; unmerged, the weights are back.
+    # to_dense adds the adapters into the dense weights (before and after merging alike).
     ids = torch.randint(0, config.vocab_size, (2, 8), generator=g)
     with torch.no_grad():
         before = {n: p.clone() for n, p in model.named_parameters()}
         logits = model(ids)
+        params = _lora_reference_params(dense, adapters, A_ref, B_ref, specs)
+        loss_ref = torch.func.functional_call(dense, params, (ids, ids))
+        assert_close(model(ids, ids), loss_ref, "loss after training")
+        for name, p in model.to_dense().named_parameters():
+            assert_close(p, params[name], f"to_dense: {name}")
         tpcore.merge_lora(model)
         assert not torch.equal(model.layers[0].mlp.fc1.weight, before["layers.0.mlp.fc1.weight"])
         assert_close(model(ids), logits, "merged logits")
+        for name, p in model.to_dense().named_parameters():
+            assert_close(p, params[name], f"to_dense of the merged model: {name}")
         tpcore.unmerge_lora(model)
         for n, p in model.named_parameters():
             assert_close(p, before[n], f"{n} after unmerge")

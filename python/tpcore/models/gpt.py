@@ -27,6 +27,7 @@ from torch import nn
 from .. import _op_entry
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
 from ..parallel_state import live_group_name, resolve_tensor_group
+from ..tensor_parallel.adapters import lora_adapters
 from ..tensor_parallel.dropout import region_dropout
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.initialization import draw_seed
@@ -417,7 +418,8 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 param.copy_(piece)
 
     def to_dense(self) -> ReferenceGPT:
-        """The full `ReferenceGPT` (a collective: call on every TP rank)."""
+        """The full `ReferenceGPT` (a collective: call on every TP rank). LoRA adapters not
+        merged yet are added into its weights, so it computes what this model computes."""
         if not (
             self.pre_process and self.post_process and len(self.layers) == self.config.num_layers
         ):
@@ -426,10 +428,19 @@ class GPTModel(SharesProcessGroups, nn.Module):
             )
         p = next(self.parameters())
         dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
+        adapters = lora_adapters(self)
+        skip = {f"{name}.lora.{half}" for name in adapters for half in "AB"}
         state = {
             name: unshard(param.detach(), param.shard_spec)
             for name, param in self.named_parameters()
+            if name not in skip
         }
+        with torch.no_grad():
+            for name, adapter in adapters.items():
+                if not adapter.merged:
+                    weight = self.get_submodule(name).weight
+                    delta = unshard(adapter.weight_delta(), weight.shard_spec).to(weight.dtype)
+                    state[f"{name}.weight"] = state[f"{name}.weight"] + delta
         dense.load_state_dict(state)
         return dense
 
