@@ -295,6 +295,12 @@ def _bad_input(rank, world):
     assert all(p.requires_grad for p in model.parameters()), "a refused add_lora froze the model"
     assert add(target_modules=r"layers\.0\..*\.qkv") == ["layers.0.attention.qkv"]
     expect_error(ValueError, "['layers.0.attention.qkv'] already have an adapter", add)
+    qkv, proj = model.layers[0].attention.qkv, model.layers[0].attention.proj
+    proj.lora = tpcore.LoRAAdapter(proj, rank=2, alpha=1)
+    expect_error(
+        ValueError, "input of shape [8, 2, 63], expected [..., 64]", qkv, torch.ones(8, 2, 63)
+    )
+    expect_error(ValueError, "input of shape [3, 64], expected [..., 32]", proj, torch.ones(3, 64))
     fc1 = model.layers[1].mlp.fc1
     expect_error(
         ValueError, "LoRA rank must be a positive int", tpcore.LoRAAdapter, fc1, rank=-1, alpha=1

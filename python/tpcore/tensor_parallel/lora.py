@@ -167,6 +167,15 @@ def active_adapter(layer: _ParallelLinear) -> LoRAAdapter | None:
     return adapter if adapter is not None and not adapter.merged else None
 
 
+def _check_input(layer: _ParallelLinear, x: torch.Tensor, features: int) -> None:
+    """The base layers' own check, made here before the adapter path's first collective."""
+    if x.dim() == 0 or x.shape[-1] != features:
+        raise ValueError(
+            f"tpcore: {type(layer).__name__} with LoRA: input of shape {list(x.shape)}, "
+            f"expected [..., {features}]"
+        )
+
+
 def column_forward(
     layer: ColumnParallelLinear,
     x: torch.Tensor,
@@ -175,6 +184,7 @@ def column_forward(
     B: torch.Tensor,
 ) -> torch.Tensor:
     """A column layer's output with its adapter: `[..., out/tp]` (or gathered)."""
+    _check_input(layer, x, layer.in_features)
     group = live_group_name(layer.group)
     if layer.sequence_parallel:  # [s/tp, b, in] -> [s, b, in]; backward reduce-scatters
         x = _op_entry.gather_from_sequence_parallel(x, group, True)
@@ -188,6 +198,8 @@ def row_forward(
     layer: RowParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """A row layer's output with its adapter: `[..., out]` (or `[s/tp, b, out]`)."""
+    split = layer.input_is_parallel
+    _check_input(layer, x, layer.in_features // layer.tp_size if split else layer.in_features)
     group = live_group_name(layer.group)
     if not layer.input_is_parallel:
         x = _op_entry.scatter_to_tensor_parallel(x, group)
