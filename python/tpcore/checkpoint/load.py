@@ -34,6 +34,7 @@ records against the metadata. Weights that are not finite are never saved.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Callable, Sequence
 
@@ -45,6 +46,7 @@ from ..agreement import all_or_none
 from ..models import GPTConfig, ReferenceGPT
 from ..models.gpt_specs import gpt_shard_specs
 from ..pipeline_parallel.layout import ParallelLayout, current_layout, model_chunks
+from ..tensor_parallel.lora import weight_delta
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
 from . import torch_dist
@@ -119,6 +121,18 @@ def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
         )
 
 
+def is_adapter_name(name: str) -> bool:
+    """A LoRA adapter's parameter (`add_lora`): `<layer>.lora.A` or `<layer>.lora.B`."""
+    return name.endswith((".lora.A", ".lora.B"))
+
+
+def _checkpoint_names(config: GPTConfig, stored: dict[str, ShardSpec]) -> list[str]:
+    """Every parameter name of the whole model a checkpoint holds, in order: the GPT's, then
+    its LoRA adapters' (those the checkpoint's specs name)."""
+    names = list(ReferenceGPT(config, device="meta").state_dict())
+    return names + [name for name in stored if is_adapter_name(name)]
+
+
 def _check_specs(specs: dict[str, ShardSpec], stored: dict[str, ShardSpec], directory: str) -> None:
     """Each parameter splits as the checkpoint's copy of it did: the same global tensor, split
     dim and parts (vocabulary padding and gradient handling may differ)."""
@@ -172,14 +186,16 @@ class _MappedFile:
         if self._read >= self.REMAP_BYTES:
             self._state = None  # unmapped once the last piece taken from it is dropped
 
-    def check_names(self, stored: list[str]) -> None:
-        """The file holds exactly the parameters (and their optimizer state) of `stored`."""
-        sections = [("model parameters", self.state["model"])]
+    def check_names(self, stored: list[str], trained: list[str] | None = None) -> None:
+        """The file holds exactly the parameters of `stored`, and the optimizer state of
+        `trained` (default: all of them; a LoRA run trains its adapters only)."""
+        sections = [("model parameters", self.state["model"], stored)]
         if self.state["optimizer"] is not None and not self.state["optimizer"].get(
             "data_parallel_size"
         ):  # DP-sharded: SavedSlices checks
-            sections.append(("optimizer state", self.state["optimizer"]["params"]))
-        for what, pieces in sections:
+            names = stored if trained is None else trained
+            sections.append(("optimizer state", self.state["optimizer"]["params"], names))
+        for what, pieces, stored in sections:
             missing, extra = sorted(set(stored) - set(pieces)), sorted(set(pieces) - set(stored))
             if missing or extra:
                 raise CheckpointError(
@@ -283,8 +299,13 @@ def _plan(
 ) -> dict[tuple[int, int], list[str]]:
     """(saved TP rank, PP rank) -> the names of `params` (this rank's pieces, described by
     `specs`) to read from that file: the files sharing indices with them."""
-    names = list(ReferenceGPT(config, device="meta").state_dict())
+    names = _checkpoint_names(config, stored)
     unknown = sorted(set(params) - set(names))
+    if any(is_adapter_name(name) for name in unknown):
+        raise CheckpointError(
+            f"tpcore: the model has LoRA adapters {unknown[:3]} that the checkpoint does not "
+            "hold (load a base checkpoint before adding adapters)"
+        )
     if unknown:
         raise CheckpointError(
             f"tpcore: the model has parameters {unknown[:5]} that no GPT checkpoint holds"
@@ -317,18 +338,22 @@ def _read_shards(
     config: GPTConfig,
     with_optimizer: bool,
     open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None,
+    adapters_only: bool = False,
 ) -> dict | None:
     """Fill `params` (this rank's pieces by name, described by `specs`) from the saved
-    files `needed` names (`_plan`); returns the optimizer state to load (or None). A
+    files `needed` names (`_plan`); returns the optimizer state to load (or None): of every
+    parameter, or with `adapters_only` (a LoRA checkpoint) of the adapters only. A
     distributed optimizer's state comes from the DP slices `open_slices` opens."""
-    names = list(ReferenceGPT(config, device="meta").state_dict())
+    names = _checkpoint_names(config, stored_specs)
+    trained = {n for n in names if is_adapter_name(n)} if adapters_only else set(names)
     state, flat = None, {}
     for (saved_rank, pp_rank), wanted in sorted(
         needed.items(), key=lambda item: (item[0][1], item[0][0])
     ):
         file = open_shard((saved_rank, pp_rank))  # one file mapped at a time
         stored = saved.names_on(pp_rank, names)
-        file.check_names(stored)
+        stored_trained = [name for name in stored if name in trained]
+        file.check_names(stored, stored_trained)
         targets = {name: params[name] for name in wanted}
         _copy_from(
             file,
@@ -343,10 +368,13 @@ def _read_shards(
         saved_opt = file.state["optimizer"]
         if with_optimizer and saved_opt is not None:
             section = _optimizer_pieces
+            wanted = [name for name in wanted if name in trained]
             if saved_opt.get("data_parallel_size"):
                 slices = open_slices((saved_rank, pp_rank))
-                shapes = {name: file.state["model"][name].shape for name in stored}
-                slices.check_names(stored, {name: shape.numel() for name, shape in shapes.items()})
+                shapes = {name: file.state["model"][name].shape for name in stored_trained}
+                slices.check_names(
+                    stored_trained, {name: shape.numel() for name, shape in shapes.items()}
+                )
                 saved_opt = {"params": {name: slices.template(name) for name in wanted}}
                 section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
             if state is None:
@@ -369,8 +397,9 @@ def _read_shards(
                 "optimizer state",
             )
         del file
-    if state is not None and len(state["params"]) != len(params):
-        missing = sorted(set(params) - set(state["params"]))
+    mine = trained & set(params)
+    if state is not None and len(state["params"]) != len(mine):
+        missing = sorted(mine - set(state["params"]))
         raise CheckpointError(f"tpcore: the checkpoint holds no optimizer state for {missing[:5]}")
     return state
 
@@ -447,6 +476,7 @@ def load_checkpoint(
             config,
             optimizer is not None,
             open_slices,
+            meta.get("lora") is not None,
         )
         slices.clear()  # unmapped
 
@@ -525,15 +555,17 @@ def load_dense_state_dict(
     if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
         if verify:
             torch_dist.verify_files(directory, meta)
-        return config, torch_dist.read_dense(directory, list(specs))
+        return config, _merge_adapters(torch_dist.read_dense(directory, list(specs)), specs, meta)
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
     shapes = {name: spec.global_shape for name, spec in specs.items()}
+    lora = meta.get("lora") is not None
     dense: dict[str, torch.Tensor] = {}
     for saved_rank, pp_rank in sorted(files, key=lambda key: (key[1], key[0])):
         file = open_shard((saved_rank, pp_rank))
         stored = saved.names_on(pp_rank, list(shapes))
-        file.check_names(stored)
+        # A LoRA run's optimizer holds its adapters only.
+        file.check_names(stored, [n for n in stored if is_adapter_name(n)] if lora else None)
         if not dense:
             dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
@@ -549,7 +581,26 @@ def load_dense_state_dict(
             "model parameter",
         )
         del file
-    return config, dense
+    return config, _merge_adapters(dense, specs, meta)
+
+
+def _merge_adapters(dense: dict, specs: dict[str, ShardSpec], meta: dict) -> dict:
+    """The dense state with a LoRA checkpoint's adapters added into their layers' weights
+    (and no longer listed): the model the checkpoint computes, as a plain GPT."""
+    adapters = sorted({name.rsplit(".lora.", 1)[0] for name in dense if is_adapter_name(name)})
+    if not adapters:
+        return dense
+    lora = meta["lora"]
+    scale = lora["alpha"] / (math.sqrt(lora["rank"]) if lora["use_rslora"] else lora["rank"])
+    for layer in adapters:
+        A, B = dense.pop(f"{layer}.lora.A"), dense.pop(f"{layer}.lora.B")
+        weight = f"{layer}.weight"
+        spec = specs[weight]
+        parts = A.shape[0] // lora["rank"]
+        rows = [p.size for p in spec.parts] if parts > 1 else [B.shape[0]]
+        delta = weight_delta(A.float(), B.float(), scale, rows)
+        dense[weight] = (dense[weight].float() + delta).to(dense[weight].dtype)
+    return dense
 
 
 def saved_specs(meta: dict) -> dict[str, ShardSpec]:
@@ -560,15 +611,16 @@ def saved_specs(meta: dict) -> dict[str, ShardSpec]:
     if "shard_specs" not in meta:
         return dense
     recorded = meta["shard_specs"]
-    if not isinstance(recorded, dict) or set(recorded) != set(dense):
+    adapters = [n for n in recorded if is_adapter_name(n)] if isinstance(recorded, dict) else []
+    if not isinstance(recorded, dict) or set(recorded) != set(dense) | set(adapters):
         raise CheckpointError(
             "tpcore: the checkpoint's metadata.json: 'shard_specs' does not name the model's "
             "parameters (the file is damaged)"
         )
     try:
         return {
-            name: ShardSpec.from_dict(recorded[name]) for name in dense
-        }  # in the dense model's order
+            name: ShardSpec.from_dict(recorded[name]) for name in [*dense, *adapters]
+        }  # in the dense model's order, then the LoRA adapters
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"tpcore: the checkpoint's metadata.json: 'shard_specs' is damaged ({e})"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -139,10 +139,7 @@ class LoRAAdapter(nn.Module):
 
     def weight_delta(self) -> torch.Tensor:
         """`scale * B A` as this rank's piece of the layer's weight (the same shape)."""
-        if len(self.part_rows) == 1:
-            return self.B @ self.A * self.scale
-        pieces = zip(self.B.split(self.part_rows, 0), self.A.split(self.rank, 0))
-        return torch.cat([Bp @ Ap for Bp, Ap in pieces], 0) * self.scale
+        return weight_delta(self.A, self.B, self.scale, self.part_rows)
 
     def extra_repr(self) -> str:
         rslora = ", rslora" if self.use_rslora else ""
@@ -150,6 +147,18 @@ class LoRAAdapter(nn.Module):
             f"rank={self.rank}, alpha={self.alpha:g}{rslora}, dropout={self.dropout:g}, "
             f"parts={len(self.part_rows)}, merged={self.merged}"
         )
+
+
+def weight_delta(
+    A: torch.Tensor, B: torch.Tensor, scale: float, part_rows: Sequence[int]
+) -> torch.Tensor:
+    """`scale * B A` per part: B's rows in parts of `part_rows`, part p times A's rows
+    `[p r, (p + 1) r)` (one part: the plain product). Whole tensors or one rank's pieces."""
+    if len(part_rows) == 1:
+        return B @ A * scale
+    rank = A.shape[0] // len(part_rows)
+    pieces = zip(B.split(list(part_rows), 0), A.split(rank, 0))
+    return torch.cat([Bp @ Ap for Bp, Ap in pieces], 0) * scale
 
 
 def check_lora_options(rank: int, alpha: float, dropout: float) -> None:
