@@ -83,6 +83,18 @@ class TrainArgs:
         "at the end, export the model as a Hugging Face folder here (a new or empty folder, or an "
         "earlier export's; not --load-hf's)",
     )
+    # LoRA fine-tuning (docs/lora.md)
+    lora_rank: int | None = _arg(
+        None,
+        "train rank-r LoRA adapters on --lora-target-modules, every other weight frozen "
+        "(default: no adapters, every weight trains)",
+    )
+    lora_alpha: float | None = _arg(None, "LoRA scale = alpha / rank (default: alpha = rank)")
+    lora_dropout: float = _arg(0.0, "dropout on the LoRA adapters' input")
+    lora_target_modules: str = _arg(
+        "qkv,proj,fc1,fc2", "the layers that get LoRA adapters, comma-separated: qkv proj fc1 fc2"
+    )
+    lora_use_rslora: bool = _arg(False, "rsLoRA's scale alpha / sqrt(rank)")
     # Parallelism and memory
     tensor_parallel_size: int = _arg(
         1, "tensor-parallel ranks (the rest of the world is data parallel)"
@@ -290,6 +302,34 @@ class TrainArgs:
             except ValueError as e:
                 need(False, f"--save-hf: {str(e).removeprefix('tpcore: ')}")
         self._check_pipeline(need)
+        self._check_lora(need)
+
+    def _check_lora(self, need) -> None:
+        if self.lora_rank is None:
+            given = [
+                flag
+                for flag, on in (
+                    ("--lora-alpha", self.lora_alpha is not None),
+                    ("--lora-dropout", self.lora_dropout != 0.0),
+                    ("--lora-use-rslora", self.lora_use_rslora),
+                    ("--lora-target-modules", self.lora_target_modules != "qkv,proj,fc1,fc2"),
+                )
+                if on
+            ]
+            verb = "needs" if len(given) == 1 else "need"
+            need(not given, f"{', '.join(given)} {verb} --lora-rank (no adapters without it)")
+            return
+        targets = self.lora_targets()
+        unknown = [t for t in targets if t not in LORA_LAYERS]
+        need(
+            targets and not unknown and len(set(targets)) == len(targets),
+            f"--lora-target-modules must name some of {list(LORA_LAYERS)} once each, got "
+            f"{self.lora_target_modules!r}",
+        )
+
+    def lora_targets(self) -> list[str]:
+        """--lora-target-modules as a list of GPTModel layer names."""
+        return [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
 
     def _check_pipeline(self, need) -> None:
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
@@ -407,7 +447,13 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "adam_eps": (">", 0.0, None),
     "initial_loss_scale": (">", 0.0, None),
     "embedding_scale": (">", 0.0, None),
+    "lora_rank": ("int", 1, None),
+    "lora_alpha": (">", 0.0, None),
+    "lora_dropout": ("[)", 0.0, 1.0),
 }
+
+# GPTModel's parallel linear layers, the names --lora-target-modules takes.
+LORA_LAYERS = ("qkv", "proj", "fc1", "fc2")
 
 
 def _check_range(name: str, value, kind: str, low, high, need) -> None:

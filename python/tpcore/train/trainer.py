@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import socket
 
@@ -14,7 +15,7 @@ from .. import parallel_state
 from .._validation import check_cuda_device
 from ..agreement import all_or_none
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.index import read_latest
+from ..checkpoint.index import read_latest, read_metadata, require_checkpoint
 from ..checkpoint.integrity import random_id
 from ..checkpoint.load import find_checkpoint, load_checkpoint, save_checkpoint
 from ..comm_threads import prioritize_communication_threads
@@ -35,12 +36,15 @@ from ..pipeline_parallel import (
     sync_tied_embeddings,
 )
 from ..pipeline_parallel.gather import gather_model_on_first_stage
+from ..tensor_parallel.adapters import merge_lora
 from ..tensor_parallel.random import model_parallel_manual_seed
+from ..tensor_parallel.shard_spec import shard_spec
 from .arguments import TrainArgs
 from .errors import TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
 from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
+from .lora_setup import add_adapters, checkpoint_role, lora_settings
 from .lr_schedule import learning_rate
 from .same_arguments import check_same_arguments
 
@@ -192,6 +196,15 @@ class _Training:
         check_same_arguments(args)
         # After the rendezvous, so that every rank gets to raise before torchrun stops the job.
         self.resume_from = _resume_point(args)
+        # A checkpoint without adapters under --lora-rank is the base they fine-tune; every
+        # rank reads the same metadata, so a mismatch raises on all of them alike.
+        self.finetune_from, self.lora_base = None, None
+        if self.resume_from is not None:
+            meta = read_metadata(require_checkpoint(self.resume_from))
+            if checkpoint_role(meta, args, self.resume_from) == "base":
+                self.finetune_from, self.resume_from = self.resume_from, None
+            elif meta.get("lora"):
+                self.lora_base = meta["lora"]["base"]
         pp, self.chunks_per_rank, self.schedule = (
             args.pipeline_model_parallel_size,
             args.virtual_pipeline_model_parallel_size or 1,
@@ -283,6 +296,7 @@ class _Training:
         )
         if args.load_hf and self.resume_from is None:  # before the optimizer takes its fp32 copies
             load_initial_hf_weights(self.chunks, args.load_hf, device)
+        self._take_up_lora_base()
         sync_tied_embeddings(self.chunks)
         model_parallel_manual_seed(args.seed, self.tp_group)
         scaler = (
@@ -335,6 +349,34 @@ class _Training:
             config, args.micro_batch_size, args.seq_length, dist.get_world_size(self.tp_group)
         )
         self._banner(dp)
+
+    def _take_up_lora_base(self) -> None:
+        """The base weights under the adapters (a checkpoint's, or --load-hf's), then the
+        adapters themselves, before the optimizer sees the parameters."""
+        args = self.args
+        if self.finetune_from is not None:
+            with phase(
+                f"loading the base weights of checkpoint {self.finetune_from}",
+                args.distributed_timeout_minutes,
+            ):
+                meta = load_checkpoint(
+                    self.finetune_from,
+                    self.chunks,
+                    None,
+                    tp_group=self.tp_group,
+                    pp_group=self.pp_group,
+                    load_rng=False,
+                    verify=args.verify_checkpoint,
+                )
+            self.lora_base = {
+                "checkpoint": os.path.abspath(self.finetune_from),
+                "run_id": meta.get("run_id"),
+                "iteration": meta["iteration"],
+            }
+        elif args.load_hf and self.resume_from is None:
+            self.lora_base = {"hf": os.path.abspath(args.load_hf)}
+        if args.lora_rank is not None:
+            add_adapters(self.chunks, args)
 
     def _resume(self) -> None:
         args = self.args
@@ -403,8 +445,16 @@ class _Training:
                 f"accumulation {self.train_batches.accumulation} | "
             )
             + (
+                f"LoRA rank {args.lora_rank} on {args.lora_target_modules}: "
+                f"{self._trainable() / 1e6:.3f}M trainable parameters | "
+                if args.lora_rank is not None
+                else ""
+            )
+            + (
                 f"resumed from {self.resume_from} at iteration {self.start}"
                 if self.resume_from
+                else f"fine-tuning the weights of checkpoint {self.finetune_from}"
+                if self.finetune_from
                 else f"from the Hugging Face model {args.load_hf}"
                 if args.load_hf
                 else "from scratch"
@@ -415,6 +465,19 @@ class _Training:
                 else ""
             )
         )
+
+    def _trainable(self) -> int:
+        """Trainable parameters of the whole model: whole tensors of this stage's, summed over
+        the pipeline stages (a collective over the pipeline group)."""
+        mine = sum(
+            math.prod(shard_spec(p).global_shape)
+            for chunk in self.chunks
+            for p in chunk.parameters()
+            if p.requires_grad
+        )
+        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return int(total.item())
 
     def run_pipeline(self, batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
         """The mean loss of one global batch (this DP rank's part), on every rank; with the
@@ -505,6 +568,7 @@ class _Training:
                 if args.tokenizer == "byte"
                 else os.path.abspath(args.tokenizer),
                 "hf_config": read_hf_config(args.load_hf) if args.load_hf else None,
+                "lora": lora_settings(args, self.lora_base),
             },
         )
         self.logger.print(f"tpcore: saved checkpoint {path}")
@@ -526,6 +590,9 @@ class _Training:
                 else "tpcore: no loss-curve PNG (matplotlib is not installed)"
             )
         self.optimizer.finish_param_sync()  # the last step's parameter gathers
+        if args.lora_rank is not None:  # the export and the sample: the fine-tuned weights
+            for chunk in self.chunks:
+                merge_lora(chunk)
         if args.save_hf:
             with phase(
                 f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes
