@@ -12,11 +12,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: setup build test lint format coverage train bench clean corpus docs
 
 # torch from PyPI (newest, CUDA build; it runs on CPU too), build tools, test tools,
-# the extras (training; transformers for tpcore.hf), then tpcore itself, editable,
+# the extras (training; transformers for tpcore.hf, peft for its LoRA), then tpcore itself, editable,
 # built against that torch (--no-build-isolation).
 setup:
 	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
-		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" $(LINTERS) $(DOCS_TOOLS)
+		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" "peft>=0.21" $(LINTERS) $(DOCS_TOOLS)
 	$(MAKE) build
 
 build:

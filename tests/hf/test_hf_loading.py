@@ -622,7 +622,7 @@ def _save_pretrained_job(rank, world, path, out):
                 NotImplementedError,
                 (
                     f"tpcore.hf: save_pretrained of a {type(target).__name__} "
-                    "split by tpcore.hf is not supported"
+                    "split by tpcore.hf would write one rank's slices"
                 ),
                 target.save_pretrained,
                 out,
@@ -635,7 +635,7 @@ def _save_pretrained_job(rank, world, path, out):
 
 def test_save_pretrained_of_a_split_model_is_refused(cpu_ranks, tmp_path):
     """It wrote rank 0's slices under the full model's names (exit 0) and transformers could
-    not load the folder; now every rank raises, pointing to the export that works."""
+    not load the folder; now every rank raises, pointing to tpcore.hf.save_pretrained."""
     path = save_family("gpt2", tmp_path / "gpt2")
     out = str(tmp_path / "saved")
     assert all(cpu_ranks.run(_save_pretrained_job, path, out))

@@ -7,9 +7,10 @@
     with tpcore.hf.launch("path/to/saved", tensor_parallel_size=2) as model:
         ids = model.generate(input_ids, max_new_tokens=50)
 
-`parallelize(model)` splits a model already in memory. Families: see
-`supported_model_types()`; `register_policy(Policy(...))` adds one. Needs `transformers`
-(`pip install tpcore[hf]`).
+`parallelize(model)` splits a model already in memory (a PEFT LoRA model with its adapters);
+`save_pretrained(model, path)` writes a split model (or its adapters) for transformers (PEFT).
+Families: see `supported_model_types()`; `register_policy(Policy(...))` adds one. Needs
+`transformers` (`pip install tpcore[hf]`).
 
 Two sub-packages: `tensor_parallel` (the one-call tensor parallelism of transformers models
 above, whose names this package gives) and `gpt_bridge` (tpcore's own GPTModel to and from
@@ -22,6 +23,8 @@ import importlib
 _API = {
     "parallelize": "parallelize",
     "from_pretrained": "parallelize",
+    "save_pretrained": "save",
+    "load_adapter": "peft_lora",
     "generate": "generate",
     "sum_replicated_kv_grads": "grads",
     "launch": "launcher",
@@ -54,6 +57,8 @@ def __getattr__(name: str):
 __all__ = [
     "parallelize",
     "from_pretrained",
+    "save_pretrained",
+    "load_adapter",
     "generate",
     "sum_replicated_kv_grads",
     "launch",

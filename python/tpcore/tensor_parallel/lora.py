@@ -54,9 +54,11 @@ class LoRAAdapter(nn.Module):
     """The low-rank update `scale * B A` of one parallel layer's weight.
 
     Shapes: column layer A `[parts * r, in]` (replicated), B `[out/tp, r]`; row layer
-    A `[r, in/tp]`, B `[out, r]` (replicated). `dtype` is the adapters' (default the
-    layer's): adapters in float32 over a bfloat16 layer compute their product in float32
-    and add it to the layer's output before it is rounded, as PEFT does.
+    A `[r, in/tp]`, B `[out, r]` (replicated). `per_part=False` gives a fused column layer
+    one adapter over all its parts (A `[r, in]`, PEFT's layout on Phi-3's qkv_proj), B still
+    split like the weight's rows. `dtype` is the adapters' (default the layer's): adapters in
+    float32 over a bfloat16 layer compute their product in float32 and add it to the
+    layer's output before it is rounded, as PEFT does.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class LoRAAdapter(nn.Module):
         dropout: float = 0.0,
         use_rslora: bool = False,
         dtype: torch.dtype | None = None,
+        per_part: bool = True,
     ) -> None:
         super().__init__()
         check_lora_options(rank, alpha, dropout)
@@ -88,8 +91,10 @@ class LoRAAdapter(nn.Module):
         out_features, in_features = weight_spec.global_shape
         placement = dict(tp_size=layer.tp_size, tp_rank=layer.tp_rank, group=layer.group)
         if self.column:
-            parts = weight_spec.parts
+            parts = weight_spec.parts if per_part else weight_spec.parts[:1]
             self.part_rows = [p.size // part_chunks(p.units, layer.tp_size) for p in parts]
+            if not per_part:  # one adapter over every part (PEFT's on a fused layer)
+                self.part_rows = [layer.weight.shape[0]]
             a_spec = ShardSpec((len(parts) * rank, in_features), partial_grad=True, **placement)
             b_spec = dataclasses.replace(weight_spec, global_shape=(out_features, rank))
         else:

@@ -21,27 +21,36 @@ from torch import nn
 from ...tensor_parallel.mappings import copy_to_tensor_parallel
 from ...tensor_parallel.shared_grads import sum_over_copies
 
-__all__ = ["install_gradient_sums", "sum_replicated_kv_grads"]
+__all__ = ["install_gradient_sums", "sum_replicated_kv_grads", "hook_parameters"]
 
 Through = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _hook_module(module: nn.Module, through: Through) -> None:
-    """Swap `module`'s own parameters for `through(parameter)` during each forward."""
+def hook_parameters(
+    module: nn.Module,
+    through: Through,
+    owner: nn.Module | None = None,
+    names: tuple[str, ...] | None = None,
+) -> None:
+    """Swap the parameters of `owner` (default `module` itself; only `names`, when given) for
+    `through(parameter)` during each forward of `module`."""
+    owner = module if owner is None else owner
     held: list[dict[str, nn.Parameter]] = []
 
     def before(mod: nn.Module, args) -> None:
         grads = torch.is_grad_enabled()
         params = {
-            n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad and grads
+            n: p
+            for n, p in owner._parameters.items()
+            if p is not None and p.requires_grad and grads and (names is None or n in names)
         }
         held.append(params)
         for n, p in params.items():
-            mod._parameters[n] = through(p)
+            owner._parameters[n] = through(p)
 
     def after(mod: nn.Module, args, output) -> None:
         if held:  # always_call: also when the forward raised
-            mod._parameters.update(held.pop())
+            owner._parameters.update(held.pop())
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after, always_call=True)
@@ -55,12 +64,12 @@ def install_gradient_sums(model: nn.Module, group: dist.ProcessGroup) -> None:
     if layout.tp_size == 1:
         return
     for name in plan.head_norms:
-        _hook_module(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))
+        hook_parameters(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))
     if layout.kv_replicated:
         copies = layout.tp_size // layout.kv_heads  # adjacent ranks sharing one KV head
         for rep in plan.replacements:
             if rep.kv_replicated:
-                _hook_module(
+                hook_parameters(
                     model.get_submodule(rep.name),
                     lambda p, rows=rep.kv_rows: sum_over_copies(p, group, copies, rows),
                 )

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
-from .grads import _hook_module
+from .grads import hook_parameters
 from .moe_plan import grouped_gemm_refusal
 
 __all__ = ["install_moe_blocks"]
@@ -112,7 +112,7 @@ def install_moe_blocks(model: nn.Module, group: dist.ProcessGroup) -> None:
             experts_name,
             group,
         )
-        _hook_module(router, lambda p: copy_to_tensor_parallel(p, group))
+        hook_parameters(router, lambda p: copy_to_tensor_parallel(p, group))
         _hook_router(router, plan.layout.tp_size)
     for name in plan.moe_summed:
-        _hook_module(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))
+        hook_parameters(model.get_submodule(name), lambda p: copy_to_tensor_parallel(p, group))

@@ -32,6 +32,7 @@ from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec
 from .grads import install_gradient_sums
 from .lm_head import VocabParallelLMHead
 from .moe import install_moe_blocks
+from .peft_lora import attach_adapters, inner_model, is_peft_model, take_adapters
 from .plan import Load, Plan, Replacement, make_plan
 from .policy import get_policy
 from .rank_config import RankConfig
@@ -226,12 +227,9 @@ def _apply(
 
 def _save_pretrained_refused(cls: str, *args, **kwargs) -> None:
     raise NotImplementedError(
-        f"tpcore.hf: save_pretrained of a {cls} split by tpcore.hf is not supported: each rank "
-        "holds only its slices, and the folder would hold one rank's slices under the full model's "
-        "names, which transformers cannot load. Save the dense model (or keep its folder) before "
-        "splitting; to export fine-tuned weights, fine-tune through tpcore's Hugging Face bridge "
-        "(tpcore.hf.gpt_bridge.load_hf_weights into a GPTModel, or the trainer's --load-hf) and "
-        "export with tpcore.hf.gpt_bridge.export_hf (the trainer's --save-hf)"
+        f"tpcore.hf: save_pretrained of a {cls} split by tpcore.hf would write one rank's slices "
+        "under the full model's names; call tpcore.hf.save_pretrained(model, path) on every rank "
+        "instead (the whole model, or a PeftModel's adapters as PEFT saves them)"
     )
 
 
@@ -316,16 +314,49 @@ def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> 
     `model`, whose `forward` and `generate` give the dense results on every rank (logits
     gathered over the vocabulary).
     Sizes that cannot be split raise a ValueError before any weight moves.
+
+    A PEFT `PeftModel` with LoRA adapters (`peft.get_peft_model`) is split with them: each
+    adapted layer gets a `LoRAAdapter` holding its slices of PEFT's A and B (`peft_lora.py`);
+    the PeftModel is returned, and `tpcore.hf.save_pretrained` writes its adapters for PEFT.
     """
+    if is_peft_model(model):
+        return _parallelize_peft(model, group)
     get_policy(model.config)  # an unsupported architecture fails first, even without groups
     group = resolve_tensor_group(group)
     _check_not_parallel(model)
     plan = make_plan(model, dist.get_world_size(group), dist.get_rank(group))
     _check_same_weights(model, group)
+    _split(model, plan, group)
+    return model
+
+
+def _split(model: nn.Module, plan: Plan, group: dist.ProcessGroup) -> None:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     _apply(model, plan, group, DenseSource(tensors), None, None)
     install_gradient_sums(model, group)
     install_moe_blocks(model, group)
+
+
+def _parallelize_peft(model: nn.Module, group: dist.ProcessGroup | None) -> nn.Module:
+    """`parallelize` of a PeftModel: its LoRA layers out, the plain model split, the adapters
+    back in as slices. Anything unsupported raises before the model changes."""
+    inner = inner_model(model)
+    get_policy(inner.config)
+    group = resolve_tensor_group(group)
+    _check_not_parallel(inner)
+    _check_same_weights(inner, group)  # the adapters' A and B included
+    wrappers = {n: m for n, m in inner.named_modules() if hasattr(m, "lora_A")}
+    inner, config, adapters = take_adapters(model)
+    try:
+        plan = make_plan(inner, dist.get_world_size(group), dist.get_rank(group))
+    except Exception:
+        for name, wrapper in wrappers.items():  # as it was: PEFT's layers back in place
+            parent, _, child = name.rpartition(".")
+            setattr(inner.get_submodule(parent), child, wrapper)
+        raise
+    _split(inner, plan, group)
+    attach_adapters(inner, config, adapters)
+    _refuse_save_pretrained(model)
     return model
 
 
