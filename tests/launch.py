@@ -186,7 +186,10 @@ def torchrun(
                 failed_at = now  # as torchrun: a failed worker stops the others
                 for p in procs:
                     if p.is_alive():
-                        os.kill(p.pid, signal.SIGTERM)
+                        try:
+                            os.kill(p.pid, signal.SIGTERM)
+                        except ProcessLookupError:  # it ended after is_alive()
+                            pass
             if failed_at is not None and now > failed_at + KILL_GRACE_S:
                 break
             time.sleep(0.02)
