@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 safetensors = pytest.importorskip("safetensors.torch")
 
+from hf_train_data import hf_model_and_data  # noqa: E402
+
 from launch import torchrun  # noqa: E402
 from tpcore.data import GPTDataset, IndexedDataset  # noqa: E402
-from tpcore.data.preprocess import preprocess  # noqa: E402
-from tpcore.data.train_tokenizer import train_tokenizer  # noqa: E402
 from tpcore.models import ReferenceGPT  # noqa: E402
 from tpcore.train import convert, load_dense_state_dict  # noqa: E402
 from tpcore.train.logger import read_metrics  # noqa: E402
@@ -45,51 +45,7 @@ def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma"])
 def run(request, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("hf_train")
-    corpus = work / "docs.jsonl"
-    corpus.write_text(
-        "".join(
-            json.dumps({"text": f"the cat {i % 7} sat on the mat and the dog {i % 5} ran. " * 4})
-            + "\n"
-            for i in range(60)
-        )
-    )
-    tokenizer = train_tokenizer([str(corpus)], str(work / "tokenizer.json"), vocab_size=300)
-    vocab = json.loads(Path(tokenizer).read_text())["model"]["vocab"]
-    # A random Llama whose embedding is padded past the tokenizer (as Qwen's and Llama's are);
-    # or a Qwen3 (q / k norms, heads 32 wide in a 64-wide model).
-    shape = dict(
-        vocab_size=len(vocab) + 5,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        eos_token_id=vocab["<|endoftext|>"],
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    if request.param == "qwen3":
-        model = transformers.Qwen3ForCausalLM(
-            transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
-        ).eval()
-    elif (
-        request.param == "gemma"
-    ):  # (1 + weight) norms (drawn: they start at zero), GeGLU, scaled embeddings, tied head
-        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape, head_dim=16)).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.uniform_(-0.5, 0.5)
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
-    folder = work / "llama"
-    model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(Path(tokenizer).read_text())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
-    )
-    preprocess(str(corpus), str(work / "data" / "docs"), tokenizer=str(folder), append_eod=True)
+    folder, model = hf_model_and_data(work, request.param)
     proc = torchrun(
         [
             "-m",

@@ -1,7 +1,9 @@
 """LoRA in the trainer (`--lora-rank`): adapters fine-tune a pretraining checkpoint's weights,
 on the same curve at TP=1 and TP=2, resumed at another layout with the distributed optimizer;
 the checkpoints record the adapters and their base; tpcore-convert merges them; a LoRA
-checkpoint resumed without its flags is refused on every rank."""
+checkpoint resumed without its flags is refused on every rank. From a Hugging Face model
+(`--load-hf`), `--save-peft` writes adapters that PEFT applies to that model with the logits
+of `--save-hf`'s merged export."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 
 import pytest
 import torch
+from hf_train_data import hf_model_and_data
 
 from launch import torchrun
 from tpcore.train import export_safetensors, load_dense_gpt
@@ -123,3 +126,40 @@ def test_a_lora_checkpoint_needs_its_adapters(workdir, lora_tp2):
         proc = torchrun([SCRIPT, *flags, "--load", str(save), *extra], 2, timeout=RUN_TIMEOUT_S)
         assert proc.returncode != 0
         assert proc.stderr.count(message) >= 2, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_save_peft_gives_peft_the_merged_models_logits(tmp_path, family):
+    """Llama's separate q / k / v and gate / up projections take GPTModel's per-part adapters
+    one each; GPT-2's fused c_attn takes them as one block-diagonal adapter of rank 3 r."""
+    import peft
+
+    folder, base = hf_model_and_data(tmp_path, family)
+    data = str(tmp_path / "data" / "docs")
+    flags = ["-m", "tpcore.train", "--load-hf", str(folder), "--data-path", data,
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", "4", "--eval-iters", "0", "--lr", "1e-2", "--log-interval", "1",
+             "--tensor-parallel-size", "2", "--device", "cpu", "--no-progress", *LORA[:4],
+             "--save-peft", str(tmp_path / "adapter"),
+             "--save-hf", str(tmp_path / "merged")]  # fmt: skip
+    proc = torchrun(flags, 2, cwd=tmp_path, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    expected = (
+        ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        if family == "llama"
+        else ["c_attn", "c_fc", "c_proj"]
+    )
+    assert settings["target_modules"] == expected
+    ids = torch.randint(
+        0, base.config.vocab_size - 5, (2, 12), generator=torch.Generator().manual_seed(3)
+    )
+    cls = type(base)
+    merged = cls.from_pretrained(tmp_path / "merged").eval()
+    adapted = peft.PeftModel.from_pretrained(
+        cls.from_pretrained(folder), tmp_path / "adapter"
+    ).eval()
+    with torch.no_grad():
+        want, got, plain = (m(input_ids=ids).logits for m in (merged, adapted, base))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (want - plain).abs().max() > 1e-3  # the adapters changed the model

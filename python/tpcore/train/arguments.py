@@ -95,6 +95,11 @@ class TrainArgs:
         "qkv,proj,fc1,fc2", "the layers that get LoRA adapters, comma-separated: qkv proj fc1 fc2"
     )
     lora_use_rslora: bool = _arg(False, "rsLoRA's scale alpha / sqrt(rank)")
+    save_peft: str | None = _arg(
+        None,
+        "at the end, write the LoRA adapters here for PEFT (PeftModel.from_pretrained of the "
+        "Hugging Face model --load-hf or --save-hf names)",
+    )
     # Parallelism and memory
     tensor_parallel_size: int = _arg(
         1, "tensor-parallel ranks (the rest of the world is data parallel)"
@@ -318,7 +323,13 @@ class TrainArgs:
             ]
             verb = "needs" if len(given) == 1 else "need"
             need(not given, f"{', '.join(given)} {verb} --lora-rank (no adapters without it)")
+            need(not self.save_peft, "--save-peft needs --lora-rank (there are no adapters)")
             return
+        if self.save_peft:
+            try:
+                config_to_hf(self.model_config())
+            except ValueError as e:
+                need(False, f"--save-peft: {str(e).removeprefix('tpcore: ')}")
         targets = self.lora_targets()
         unknown = [t for t in targets if t not in LORA_LAYERS]
         need(

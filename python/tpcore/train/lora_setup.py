@@ -5,14 +5,19 @@ from iteration 0, as Megatron's `--finetune`); anything else raises on every ran
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Callable, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.adapters import add_lora
+from ..checkpoint.load import load_checkpoint
+from ..hf.gpt_bridge.peft_export import export_peft_adapters
+from ..tensor_parallel.adapters import add_lora, merge_lora
 from .arguments import TrainArgs
+from .guards import phase
 
-__all__ = ["lora_settings", "checkpoint_role", "add_adapters"]
+__all__ = ["lora_settings", "checkpoint_role", "add_adapters", "load_lora_base", "finish_lora"]
 
 # What must match for a checkpoint's adapters to be resumed (dropout may change).
 _SAME = ("rank", "alpha", "use_rslora", "target_modules")
@@ -55,6 +60,9 @@ def checkpoint_role(meta: dict, args: TrainArgs, directory: str) -> str:
     differ = [
         f"{k}: checkpoint {saved[k]!r}, flags {mine[k]!r}" for k in _SAME if saved[k] != mine[k]
     ]
+    base = (saved.get("base") or {}).get("hf")
+    if args.load_hf and base and os.path.realpath(base) != os.path.realpath(args.load_hf):
+        differ.append(f"base: checkpoint {base}, --load-hf {args.load_hf}")
     if differ:
         raise ValueError(
             f"tpcore: checkpoint {directory} holds other LoRA adapters ({described}): "
@@ -80,3 +88,55 @@ def add_adapters(chunks: Sequence[nn.Module], args: TrainArgs) -> None:
             )
         else:
             chunk.requires_grad_(False)
+
+
+def load_lora_base(
+    path: str,
+    chunks: Sequence[nn.Module],
+    tp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
+    args: TrainArgs,
+) -> dict:
+    """Load the weights (only) of the checkpoint at `path` into `chunks`, before adapters are
+    added; returns the base as checkpoints of the run record it."""
+    meta = load_checkpoint(
+        path,
+        chunks,
+        None,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        load_rng=False,
+        verify=args.verify_checkpoint,
+    )
+    return {
+        "checkpoint": os.path.abspath(path),
+        "run_id": meta.get("run_id"),
+        "iteration": meta["iteration"],
+    }
+
+
+def finish_lora(
+    chunks: Sequence[nn.Module],
+    args: TrainArgs,
+    pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    log: Callable[[str], None],
+) -> None:
+    """At the end of a run: the adapters written for PEFT (`--save-peft`), then merged into the
+    weights, so that the Hugging Face export and the sample are the fine-tuned model."""
+    if args.save_peft:
+        with phase(
+            f"writing the LoRA adapters to --save-peft {args.save_peft}",
+            args.distributed_timeout_minutes,
+        ):
+            export_peft_adapters(
+                chunks,
+                args.save_peft,
+                lora=lora_settings(args),
+                base_model=os.path.abspath(args.load_hf) if args.load_hf else args.save_hf,
+                pp_group=pp_group,
+                dp_group=dp_group,
+            )
+        log(f"tpcore: wrote the LoRA adapters for PEFT to {args.save_peft}")
+    for chunk in chunks:
+        merge_lora(chunk)

@@ -36,7 +36,6 @@ from ..pipeline_parallel import (
     sync_tied_embeddings,
 )
 from ..pipeline_parallel.gather import gather_model_on_first_stage
-from ..tensor_parallel.adapters import merge_lora
 from ..tensor_parallel.random import model_parallel_manual_seed
 from ..tensor_parallel.shard_spec import shard_spec
 from .arguments import TrainArgs
@@ -44,7 +43,7 @@ from .errors import TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
 from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
-from .lora_setup import add_adapters, checkpoint_role, lora_settings
+from .lora_setup import add_adapters, checkpoint_role, finish_lora, load_lora_base, lora_settings
 from .lr_schedule import learning_rate
 from .same_arguments import check_same_arguments
 
@@ -273,6 +272,7 @@ class _Training:
             ("--save", args.save),
             ("--log-dir", args.log_dir),
             ("--save-hf", args.save_hf),
+            ("--save-peft", args.save_peft),
         ):
             # a read-only folder or a file in the way fails now, on every rank, not at the
             # first save
@@ -352,27 +352,16 @@ class _Training:
 
     def _take_up_lora_base(self) -> None:
         """The base weights under the adapters (a checkpoint's, or --load-hf's), then the
-        adapters themselves, before the optimizer sees the parameters."""
+        adapters, before the optimizer sees the parameters."""
         args = self.args
         if self.finetune_from is not None:
             with phase(
                 f"loading the base weights of checkpoint {self.finetune_from}",
                 args.distributed_timeout_minutes,
             ):
-                meta = load_checkpoint(
-                    self.finetune_from,
-                    self.chunks,
-                    None,
-                    tp_group=self.tp_group,
-                    pp_group=self.pp_group,
-                    load_rng=False,
-                    verify=args.verify_checkpoint,
+                self.lora_base = load_lora_base(
+                    self.finetune_from, self.chunks, self.tp_group, self.pp_group, args
                 )
-            self.lora_base = {
-                "checkpoint": os.path.abspath(self.finetune_from),
-                "run_id": meta.get("run_id"),
-                "iteration": meta["iteration"],
-            }
         elif args.load_hf and self.resume_from is None:
             self.lora_base = {"hf": os.path.abspath(args.load_hf)}
         if args.lora_rank is not None:
@@ -590,9 +579,8 @@ class _Training:
                 else "tpcore: no loss-curve PNG (matplotlib is not installed)"
             )
         self.optimizer.finish_param_sync()  # the last step's parameter gathers
-        if args.lora_rank is not None:  # the export and the sample: the fine-tuned weights
-            for chunk in self.chunks:
-                merge_lora(chunk)
+        if args.lora_rank is not None:  # adapters for PEFT, then merged for what follows
+            finish_lora(self.chunks, args, self.pp_group, self.dp_group, self.logger.print)
         if args.save_hf:
             with phase(
                 f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes
