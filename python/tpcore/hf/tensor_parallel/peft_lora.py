@@ -9,15 +9,16 @@ its parts. The model stays a `PeftModel`: its forward is PEFT's; `tpcore.hf.save
 writes what PEFT's `PeftModel.from_pretrained` loads, and `load_adapter` reads such a folder
 onto a split model, each rank its slices.
 
-Gradients are dense after backward, as everywhere in tpcore.hf: the replicated half of each
-adapter (column A, row B) runs through f during the forward (its gradient summed over TP, one
-small all-reduce per adapted layer), and B's rows that copy a KV head are summed over the
-copies as the weight's are.
+Gradients are dense after backward, as everywhere in tpcore.hf: the replicated halves of the
+adapters (column A, row B), whose gradient each rank has a share of, are summed over TP at
+the end of each backward in one all-reduce for all of them (`_SumAtEndOfBackward`), and B's
+rows that copy a KV head are summed over the copies as the weight's are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import comm
 from ...tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ...tensor_parallel.lora import LoRAAdapter
-from ...tensor_parallel.mappings import copy_to_tensor_parallel
 from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec, shard, shard_spec, unshard
 from ...tensor_parallel.shared_grads import sum_over_copies
 from .grads import hook_parameters
@@ -139,16 +140,62 @@ def _kv_copies(model: nn.Module, name: str) -> tuple[int, tuple[int, int]] | Non
     return None
 
 
+class _SumAtEndOfBackward:
+    """Sums over TP the gradients of the adapters' replicated halves at the end of each
+    backward, all of them in one all-reduce: each parameter's hook records the gradient
+    backward brings it (before it is accumulated into `.grad`), and a callback queued on the
+    autograd engine adds the other ranks' shares to `.grad`. Only this backward's shares are
+    summed, so gradient accumulation over micro-batches stays exact; a recomputed layer
+    (gradient checkpointing) brings its share twice into the record, as into `.grad`."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params, self.group = params, group
+        self.shares: dict[int, torch.Tensor] = {}
+        self.queued = False
+        for p in params:
+            p.register_hook(functools.partial(self._record, id(p)))
+
+    def _record(self, key: int, grad: torch.Tensor) -> torch.Tensor:
+        share = self.shares.get(key)
+        self.shares[key] = grad.detach().clone() if share is None else share + grad
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        return grad
+
+    def _finish(self) -> None:
+        shares, self.shares, self.queued = self.shares, {}, False
+        # Every parameter in a fixed order (zeros for one this backward missed): every rank
+        # sends the same message.
+        mine = torch.cat([shares.get(id(p), torch.zeros_like(p)).reshape(-1) for p in self.params])
+        others = comm.all_reduce(mine.clone(), self.group) - mine
+        with torch.no_grad():
+            for p, piece in zip(self.params, others.split([p.numel() for p in self.params])):
+                if p.grad is not None and id(p) in shares:
+                    p.grad.add_(piece.view_as(p))
+
+
+def _sum_replicated_halves(model: nn.Module) -> None:
+    """One `_SumAtEndOfBackward` over every adapter's replicated half (column A, row B), whose
+    shard spec then no longer says `partial_grad`: `.grad` is dense after backward."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m.__dict__.get("_modules", {}).get("lora"), LoRAAdapter)
+    ]
+    halves = []
+    for layer in layers:
+        half = layer.lora.A if layer.lora.column else layer.lora.B
+        set_shard_spec(half, dataclasses.replace(shard_spec(half), partial_grad=False))
+        halves.append(half)
+    if layers and dist.get_world_size(layers[0].group) > 1:
+        model._tpcore_lora_sum = _SumAtEndOfBackward(halves, layers[0].group)
+
+
 def _make_dense_in_backward(model: nn.Module, name: str, layer: nn.Module) -> None:
-    """The replicated half through f (its gradient summed over TP inside backward, so no
-    `partial_grad` is left to sum), and B's KV-copy rows summed over their copies."""
+    """B's rows that copy a KV head summed over the copies inside backward, as the weight's
+    are (the replicated halves: `_sum_replicated_halves`)."""
     adapter, group = layer.lora, layer.group
-    replicated = "A" if adapter.column else "B"
-    half = getattr(adapter, replicated)
-    set_shard_spec(half, dataclasses.replace(shard_spec(half), partial_grad=False))
-    if dist.get_world_size(group) > 1:
-        through = lambda p: copy_to_tensor_parallel(p, group)  # noqa: E731
-        hook_parameters(layer, through, adapter, (replicated,))
     kv = _kv_copies(model, name)
     if kv is not None:
         copies, rows = kv
@@ -180,6 +227,7 @@ def attach_adapters(model: nn.Module, config, adapters: list[PeftAdapter]) -> No
         layer.lora = _new_adapter(layer, a.name, a.rank, a.alpha, a.dropout, config)
         _fill(layer.lora, a.A, a.B, a.requires_grad)
         _make_dense_in_backward(model, a.name, layer)
+    _sum_replicated_halves(model)
 
 
 def _fill(adapter: LoRAAdapter, A: torch.Tensor, B: torch.Tensor, requires_grad: bool) -> None:
@@ -238,6 +286,10 @@ def load_adapter(model: nn.Module, path: str) -> nn.Module:
             raise ValueError(
                 f"tpcore.hf: {path}: {option}={config[option]!r} is not supported ({what})"
             )
+    if getattr(model, "_tpcore_lora_sum", None) is not None or any(
+        "lora" in m._modules for m in model.modules()
+    ):
+        raise ValueError("tpcore.hf: load_adapter: the model has LoRA adapters already")
     file = os.path.join(path, _ADAPTER_FILE)
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -268,6 +320,7 @@ def load_adapter(model: nn.Module, path: str) -> nn.Module:
                 param = getattr(layer.lora, half)
                 _read_slices(stored.get_slice(f"base_model.model.{name}.lora_{half}.weight"), param)
             _make_dense_in_backward(model, name, layer)
+    _sum_replicated_halves(model)
     return model
 
 
