@@ -266,6 +266,8 @@ def _backward_job(rank, world, name, path):
         tpcore.initialize_model_parallel(tensor_parallel_size=tp)
         dense = load_dense(path, cls, torch.float32)
         model = tpcore.hf.from_pretrained(path, tensor_parallel_size=tp, model_class=cls)
+        if tp == 4:  # a deep copy's hooks sum its own KV copies and head norms (not the original's)
+            model = copy.deepcopy(model)
         what = f"{name} TP={tp}"
         losses = []
         for m in (dense, model):

@@ -51,7 +51,8 @@ def _trains_like_peft(rank, world, family, tp, path, saved, peft_saved):
     reference = peft.get_peft_model(
         load_dense(path, cls, torch.float32), peft.LoraConfig(**options)
     )
-    split = tpcore.hf.parallelize(copy.deepcopy(reference))
+    # A deep copy of the split model trains as the split model does (a copy for DPO or EMA).
+    split = copy.deepcopy(tpcore.hf.parallelize(copy.deepcopy(reference)))
     assert isinstance(split, peft.PeftModel)
     trained = [p for p in split.parameters() if p.requires_grad]
     assert len(trained) == len([p for p in reference.parameters() if p.requires_grad])

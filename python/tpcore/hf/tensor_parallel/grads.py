@@ -29,28 +29,30 @@ Through = Callable[[torch.Tensor], torch.Tensor]
 def hook_parameters(
     module: nn.Module,
     through: Through,
-    owner: nn.Module | None = None,
+    child: str | None = None,
     names: tuple[str, ...] | None = None,
 ) -> None:
-    """Swap the parameters of `owner` (default `module` itself; only `names`, when given) for
-    `through(parameter)` during each forward of `module`."""
-    owner = module if owner is None else owner
-    held: list[dict[str, nn.Parameter]] = []
+    """Swap the parameters of `module` (or of its submodule `child`; only `names`, when
+    given) for `through(parameter)` during each forward of `module`. The hooks find the
+    module they run on, so a deep copy of the model swaps its own parameters."""
+    held: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
 
     def before(mod: nn.Module, args) -> None:
+        owner = mod if child is None else mod.get_submodule(child)
         grads = torch.is_grad_enabled()
         params = {
             n: p
             for n, p in owner._parameters.items()
             if p is not None and p.requires_grad and grads and (names is None or n in names)
         }
-        held.append(params)
+        held.append((owner, params))
         for n, p in params.items():
             owner._parameters[n] = through(p)
 
     def after(mod: nn.Module, args, output) -> None:
         if held:  # always_call: also when the forward raised
-            owner._parameters.update(held.pop())
+            owner, params = held.pop()
+            owner._parameters.update(params)
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after, always_call=True)

@@ -17,6 +17,7 @@ rows that copy a KV head are summed over the copies as the weight's are.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -155,6 +156,11 @@ class _SumAtEndOfBackward:
         for p in params:
             p.register_hook(functools.partial(self._record, id(p)))
 
+    def __deepcopy__(self, memo: dict) -> "_SumAtEndOfBackward":
+        # A copied model's parameters lose their hooks: hook the copies (the same objects the
+        # copied model holds, through `memo`); the process group is shared, not copied.
+        return _SumAtEndOfBackward([copy.deepcopy(p, memo) for p in self.params], self.group)
+
     def _record(self, key: int, grad: torch.Tensor) -> torch.Tensor:
         share = self.shares.get(key)
         self.shares[key] = grad.detach().clone() if share is None else share + grad
@@ -195,12 +201,12 @@ def _sum_replicated_halves(model: nn.Module) -> None:
 def _make_dense_in_backward(model: nn.Module, name: str, layer: nn.Module) -> None:
     """B's rows that copy a KV head summed over the copies inside backward, as the weight's
     are (the replicated halves: `_sum_replicated_halves`)."""
-    adapter, group = layer.lora, layer.group
+    group = layer.group
     kv = _kv_copies(model, name)
     if kv is not None:
         copies, rows = kv
         through_copies = lambda p: sum_over_copies(p, group, copies, rows)  # noqa: E731
-        hook_parameters(layer, through_copies, adapter, ("B",))
+        hook_parameters(layer, through_copies, "lora", ("B",))
 
 
 def _new_adapter(layer: nn.Module, name: str, rank: int, alpha: float, dropout: float, config):
