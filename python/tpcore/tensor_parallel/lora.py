@@ -91,11 +91,14 @@ class LoRAAdapter(nn.Module):
         out_features, in_features = weight_spec.global_shape
         placement = dict(tp_size=layer.tp_size, tp_rank=layer.tp_rank, group=layer.group)
         if self.column:
-            parts = weight_spec.parts if per_part else weight_spec.parts[:1]
-            self.part_rows = [p.size // part_chunks(p.units, layer.tp_size) for p in parts]
-            if not per_part:  # one adapter over every part (PEFT's on a fused layer)
-                self.part_rows = [layer.weight.shape[0]]
-            a_spec = ShardSpec((len(parts) * rank, in_features), partial_grad=True, **placement)
+            # This rank's rows of each part of B (one group: one adapter over every part).
+            self.part_rows = (
+                [p.size // part_chunks(p.units, layer.tp_size) for p in weight_spec.parts]
+                if per_part
+                else [layer.weight.shape[0]]
+            )
+            a_rows = len(self.part_rows) * rank
+            a_spec = ShardSpec((a_rows, in_features), partial_grad=True, **placement)
             b_spec = dataclasses.replace(weight_spec, global_shape=(out_features, rank))
         else:
             self.part_rows = [layer.weight.shape[0]]
@@ -112,7 +115,7 @@ class LoRAAdapter(nn.Module):
 
     def reset_parameters(self) -> None:
         """A from `nn.Linear`'s draw (uniform over +-1/sqrt(in), this rank's slice only),
-        B zero: the adapter starts as the identity update."""
+        B zero: a new adapter adds nothing."""
         spec = shard_spec(self.A)
         bound = 1 / math.sqrt(spec.global_shape[1])
         split = spec.kind == "parts"  # a row layer's A: this rank's columns only
