@@ -7,12 +7,13 @@ ranks of a group on one host (the C++ in csrc/comm/shm/), gloo for everything el
     group = dist.new_group([0, 1], backend="tpcore")
 
 all_reduce (sum, avg, max, min, product), all_gather, reduce_scatter, broadcast, barrier,
-monitored_barrier, all_to_all (equal splits) and send/recv (from a given rank or any rank;
-so batch_isend_irecv) of dense CPU tensors go through shared memory; any other operation
-(reduce, gather, scatter, uneven all_to_all), dtype or reduce op is delegated to an
-internal gloo backend built on the same store (on first use). A group whose ranks are not all on one
-host is plain gloo. tpcore's own groups (`initialize_model_parallel`) use this backend by
-default on CPU; ``TPCORE_CPU_BACKEND=gloo`` opts out.
+monitored_barrier, all_to_all_single (equal or uneven splits) and send/recv (from a given
+rank or any rank; so batch_isend_irecv) of dense CPU tensors go through shared memory; any
+other operation (reduce, gather, scatter, all_to_all of lists), dtype or reduce op is
+delegated to an internal gloo backend built on the same store (on first use). A group whose
+ranks are not all on one host is plain gloo. tpcore's own groups
+(`initialize_model_parallel`) use this backend by default on CPU; ``TPCORE_CPU_BACKEND=gloo``
+opts out.
 
 Tuning (environment, read when a group is created; the same on every rank):
 ``TPCORE_SHM_SLOT_BYTES`` (256 KiB: bytes per rank and step; larger messages go in chunks),

@@ -195,12 +195,10 @@ def _fallback_ops_then_destroy(rank, world, repeats):
         dist.gather(
             t, [torch.zeros(3) for _ in range(world)] if rank == 0 else None, dst=0, group=g
         )
-        ins, outs = [1 + r for r in range(world)], [1 + rank] * world
-        out = torch.zeros(sum(outs))
-        dist.all_to_all_single(
-            out, torch.full((sum(ins),), float(rank)), outs, ins, group=g
-        )  # uneven: gloo's
-        assert out.tolist() == [float(r) for r in range(world) for _ in range(1 + rank)]
+        outs = [torch.zeros(2) for _ in range(world)]
+        ins = [torch.full((2,), float(rank + d)) for d in range(world)]
+        dist.all_to_all(outs, ins, group=g)  # the list form: gloo's
+        assert [t.tolist() for t in outs] == [[float(r + rank)] * 2 for r in range(world)]
         assert tpcore.shm.shm_backend_of(g).fallback_ops >= 3
         dist.destroy_process_group(g)  # hung in gloo's destructor, which waited for the GIL
 

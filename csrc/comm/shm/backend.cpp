@@ -53,6 +53,50 @@ bool movable(const std::vector<at::Tensor>& ts) {
   return true;
 }
 
+// Byte counts and offsets of an all_to_all with split sizes along dim 0.
+struct SplitBytes {
+  std::vector<int64_t> send, send_at, recv, recv_at;
+};
+
+// Counts and offsets of one side: `splits` rows of `row` bytes each (empty: equal parts of
+// `rows`); nullopt when they do not describe the tensor.
+std::optional<std::pair<std::vector<int64_t>, std::vector<int64_t>>> side(
+    const std::vector<int64_t>& splits, int64_t rows, int64_t row, int world) {
+  std::vector<int64_t> counts(world), offsets(world);
+  if (splits.empty() && rows % world != 0) return std::nullopt;
+  if (!splits.empty() && static_cast<int>(splits.size()) != world) return std::nullopt;
+  int64_t at = 0;
+  for (int r = 0; r < world; ++r) {
+    const int64_t n = splits.empty() ? rows / world : splits[r];
+    if (n < 0) return std::nullopt;
+    offsets[r] = at * row;
+    counts[r] = n * row;
+    at += n;
+  }
+  if (at != rows) return std::nullopt;
+  return std::make_pair(counts, offsets);
+}
+
+// The bytes each rank sends and receives, or nullopt for tensors and splits the shared-memory
+// path does not take (gloo then raises c10d's error, or runs them).
+std::optional<SplitBytes> uneven_split_bytes(const at::Tensor& output, const at::Tensor& input,
+                                             const std::vector<int64_t>& output_splits,
+                                             const std::vector<int64_t>& input_splits, int world) {
+  if (!movable(output) || !movable(input) || input.dim() == 0 || output.dim() == 0 ||
+      output.scalar_type() != input.scalar_type())
+    return std::nullopt;
+  const int64_t es = input.element_size();
+  const int64_t in_row = input.numel() / std::max<int64_t>(input.size(0), 1) * es;
+  const int64_t out_row = output.numel() / std::max<int64_t>(output.size(0), 1) * es;
+  // Rows of both must be alike (c10d's rule), unless a side has no rows to tell.
+  if (input.size(0) > 0 && output.size(0) > 0 && in_row != out_row) return std::nullopt;
+  const int64_t row = input.size(0) > 0 ? in_row : out_row;
+  auto sent = side(input_splits, input.size(0), row, world);
+  auto received = side(output_splits, output.size(0), row, world);
+  if (!sent || !received) return std::nullopt;
+  return SplitBytes{sent->first, sent->second, received->first, received->second};
+}
+
 // Runs `fn` on a contiguous tensor with `t`'s data, and copies back into `t` when that
 // had to be a copy (so non-contiguous inputs and outputs work).
 template <class Fn>
@@ -433,10 +477,21 @@ WorkPtr ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                   std::vector<int64_t>& input_splits,
                                   const c10d::AllToAllOptions& opts) {
   ++seq_;
-  // Equal splits only; uneven ones go to gloo.
-  if (!output_splits.empty() || !input_splits.empty() || !movable(output) || !movable(input) ||
-      input.numel() % getSize() != 0 || output.numel() != input.numel() ||
-      output.scalar_type() != input.scalar_type())
+  if (!output_splits.empty() || !input_splits.empty()) {
+    // Uneven splits of dim 0: in shared memory when they describe the tensors; what does not
+    // (gloo raises c10d's error for it, before communicating) goes to gloo.
+    const auto bytes = uneven_split_bytes(output, input, output_splits, input_splits, getSize());
+    if (!bytes)
+      return gloo(OpCode::kAllToAllUneven, {})
+          .alltoall_base(output, input, output_splits, input_splits, opts);
+    const at::Tensor in = input.contiguous();
+    on_contiguous(output, false, [&](const at::Tensor& out) {
+      group_->all_to_all_uneven(out, in, bytes->send, bytes->send_at, bytes->recv, bytes->recv_at);
+    });
+    return done({output}, OpType::ALLTOALL_BASE);
+  }
+  if (!movable(output) || !movable(input) || input.numel() % getSize() != 0 ||
+      output.numel() != input.numel() || output.scalar_type() != input.scalar_type())
     return gloo(OpCode::kAllToAll, {})
         .alltoall_base(output, input, output_splits, input_splits, opts);
   const at::Tensor in = input.contiguous();

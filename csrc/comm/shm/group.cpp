@@ -31,6 +31,8 @@ const char* op_name(uint32_t op) {
       return "gather";
     case OpCode::kScatter:
       return "scatter";
+    case OpCode::kAllToAllUneven:
+      return "all_to_all (uneven splits)";
   }
   return "an unknown operation";
 }
@@ -378,6 +380,65 @@ void Group::all_to_all(const at::Tensor& out, const at::Tensor& in) {
     for (int r = 0; r < world_; ++r)
       std::memcpy(dst + r * chunk + off, layout_.slot(base(), r, step) + rank_ * m, m);
     if (chunk == 0) break;
+  }
+}
+
+void Group::all_to_all_uneven(const at::Tensor& out, const at::Tensor& in,
+                              const std::vector<int64_t>& send, const std::vector<int64_t>& send_at,
+                              const std::vector<int64_t>& recv,
+                              const std::vector<int64_t>& recv_at) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  const size_t w = static_cast<size_t>(world_);
+  TORCH_CHECK(send.size() == w && send_at.size() == w && recv.size() == w && recv_at.size() == w,
+              "tpcore shm: all_to_all: split lists of ", w, " ranks expected");
+  // The sizes differ by rank: the header names the op and dtype only.
+  const OpHeader h{static_cast<uint32_t>(OpCode::kAllToAllUneven),
+                   static_cast<uint32_t>(in.scalar_type()),
+                   0,
+                   0,
+                   0,
+                   0};
+  // Step 1: every rank publishes what it sends and expects; every rank checks every pair and
+  // finds the largest, which sets the number of steps.
+  TORCH_CHECK(2 * w * sizeof(int64_t) <= layout_.slot_bytes(),
+              "tpcore shm: all_to_all: the slot cannot hold the split sizes of ", w, " ranks");
+  uint32_t step = ++step_;
+  auto* mine = reinterpret_cast<int64_t*>(layout_.slot(base(), rank_, step));
+  std::copy(send.begin(), send.end(), mine);
+  std::copy(recv.begin(), recv.end(), mine + w);
+  sync(step, h);
+  int64_t largest = 0;
+  for (int s = 0; s < world_; ++s) {
+    const auto* theirs = reinterpret_cast<const int64_t*>(layout_.slot(base(), s, step));
+    for (int d = 0; d < world_; ++d) {
+      const int64_t sent = theirs[d];
+      const int64_t expected =
+          reinterpret_cast<const int64_t*>(layout_.slot(base(), d, step))[w + s];
+      TORCH_CHECK_VALUE(sent == expected, "tpcore shm: all_to_all: rank ", s, " sends rank ", d,
+                        " ", sent, " bytes, rank ", d, " expects ", expected,
+                        " (input_split_sizes and output_split_sizes disagree)");
+      largest = std::max(largest, sent);
+    }
+  }
+  // Then each step carries up to `per_step` bytes of every pair, destination d's in part d
+  // of the sender's slot.
+  const int64_t per_step = static_cast<int64_t>(layout_.slot_bytes()) / world_;
+  const char* src = static_cast<const char*>(in.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  auto part = [&](int64_t total, int64_t off) {
+    return std::max<int64_t>(0, std::min(per_step, total - off));
+  };
+  for (int64_t off = 0; off < largest; off += per_step) {
+    step = ++step_;
+    char* slot = layout_.slot(base(), rank_, step);
+    for (int d = 0; d < world_; ++d)
+      if (const int64_t m = part(send[d], off))
+        std::memcpy(slot + d * per_step, src + send_at[d] + off, m);
+    sync(step, h);
+    for (int r = 0; r < world_; ++r)
+      if (const int64_t m = part(recv[r], off))
+        std::memcpy(dst + recv_at[r] + off, layout_.slot(base(), r, step) + rank_ * per_step, m);
   }
 }
 

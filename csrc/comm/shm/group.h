@@ -38,7 +38,8 @@ enum class OpCode : uint32_t {
   kAllToAll,
   kReduce,  // these three only through gloo
   kGather,
-  kScatter
+  kScatter,
+  kAllToAllUneven
 };
 
 struct Config {
@@ -87,6 +88,12 @@ class Group {
   void broadcast(const at::Tensor& t, int root);
   // out chunk r [n] = rank r's in chunk `rank` [n] (in, out: [world * n]).
   void all_to_all(const at::Tensor& out, const at::Tensor& in);
+  // The same with chunks of any size: `send[d]` bytes at byte `send_at[d]` of `in` go to rank
+  // d, `recv[r]` bytes from rank r land at byte `recv_at[r]` of `out`. Every rank checks that
+  // every pair's sizes agree (rank s sends rank d what d expects), so all raise alike if not.
+  void all_to_all_uneven(const at::Tensor& out, const at::Tensor& in,
+                         const std::vector<int64_t>& send, const std::vector<int64_t>& send_at,
+                         const std::vector<int64_t>& recv, const std::vector<int64_t>& recv_at);
   void barrier();
   // One step that only compares `h` (through_gloo set) with every rank's: what the c10d
   // backend runs before an operation it hands to gloo, so that ranks calling different
