@@ -4,6 +4,7 @@ measured in the same run.
 
     python benchmarks/bench_comm.py                    # 2 and 4 ranks, 4 B to 64 MiB
     python benchmarks/bench_comm.py --worlds 2 --max-bytes 1048576
+    python benchmarks/bench_comm.py --ops all_to_all_uneven
     python benchmarks/bench_comm.py --tune             # slot size and two-step threshold sweep
 
 Contenders, fp32, one thread per rank:
@@ -16,6 +17,8 @@ Contenders, fp32, one thread per rank:
 - `dist.*` on a gloo group,
 - DeepSpeed's `inference_all_reduce` (all-reduce only; `pip install deepspeed`, else skipped),
 - for all-reduce, `tpcore C++ loop`: the transport alone, calls made from C++.
+`all_to_all_uneven` is `all_to_all_single` with the uneven splits of MoE token dispatch: rank r
+sends rank d a part proportional to 1 + (r + d) mod world, its input about the size given.
 Each figure is the median over rounds that alternate the contenders (so drift in the
 machine's speed hits all alike) of the mean time per call on rank 0. Bus bandwidth follows
 NCCL's convention: all-reduce S * 2(n-1)/n / t, all-gather and reduce-scatter S * (n-1)/n / t
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import run_on_ranks  # noqa: E402
 
 SIZES = [4, 64, 1 << 10, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_uneven"]
 ROUNDS = 5
 CALIBRATION_CALLS = 4
 
@@ -107,6 +110,16 @@ def _contenders(op: str, nbytes: int, world: int, rank: int, groups: dict, ds_al
             "tpcore.comm": lambda: tpcore.comm.reduce_scatter(x, 0, shm),
             "dist on tpcore": lambda: dist.reduce_scatter_tensor(y, x, group=shm),
             "gloo": lambda: dist.reduce_scatter_tensor(y, x, group=gloo),
+        }
+    if op == "all_to_all_uneven":  # MoE dispatch: rank r sends rank d (1 + (r + d) % world) parts
+        weights = [[1 + (r + d) % world for d in range(world)] for r in range(world)]
+        part = max(1, n // sum(weights[rank]))
+        ins = [w * part for w in weights[rank]]
+        outs = [weights[r][rank] * part for r in range(world)]
+        x, y = torch.ones(sum(ins)), torch.empty(sum(outs))
+        return {
+            "dist on tpcore": lambda: dist.all_to_all_single(y, x, outs, ins, group=shm),
+            "gloo": lambda: dist.all_to_all_single(y, x, outs, ins, group=gloo),
         }
     x = torch.ones(n)
     return {
@@ -246,7 +259,7 @@ def tune(worlds: list[int]) -> None:
 def _bus_factor(op: str, world: int) -> float:
     if op == "all_reduce":
         return 2 * (world - 1) / world
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all_uneven"):
         return (world - 1) / world
     return 1.0
 
