@@ -187,7 +187,8 @@ def _sum_replicated_halves(model: nn.Module) -> None:
     layers = [
         m
         for m in model.modules()
-        if isinstance(m.__dict__.get("_modules", {}).get("lora"), LoRAAdapter)
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+        and isinstance(m._modules.get("lora"), LoRAAdapter)
     ]
     halves = []
     for layer in layers:
@@ -198,7 +199,7 @@ def _sum_replicated_halves(model: nn.Module) -> None:
         model._tpcore_lora_sum = _SumAtEndOfBackward(halves, layers[0].group)
 
 
-def _make_dense_in_backward(model: nn.Module, name: str, layer: nn.Module) -> None:
+def _sum_kv_copies_of_B(model: nn.Module, name: str, layer: nn.Module) -> None:
     """B's rows that copy a KV head summed over the copies inside backward, as the weight's
     are (the replicated halves: `_sum_replicated_halves`)."""
     group = layer.group
@@ -232,7 +233,7 @@ def attach_adapters(model: nn.Module, config, adapters: list[PeftAdapter]) -> No
         layer = model.get_submodule(a.name)
         layer.lora = _new_adapter(layer, a.name, a.rank, a.alpha, a.dropout, config)
         _fill(layer.lora, a.A, a.B, a.requires_grad)
-        _make_dense_in_backward(model, a.name, layer)
+        _sum_kv_copies_of_B(model, a.name, layer)
     _sum_replicated_halves(model)
 
 
@@ -325,7 +326,7 @@ def load_adapter(model: nn.Module, path: str) -> nn.Module:
             for half in "AB":
                 param = getattr(layer.lora, half)
                 _read_slices(stored.get_slice(f"base_model.model.{name}.lora_{half}.weight"), param)
-            _make_dense_in_backward(model, name, layer)
+            _sum_kv_copies_of_B(model, name, layer)
     _sum_replicated_halves(model)
     return model
 
