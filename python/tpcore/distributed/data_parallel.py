@@ -40,6 +40,7 @@ from torch import nn
 from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink
 from ..tensor_parallel.shard_spec import shard_spec
+from ..tensor_parallel.shared_grads import sum_in_place
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
 from .sparse_rows import GatheredRows, RowUnion, add_token_rows, sum_touched_rows
@@ -391,12 +392,9 @@ class DataParallelGrads:
     def _sum_partial_grads(self) -> None:
         # Each TP rank gave only its share (its sequence shard; its slice of a LoRA layer): sum
         # over TP (after the DP mean; both are sums).
-        grads = [p.main_grad for p in self.params if shard_spec(p).partial_grad]
-        if not grads or dist.get_world_size(self.tp_group) == 1:
-            return
-        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.tp_group)
-        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
+        sum_in_place(
+            [p.main_grad for p in self.params if shard_spec(p).partial_grad], self.tp_group
+        )
 
     def _sum_tied(self) -> None:
         # The first and last stage's copies of the tied embedding take the same (summed) step.

@@ -26,7 +26,7 @@ from .. import comm
 from ..parallel_state import resolve_tensor_group
 from .shard_spec import shard_spec
 
-__all__ = ["sum_over_copies", "sum_partial_grads"]
+__all__ = ["sum_over_copies", "sum_partial_grads", "sum_in_place"]
 
 
 class _SumOverCopies(torch.autograd.Function):
@@ -72,9 +72,14 @@ def sum_partial_grads(model: nn.Module, group: dist.ProcessGroup | None = None) 
     grads = [
         p.grad for p in model.parameters() if shard_spec(p).partial_grad and p.grad is not None
     ]
-    group = resolve_tensor_group(group)
-    if not grads or dist.get_world_size(group) == 1:
+    sum_in_place(grads, resolve_tensor_group(group))
+
+
+def sum_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum each of `tensors` over `group`, in place, in one all-reduce of their concatenation
+    (none for an empty list or a group of one)."""
+    if not tensors or dist.get_world_size(group) == 1:
         return
-    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(piece.view_as(g))
+    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
