@@ -31,6 +31,7 @@ from torch import nn
 
 from ... import comm
 from ...tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ...tensor_parallel.adapters import lora_adapters
 from ...tensor_parallel.lora import LoRAAdapter
 from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec, shard, shard_spec, unshard
 from ...tensor_parallel.shared_grads import sum_over_copies
@@ -184,19 +185,14 @@ class _SumAtEndOfBackward:
 def _sum_replicated_halves(model: nn.Module) -> None:
     """One `_SumAtEndOfBackward` over every adapter's replicated half (column A, row B), whose
     shard spec then no longer says `partial_grad`: `.grad` is dense after backward."""
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-        and isinstance(m._modules.get("lora"), LoRAAdapter)
-    ]
     halves = []
-    for layer in layers:
-        half = layer.lora.A if layer.lora.column else layer.lora.B
-        set_shard_spec(half, dataclasses.replace(shard_spec(half), partial_grad=False))
+    for adapter in lora_adapters(model).values():
+        half = adapter.A if adapter.column else adapter.B
+        spec = shard_spec(half)
+        set_shard_spec(half, dataclasses.replace(spec, partial_grad=False))
         halves.append(half)
-    if layers and dist.get_world_size(layers[0].group) > 1:
-        model._tpcore_lora_sum = _SumAtEndOfBackward(halves, layers[0].group)
+    if halves and spec.tp_size > 1:
+        model._tpcore_lora_sum = _SumAtEndOfBackward(halves, spec.group)
 
 
 def _sum_kv_copies_of_B(model: nn.Module, name: str, layer: nn.Module) -> None:
@@ -250,27 +246,19 @@ def _fill(adapter: LoRAAdapter, A: torch.Tensor, B: torch.Tensor, requires_grad:
             param.requires_grad_(requires_grad)
 
 
-def _adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {
-        name: m
-        for name, m in inner_model(model).named_modules()
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and "lora" in m._modules
-    }
-
-
 def save_adapters(model: nn.Module, path: str) -> None:
     """Write a split PeftModel's adapters as PEFT does (`adapter_config.json`,
     `adapter_model.safetensors`, whole tensors under PEFT's names): a collective over the TP
     group (each split half is gathered); rank 0 of the group writes."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for name, layer in _adapted_layers(model).items():
+    tensors, group = {}, None
+    for name, adapter in lora_adapters(inner_model(model)).items():
         for half in "AB":
-            param = getattr(layer.lora, half)
-            full = unshard(param.detach(), shard_spec(param))
+            spec = shard_spec(getattr(adapter, half))
+            full = unshard(getattr(adapter, half).detach(), spec)
             tensors[f"base_model.model.{name}.lora_{half}.weight"] = full.contiguous().cpu()
-    group = next(iter(_adapted_layers(model).values())).group if tensors else None
+        group = spec.group
     if group is None or dist.get_rank(group) == 0:
         os.makedirs(path, exist_ok=True)
         (config,) = model.peft_config.values()
@@ -293,9 +281,7 @@ def load_adapter(model: nn.Module, path: str) -> nn.Module:
             raise ValueError(
                 f"tpcore.hf: {path}: {option}={config[option]!r} is not supported ({what})"
             )
-    if getattr(model, "_tpcore_lora_sum", None) is not None or any(
-        "lora" in m._modules for m in model.modules()
-    ):
+    if lora_adapters(model):
         raise ValueError("tpcore.hf: load_adapter: the model has LoRA adapters already")
     file = os.path.join(path, _ADAPTER_FILE)
     rank_pattern = config.get("rank_pattern") or {}
