@@ -79,15 +79,7 @@ class LoRAAdapter(nn.Module):
         self.use_rslora = use_rslora
         self.scale = alpha / (math.sqrt(rank) if use_rslora else rank)
         self.merged = False
-        weight_spec = shard_spec(layer.weight)
-        if weight_spec.kind == "replicated":  # a layer without a spec of its own
-            weight_spec = ShardSpec(
-                (layer.out_features, layer.in_features),
-                layer.shard_dim,
-                tp_size=layer.tp_size,
-                tp_rank=layer.tp_rank,
-                group=layer.group,
-            )
+        weight_spec = shard_spec(layer.weight)  # every parallel layer sets one
         out_features, in_features = weight_spec.global_shape
         placement = dict(tp_size=layer.tp_size, tp_rank=layer.tp_rank, group=layer.group)
         if self.column:

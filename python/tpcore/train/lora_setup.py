@@ -74,14 +74,18 @@ def checkpoint_role(meta: dict, args: TrainArgs, directory: str) -> str:
 def add_adapters(chunks: Sequence[nn.Module], args: TrainArgs) -> None:
     """This rank's pipeline chunks get the run's adapters (a chunk without one of the target
     layers, e.g. a stage of embeddings only, gets none)."""
-    targets = args.lora_targets()
+    settings = lora_settings(args)
     for chunk in chunks:
-        present = [t for t in targets if any(n.endswith("." + t) for n, _ in chunk.named_modules())]
+        present = [
+            t
+            for t in settings["target_modules"]
+            if any(n.endswith("." + t) for n, _ in chunk.named_modules())
+        ]
         if present:
             add_lora(
                 chunk,
                 rank=args.lora_rank,
-                alpha=args.lora_alpha if args.lora_alpha is not None else args.lora_rank,
+                alpha=settings["alpha"],
                 target_modules=present,
                 dropout=args.lora_dropout,
                 use_rslora=args.lora_use_rslora,
