@@ -279,10 +279,9 @@ def model_name(args) -> str:
     return f"Mixtral, {args.experts} experts, top-{args.top_k}" if args.experts else "Llama"
 
 
-def _save_model(args, path: str) -> int:
-    import transformers
-
-    sizes = dict(
+def model_sizes(args) -> dict:
+    """The Llama (or Mixtral) config fields of the sizes in `args` (shared with bench_lora)."""
+    return dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.ffn,
@@ -294,6 +293,12 @@ def _save_model(args, path: str) -> int:
         bos_token_id=None,
         eos_token_id=None,
     )
+
+
+def _save_model(args, path: str) -> int:
+    import transformers
+
+    sizes = model_sizes(args)
     torch.manual_seed(0)
     if args.experts:  # each expert as wide as --ffn
         config = transformers.MixtralConfig(

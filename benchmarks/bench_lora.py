@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from bench_hf import model_sizes
 from ranks import init_ranks, run_on_ranks
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,16 +51,7 @@ def _case(rank, world, store, lora: bool, args, threads: int, results) -> None:
         shm = tpcore.shm.shm_backend_of(tpcore.parallel_state.get_tensor_model_parallel_group())
         assert shm is not None, "the TP group is not on the shared-memory backend"
         ops = lambda: shm.fast_ops + shm.fallback_ops  # noqa: E731
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**model_sizes(args))
     torch.manual_seed(0)  # the same model and adapters on every rank
     model = transformers.LlamaForCausalLM(config)
     if lora:
