@@ -1,9 +1,16 @@
-"""Process groups for tensor, pipeline and data parallelism.
+"""Process groups for tensor, pipeline, data and expert parallelism.
 
 Ranks are laid out as in Megatron-LM: tensor-parallel ranks are adjacent, then
 data-parallel, then pipeline-parallel, so that
 
     global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Expert parallelism (mixtures of experts) is laid over the same ranks as Megatron-Core's
+"MoE parallel folding" with expert tensor parallelism 1: the `tp * dp` ranks of a pipeline
+stage are cut again into expert-parallel groups of `ep` adjacent ranks (each holds
+`experts / ep` of every MoE layer's experts; tokens travel between them by all-to-all) and
+expert-data-parallel groups of the ranks that hold the same experts (stride `ep`; expert
+gradients are summed over it). So `ep` must divide `tp * dp`, not only `dp`.
 
 `rank_layout` computes the groups as plain lists (no processes needed);
 `initialize_model_parallel` creates them on a live `torch.distributed` job and
@@ -15,6 +22,7 @@ fall back to the tensor-parallel group set up here; nothing falls back to WORLD.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import weakref
@@ -56,6 +64,10 @@ __all__ = [
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
     "get_embedding_group",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_world_size",
+    "get_expert_model_parallel_rank",
+    "get_expert_data_parallel_group",
     "resolve_tensor_group",
 ]
 
@@ -72,6 +84,10 @@ class RankLayout:
     """Pipeline groups: one rank per stage, stride `tp * dp`."""
     embedding: list[list[int]]
     """Embedding groups: the first and last rank of each pipeline group (one rank when pp = 1)."""
+    expert: list[list[int]] = dataclasses.field(default_factory=list)
+    """Expert-parallel groups: `ep` adjacent ranks of one pipeline stage."""
+    expert_data: list[list[int]] = dataclasses.field(default_factory=list)
+    """Expert-data-parallel groups: the ranks of one stage at the same expert-parallel rank."""
 
     def groups_of(self, rank: int) -> tuple[list[int], list[int], list[int]]:
         """The (tensor, data, pipeline) groups that contain `rank`."""
@@ -80,12 +96,18 @@ class RankLayout:
         )
 
 
-def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
+def _check_sizes(
+    world_size: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    expert_model_parallel_size: int = 1,
+) -> int:
     check_positive_ints(
         "model parallel sizes",
         world_size=world_size,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
     )
     model_size = tensor_parallel_size * pipeline_parallel_size
     if world_size % model_size != 0:
@@ -99,21 +121,39 @@ def _check_sizes(world_size: int, tensor_parallel_size: int, pipeline_parallel_s
                 else ""
             )
         )
+    stage = world_size // pipeline_parallel_size
+    if stage % expert_model_parallel_size:
+        raise ValueError(
+            f"tpcore: expert_model_parallel_size ({expert_model_parallel_size}) does not divide "
+            f"the tensor x data parallel ranks of a pipeline stage ({stage} = "
+            f"tensor_parallel_size {tensor_parallel_size} x data-parallel size "
+            f"{world_size // model_size}); expert parallelism is laid over those ranks"
+        )
     return world_size // model_size
 
 
 def rank_layout(
-    world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    world_size: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> RankLayout:
-    """Megatron's rank order for `world_size` ranks: TP adjacent, then DP, then PP."""
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    dp = _check_sizes(world_size, tp, pp)
+    """Megatron's rank order for `world_size` ranks: TP adjacent, then DP, then PP; expert
+    groups (only when `expert_model_parallel_size > 1`) fold over each stage's ranks."""
+    tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size
+    dp = _check_sizes(world_size, tp, pp, ep)
     stage = tp * dp  # ranks per pipeline stage
     tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
     data = [[s * stage + d * tp + t for d in range(dp)] for s in range(pp) for t in range(tp)]
     pipeline = [[r + s * stage for s in range(pp)] for r in range(stage)]
     embedding = [sorted({g[0], g[-1]}) for g in pipeline]
-    return RankLayout(tensor=tensor, data=data, pipeline=pipeline, embedding=embedding)
+    expert, expert_data = [], []
+    if ep > 1:
+        expert = [list(range(start, start + ep)) for start in range(0, world_size, ep)]
+        expert_data = [
+            list(range(s * stage + e, (s + 1) * stage, ep)) for s in range(pp) for e in range(ep)
+        ]
+    return RankLayout(tensor, data, pipeline, embedding, expert, expert_data)
 
 
 @dataclass
@@ -126,6 +166,11 @@ class ParallelState:
     layout: RankLayout
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage of this rank's pipeline; None on the stages between."""
+    expert_group: dist.ProcessGroup | None = None
+    """This rank's expert-parallel group; None when expert_model_parallel_size is 1."""
+    expert_data_group: dist.ProcessGroup | None = None
+    """The ranks holding the same experts as this one; None when expert_model_parallel_size
+    is 1 (then every rank holds every expert: expert gradients are summed like the others)."""
 
 
 _STATE: ParallelState | None = None
@@ -173,6 +218,7 @@ def _new_group(
 def _settings(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    expert_model_parallel_size: int,
     timeout: timedelta | None,
     backend: str | None,
 ) -> dict[str, str]:
@@ -181,6 +227,7 @@ def _settings(
     settings = {
         "tensor_parallel_size": repr(tensor_parallel_size),
         "pipeline_parallel_size": repr(pipeline_parallel_size),
+        "expert_model_parallel_size": repr(expert_model_parallel_size),
         "timeout": repr(timeout),
         "backend": repr(backend),
     }
@@ -247,10 +294,12 @@ def initialize_model_parallel(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     *,
+    expert_model_parallel_size: int = 1,
     timeout: timedelta | None = None,
     backend: str | None = None,
 ) -> ParallelState:
-    """Create the tensor / data / pipeline groups; data-parallel size is derived.
+    """Create the tensor / data / pipeline groups; data-parallel size is derived. With
+    `expert_model_parallel_size > 1` also the expert and expert-data groups (module doc).
 
     Call after `torch.distributed.init_process_group`, on every rank, with the same
     arguments. With `backend=None`, groups whose ranks share a host use the shared-memory
@@ -266,7 +315,9 @@ def initialize_model_parallel(
         )
     # The ranks compare their arguments first: a check below that failed on one rank only
     # would leave the others waiting in the first group's creation.
-    settings = _settings(tensor_parallel_size, pipeline_parallel_size, timeout, backend)
+    settings = _settings(
+        tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size, timeout, backend
+    )
     hosts = _agree({**settings, "already initialized": repr(_STATE is not None)})
     if _STATE is not None:
         raise RuntimeError(
@@ -274,19 +325,27 @@ def initialize_model_parallel(
             "call destroy_model_parallel() first to re-create them"
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
+    layout = rank_layout(
+        world_size, tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size
+    )
     hosts = None if backend is not None or hosts is None or shm.opted_out() else hosts
     timeout = timeout if timeout is not None else _default_timeout()
     mine = {}
     # Every rank must create every group, in the same order, even those it is not in.
     # (With pp <= 2 the embedding groups are the pipeline groups and are reused as such.)
-    for kind in ("tensor", "data", "pipeline", "embedding"):
+    for kind in ("tensor", "data", "pipeline", "embedding", "expert", "expert_data"):
         for ranks in getattr(layout, kind):
             group = _new_group(ranks, timeout, backend or shm.cpu_backend_for(ranks, hosts))
             if rank in ranks:
                 mine[kind] = group
     _STATE = ParallelState(
-        mine["tensor"], mine["data"], mine["pipeline"], layout, mine.get("embedding")
+        mine["tensor"],
+        mine["data"],
+        mine["pipeline"],
+        layout,
+        mine.get("embedding"),
+        mine.get("expert"),
+        mine.get("expert_data"),
     )
     exit_hook.register()  # a program that ends without shutdown() must not abort at exit
     return _STATE
@@ -395,6 +454,26 @@ def get_embedding_group() -> dist.ProcessGroup:
             "neither the first nor the last stage, so it is in no embedding group"
         )
     return group
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's expert-parallel group; None when expert_model_parallel_size is 1."""
+    return get_parallel_state().expert_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    group = get_expert_model_parallel_group()
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def get_expert_model_parallel_rank() -> int:
+    group = get_expert_model_parallel_group()
+    return 0 if group is None else dist.get_rank(group)
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks holding this rank's experts; None when expert_model_parallel_size is 1."""
+    return get_parallel_state().expert_data_group
 
 
 def resolve_group(

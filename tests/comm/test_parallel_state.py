@@ -74,6 +74,56 @@ def test_rank_layout_rejects_bad_sizes(world, tp, pp, match):
         rank_layout(world, tp, pp)
 
 
+@pytest.mark.parametrize(
+    "world,tp,pp,ep", [(4, 1, 1, 2), (4, 2, 1, 4), (8, 2, 2, 2), (8, 4, 1, 2), (16, 2, 2, 8)]
+)
+def test_expert_groups_fold_over_each_stage(world, tp, pp, ep):
+    """Megatron-Core's folding with expert TP 1: within each pipeline stage, EP groups of `ep`
+    adjacent ranks, expert-data groups of the ranks at the same EP rank; each kind partitions
+    the stage, and one of each meets in exactly one rank."""
+    layout = rank_layout(world, tp, pp, ep)
+    stage = world // pp
+    for kind in (layout.expert, layout.expert_data):
+        assert sorted(r for g in kind for r in g) == list(range(world))
+        for g in kind:
+            assert len({r // stage for r in g}) == 1, f"group {g} crosses pipeline stages"
+    for g in layout.expert:
+        assert g == list(range(g[0], g[0] + ep))
+    for g in layout.expert_data:
+        assert len(g) == stage // ep and all(b - a == ep for a, b in zip(g, g[1:]))
+    for e in layout.expert:
+        for d in layout.expert_data:
+            if e[0] // stage == d[0] // stage:
+                assert len(set(e) & set(d)) == 1
+    assert rank_layout(world, tp, pp).expert == []  # ep 1: no expert groups made
+
+
+def test_expert_parallel_size_must_divide_a_stage():
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size \(8\) does not divide"):
+        rank_layout(8, 2, 2, 8)  # a stage has 4 ranks
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size \(3\) does not divide"):
+        rank_layout(4, 2, 1, 3)
+    assert rank_layout(4, 4, 1, 4).expert == [[0, 1, 2, 3]]  # EP over the TP ranks is fine
+
+
+def _expert_groups(rank, world):
+    state = tpcore.initialize_model_parallel(2, expert_model_parallel_size=2)
+    ps = tpcore.parallel_state
+    assert dist.get_process_group_ranks(state.expert_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(state.expert_data_group) == [rank % 2, rank % 2 + 2]
+    assert ps.get_expert_model_parallel_world_size() == 2
+    assert ps.get_expert_model_parallel_rank() == rank % 2
+    tpcore.destroy_model_parallel()
+    tpcore.initialize_model_parallel(2)
+    assert ps.get_expert_model_parallel_group() is None
+    assert ps.get_expert_model_parallel_world_size() == 1
+    return True
+
+
+def test_live_expert_groups(cpu_ranks):
+    assert all(cpu_ranks.run(_expert_groups))
+
+
 def test_initialize_before_init_process_group_raises():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
