@@ -14,6 +14,7 @@ PACKAGE = REPO_ROOT / "python" / "tpcore"
 # base. Packages on one line may not import each other.
 LAYERS = [
     {"tensor_parallel"},
+    {"moe"},
     {"models", "data"},
     {"pipeline_parallel", "distributed"},
     {"optimizer", "checkpoint"},

@@ -1,6 +1,25 @@
-"""Mixtures of experts (issue 40, in progress): the top-k router so far; token dispatch over
-the expert-parallel group and grouped expert GEMMs are to come."""
+"""Mixtures of experts: the top-k router, token dispatch over the expert-parallel group
+(all-to-all or all-gather), grouped expert GEMMs, the MoE layer and its dense reference."""
 
+from .dispatch import all_gather, all_to_all, permute, unpermute
+from .grouped_gemm import grouped_linear, grouped_mm_available
+from .layer import ExpertWeights, MoEConfig, MoELayer, attach_aux_loss
+from .reference import ReferenceMoE
 from .router import RouterConfig, Routing, route
 
-__all__ = ["RouterConfig", "Routing", "route"]
+__all__ = [
+    "RouterConfig",
+    "Routing",
+    "route",
+    "MoEConfig",
+    "MoELayer",
+    "ExpertWeights",
+    "ReferenceMoE",
+    "attach_aux_loss",
+    "grouped_linear",
+    "grouped_mm_available",
+    "all_to_all",
+    "all_gather",
+    "permute",
+    "unpermute",
+]

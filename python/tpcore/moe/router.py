@@ -18,6 +18,11 @@ Two auxiliary losses, each a scalar to add to the language-model loss:
   `P_e` the mean softmax probability of e over the tokens. transformers' Mixtral computes k
   times this (its `f_e` counts tokens, not routes).
 - z-loss (ST-MoE): `coeff * mean over tokens of logsumexp(logits)^2`.
+With `token_group`, the tokens of one batch are spread over that group's ranks (an MoE layer
+under tensor parallelism routes its 1/tp of them): `f_e` counts the routes of every rank, and
+each rank returns its share of the losses over all the tokens (their sum over the group is
+the loss a single rank would compute over all of them), so backward on each share gives each
+rank's logits their exact gradient.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["RouterConfig", "Routing", "route"]
 
@@ -103,11 +109,17 @@ class Routing:
 
 
 def route(
-    logits: torch.Tensor, config: RouterConfig, expert_bias: torch.Tensor | None = None
+    logits: torch.Tensor,
+    config: RouterConfig,
+    expert_bias: torch.Tensor | None = None,
+    *,
+    token_group: dist.ProcessGroup | None = None,
 ) -> Routing:
     """Route tokens whose router logits are `logits` `[tokens, experts]` (computed in float32
     here, whatever their dtype). `expert_bias` `[experts]`: added to the sigmoid scores for
-    choosing only (DeepSeek-V3's load balancing); not allowed with softmax."""
+    choosing only (DeepSeek-V3's load balancing); not allowed with softmax. `token_group`:
+    the group over whose ranks the batch's tokens are spread, each with as many (see the
+    module doc; a collective over it when a loss is computed)."""
     if logits.dim() != 2 or logits.shape[1] != config.num_experts:
         raise ValueError(
             f"tpcore: route: logits must be [tokens, {config.num_experts}], got "
@@ -137,18 +149,23 @@ def route(
     routed = experts[experts >= 0]
     tokens_per_expert = torch.bincount(routed, minlength=config.num_experts)
 
+    spread = 1 if token_group is None else dist.get_world_size(token_group)
+    everyone = tokens * spread  # the batch's tokens over the group
     zero = logits.new_zeros(())
     aux = zero
-    if config.aux_loss_coeff > 0 and tokens > 0:
+    if config.aux_loss_coeff > 0 and everyone > 0:
         # Megatron's: the routes chosen before any dropping, the probabilities of all experts
         # (sigmoid scores normalized over each token's experts).
         counts = torch.bincount(chosen.reshape(-1), minlength=config.num_experts)
+        if spread > 1:
+            dist.all_reduce(counts, group=token_group)
         probs = scores if config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-        fraction = counts.float() / (tokens * k)
-        aux = config.aux_loss_coeff * config.num_experts * (fraction * probs.mean(0)).sum()
+        fraction = counts.float() / (everyone * k)
+        mean_probs = probs.sum(0) / everyone  # this rank's share of the mean
+        aux = config.aux_loss_coeff * config.num_experts * (fraction * mean_probs).sum()
     z = zero
-    if config.z_loss_coeff > 0 and tokens > 0:
-        z = config.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+    if config.z_loss_coeff > 0 and everyone > 0:
+        z = config.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / everyone
     return Routing(experts, weights, tokens_per_expert, aux, z)
 
 

@@ -1,0 +1,145 @@
+"""Token dispatch: each routed token to its expert's rank, through the experts, and back.
+
+Both dispatchers take this rank's tokens `x [tokens, h]`, their `Routing` and a function
+`experts(rows, counts)` that runs this rank's experts over expert-sorted rows, and return
+`[tokens, h]`: each token's sum of its experts' outputs times their routing weights.
+- `all_to_all` (Megatron's "alltoall"): routes sorted by expert (permute), counts
+  exchanged over the expert-parallel group, rows exchanged by an all-to-all with uneven
+  splits, sorted again by local expert, through the experts, and the same way back; the
+  weighted sum is taken at the token's own rank (unpermute). Traffic: the routed rows only.
+- `all_gather` (Megatron's "allgather"): every rank of the group gathers all the group's
+  tokens and routes, runs its experts on those routed to them, and a reduce-scatter sums
+  the results back to the tokens' ranks. Traffic: every token, `ep` times; no counts
+  exchanged. Every rank of the group must hold the same number of tokens.
+Gradients flow back through the same exchanges (the all-to-alls' splits reversed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..tensor_parallel.mappings import (
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+from .router import Routing
+
+__all__ = ["ExpertsFn", "all_to_all", "all_gather", "permute", "unpermute"]
+
+ExpertsFn = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
+"""`experts(rows [n, h], counts)`: rows sorted by local expert, `counts[e]` of expert e."""
+
+
+def permute(
+    x: torch.Tensor, experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routes of `experts [tokens, k]` (ids in `[0, num_experts)`; others, e.g. -1 for a
+    dropped route, are left out) sorted by expert, ties by token.
+    Returns `(rows [routes, h], token [routes], route [routes], counts [num_experts])`:
+    row i is `x[token[i]]`, the route `route[i]` of the flattened `[tokens * k]`."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    kept = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(1)
+    order = kept[torch.argsort(flat[kept], stable=True)]
+    token = order // k
+    counts = torch.bincount(flat[kept], minlength=num_experts)
+    return x.index_select(0, token), token, order, counts
+
+
+def unpermute(
+    rows: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """`[tokens, h]`: each token's sum of its `rows` times their `weight` (float32 inside,
+    cast back to rows' dtype)."""
+    weighted = rows.float() * weight.unsqueeze(1)
+    out = rows.new_zeros((tokens, rows.shape[1]), dtype=torch.float32)
+    return out.index_add(0, token, weighted).to(rows.dtype)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; backward sends the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group, receive, send):  # type: ignore[override]
+        ctx.group, ctx.receive, ctx.send = group, receive, send
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return out, None, None, None
+
+
+def _by_local_expert(received: torch.Tensor) -> torch.Tensor:
+    """Row order that turns rows grouped by (source rank, local expert), `received [ep,
+    local]` rows each, into rows grouped by (local expert, source rank)."""
+    ep, local = received.shape
+    flat = received.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat
+    chunks = torch.arange(ep * local, device=flat.device).view(ep, local).t().reshape(-1)
+    lengths = flat[chunks]
+    shifts = starts[chunks] - (torch.cumsum(lengths, 0) - lengths)
+    return torch.repeat_interleave(shifts, lengths) + torch.arange(
+        int(flat.sum()), device=flat.device
+    )
+
+
+def all_to_all(
+    x: torch.Tensor,
+    routing: Routing,
+    experts: ExpertsFn,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Megatron's all-to-all dispatcher over `group` (None: one rank, all experts local)."""
+    ep = 1 if group is None else dist.get_world_size(group)
+    rows, token, route, counts = permute(x, routing.experts, num_experts)
+    weight = routing.weights.reshape(-1).index_select(0, route)
+    if ep == 1:
+        out = experts(rows, counts.tolist())
+        return unpermute(out, token, weight, x.shape[0])
+    local = num_experts // ep
+    # [ep * local]: how many rows of each of my local experts every rank sends me.
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send = counts.view(ep, local).sum(1)
+    receive_matrix = received.view(ep, local)
+    sizes = torch.cat([send, receive_matrix.sum(1), receive_matrix.sum(0)]).tolist()
+    send_rows, receive_rows, local_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
+    arrived = _AllToAll.apply(rows, group, receive_rows, send_rows)
+    order = _by_local_expert(receive_matrix)
+    done = experts(arrived.index_select(0, order), local_counts)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    returned = _AllToAll.apply(done.index_select(0, back), group, send_rows, receive_rows)
+    return unpermute(returned, token, weight, x.shape[0])
+
+
+def all_gather(
+    x: torch.Tensor,
+    routing: Routing,
+    experts: ExpertsFn,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Megatron's all-gather dispatcher over `group` (None: one rank, all experts local)."""
+    ep = 1 if group is None else dist.get_world_size(group)
+    if ep == 1:
+        return all_to_all(x, routing, experts, num_experts, None)
+    local, first = num_experts // ep, dist.get_rank(group) * (num_experts // ep)
+    every_x = gather_from_sequence_parallel(x, group)  # backward: reduce-scatter
+    every_weight = gather_from_sequence_parallel(routing.weights.contiguous(), group)
+    every_expert = comm.all_gather(routing.experts.contiguous(), 0, group)
+    # Routes to other ranks' experts fall outside [0, local) and are left out.
+    mine = torch.where(every_expert >= first, every_expert - first, -1)
+    rows, token, route, counts = permute(every_x, mine, local)
+    weight = every_weight.reshape(-1).index_select(0, route)
+    out = unpermute(experts(rows, counts.tolist()), token, weight, every_x.shape[0])
+    return reduce_scatter_to_sequence_parallel(out, group)

@@ -1,0 +1,188 @@
+"""The mixture-of-experts layer that takes the MLP's place in a GPTModel block.
+
+`MoELayer` maps `[s(/tp), b, h] -> [s(/tp), b, h]` like the dense MLP:
+1. The tokens of one TP group are shared out over its ranks: under sequence parallelism
+   each rank already holds its `s/tp`; otherwise each takes its `1/tp` of the flattened
+   tokens here and the outputs are all-gathered at the end (Megatron requires sequence
+   parallelism with TP; tpcore does not). So no two ranks route the same token.
+2. The router (`[experts, h]`, replicated, computed in float32) picks each token's top-k
+   experts (`router.route`); the balancing and z losses enter backward through
+   `attach_aux_loss` (Megatron's MoEAuxLossAutoScaler): they need not be added to the
+   language-model loss, which works the same across pipeline stages.
+3. The dispatcher (`dispatch.all_to_all` or `.all_gather`) brings the routed tokens to the
+   ranks of the expert-parallel group holding their experts (`experts / ep` each, expert
+   tensor parallelism 1), where one grouped GEMM per projection runs them.
+4. An optional shared expert (a TP-split MLP every token goes through, optionally gated by
+   `sigmoid(x . w)`) is added.
+
+Gradients: the router's and (at ep = 1) the experts' are each rank's share over its tokens,
+summed over TP like the sequence-parallel norms' (`partial_grad`); at ep > 1 the experts'
+are summed over the expert-data-parallel group instead (`parallel_state`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .._module_utils import SharesProcessGroups
+from ..tensor_parallel.mappings import (
+    gather_from_sequence_parallel,
+    scatter_to_sequence_parallel,
+)
+from . import dispatch
+from .grouped_gemm import grouped_linear
+from .router import RouterConfig, route
+
+__all__ = ["MoEConfig", "MoELayer", "ExpertWeights", "attach_aux_loss"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The shape and behaviour of one MoE layer (GPTModel builds it from its GPTConfig)."""
+
+    hidden_size: int
+    """Model width H."""
+    ffn_hidden_size: int
+    """Inner width f of each expert."""
+    routing: RouterConfig
+    """Experts, top-k and the router's options."""
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    """The experts' nonlinearity on fc1's output `[n, (2)f] -> [n, f]`."""
+    gated: bool = False
+    """fc1 holds [gate; up] rows, `2f` of them (SwiGLU, GeGLU)."""
+    sequence_parallel: bool = False
+    """The layer's input and output are sequence-parallel shards `[s/tp, b, h]`."""
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts' ranks (`dispatch`)."""
+    grouped_gemm: bool = True
+    """One grouped GEMM per projection; False: a loop over the local experts."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w), w `[1, H]` (Qwen2-MoE)."""
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, loss, scale):  # type: ignore[override]
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(out: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`out` unchanged; backward through it also backpropagates `loss` with gradient `scale`
+    (the factor the language-model loss's gradient carries, e.g. 1 / micro-batches)."""
+    if not loss.requires_grad:
+        return out
+    return _AttachAuxLoss.apply(out, loss, scale)
+
+
+class _Weight(nn.Module):
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"))
+
+
+class ExpertWeights(nn.Module):
+    """This rank's experts: `fc1.weight [experts/ep, (2)f, h]` (gated: gate rows then up
+    rows, as the dense MLP's fc1) and `fc2.weight [experts/ep, h, f]`."""
+
+    def __init__(self, config: MoEConfig, local: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        c, f = config, config.ffn_hidden_size
+        self.config = c
+        self.fc1 = _Weight((local, f * (2 if c.gated else 1), c.hidden_size), dtype)
+        self.fc2 = _Weight((local, c.hidden_size, f), dtype)
+
+    def forward(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """`rows [n, h]` sorted by local expert, `counts[e]` of expert e -> `[n, h]`."""
+        act = self.config.activation
+        if self.config.grouped_gemm:
+            hidden = grouped_linear(rows, self.fc1.weight, counts)
+            return grouped_linear(act(hidden), self.fc2.weight, counts)
+        out = []
+        for e, block in enumerate(rows.split(list(counts))):
+            out.append(act(block @ self.fc1.weight[e].t()) @ self.fc2.weight[e].t())
+        return torch.cat(out)
+
+
+class MoELayer(SharesProcessGroups, nn.Module):
+    """Routed experts and an optional shared expert: `[s(/tp), b, h] -> [s(/tp), b, h]`
+    (module doc). `group`: the TP group; `expert_group`: the expert-parallel group (None:
+    every expert on this rank); `shared_expert`: the TP-split MLP of the shared expert, or
+    None."""
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        group: dist.ProcessGroup,
+        expert_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        c = self.config = config
+        self.group, self.expert_group = group, expert_group
+        self.tp_size = dist.get_world_size(group)
+        ep = 1 if expert_group is None else dist.get_world_size(expert_group)
+        experts = c.routing.num_experts
+        if experts % ep:
+            raise ValueError(
+                f"tpcore: MoELayer: {experts} experts do not split over the {ep} "
+                "expert-parallel ranks"
+            )
+        self.router = _Weight((experts, c.hidden_size), dtype)
+        self.experts = ExpertWeights(config, experts // ep, dtype)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            if c.shared_expert_gate:
+                self.shared_expert_gate = _Weight((1, c.hidden_size), dtype)
+        self.aux_loss_scale = 1.0
+        """The gradient the balancing and z losses get in backward (module doc, step 2)."""
+        self.last_routing: dict[str, torch.Tensor] = {}
+        """The last forward's detached `aux_loss`, `z_loss` (this rank's shares) and
+        `tokens_per_expert` `[experts]` (this rank's tokens), for logging."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, tp = self.config, self.tp_size
+        tokens = x.reshape(-1, x.shape[-1])
+        split_here = tp > 1 and not c.sequence_parallel
+        if split_here:
+            if tokens.shape[0] % tp:
+                raise ValueError(
+                    f"tpcore: MoELayer: {tokens.shape[0]} tokens (sequence x batch) do not "
+                    f"split over the {tp} tensor-parallel ranks; make sequence x batch "
+                    "divisible, or use sequence parallelism"
+                )
+            tokens = scatter_to_sequence_parallel(tokens, self.group)
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, c.routing, token_group=self.group if tp > 1 else None)
+        dispatcher = dispatch.all_gather if c.dispatcher == "allgather" else dispatch.all_to_all
+        out = dispatcher(tokens, routing, self.experts, c.routing.num_experts, self.expert_group)
+        out = attach_aux_loss(out, routing.aux_loss + routing.z_loss, self.aux_loss_scale)
+        self.last_routing = {
+            "aux_loss": routing.aux_loss.detach(),
+            "z_loss": routing.z_loss.detach(),
+            "tokens_per_expert": routing.tokens_per_expert.detach(),
+        }
+        if split_here:
+            # The loss's gradient is the same on every TP rank here: keep this rank's rows.
+            out = gather_from_sequence_parallel(out, self.group, reduce_scatter_grad=False)
+        out = out.view(x.shape)
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(x)
+            if c.shared_expert_gate:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+            out = out + shared
+        return out
