@@ -48,7 +48,13 @@ from ..models.gpt_specs import gpt_shard_specs
 from ..pipeline_parallel.layout import ParallelLayout, current_layout, model_chunks
 from ..tensor_parallel.lora import weight_delta
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
-from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap, shard_spec, shares_indices
+from ..tensor_parallel.shard_spec import (
+    ShardSpec,
+    copy_overlap,
+    refuse_expert_weights,
+    shard_spec,
+    shares_indices,
+)
 from . import torch_dist
 from .errors import CheckpointError
 from .index import find_checkpoint, read_metadata, require_checkpoint
@@ -427,6 +433,7 @@ def load_checkpoint(
     directory = require_checkpoint(path)
     meta = read_metadata(directory)
     chunks = model_chunks(model)
+    refuse_expert_weights(chunks, "load_checkpoint")
     config = chunks[0].config
     _check_config(meta, config, directory)
     if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:

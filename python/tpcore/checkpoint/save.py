@@ -20,7 +20,7 @@ from ..agreement import all_or_none
 from ..pipeline_parallel import duplicate_parameter_names
 from ..pipeline_parallel.layout import current_layout, model_chunks
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker
-from ..tensor_parallel.shard_spec import shard_spec
+from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
 from . import torch_dist
 from .errors import CheckpointError
 from .index import FORMAT, TORCH_DIST_VERSION, VERSION, model_file, rng_file
@@ -105,6 +105,7 @@ def save_checkpoint(
             f"{ckpt_format!r}"
         )
     chunks = model_chunks(model)
+    refuse_expert_weights(chunks, "save_checkpoint")
     if optimizer is not None:
         # parameter all-gathers still in flight (--overlap-param-gather)
         optimizer.finish_param_sync()

@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink
-from ..tensor_parallel.shard_spec import shard_spec
+from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
 from ..tensor_parallel.shared_grads import sum_in_place
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
@@ -80,6 +80,7 @@ class DataParallelGrads:
         lookup_only: Sequence[nn.Parameter] = (),
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+        refuse_expert_weights(chunks, "DataParallelGrads")
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.overlap, self.reduce_scatter = overlap_grad_reduce, reduce_scatter

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ _CHOICES = {
     "activation": ("gelu", "gelu_exact", "swiglu", "geglu"),
     "position_embedding": ("learned", "rotary"),
     "recompute": ("none", "selective", "full"),
+    "moe_router_score_function": ("softmax", "sigmoid"),
+    "moe_router_load_balancing_type": ("aux_loss", "none"),
+    "moe_token_dispatcher_type": ("alltoall", "allgather"),
 }
 
 
@@ -98,6 +102,42 @@ class GPTConfig:
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole blocks)."""
     fused_lm_head_loss: bool = False
     """Compute the LM head and the loss chunk by chunk, never materialising the logits."""
+    # Mixture of experts (Megatron-Core's names; docs/moe.md). None: every MLP is dense.
+    num_experts: int | None = None
+    """Experts of each MoE layer (None: no MoE layer)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each expert (None: ffn_hidden_size)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also goes through (Qwen2-MoE, DeepSeek);
+    None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w), w `[1, H]` (Qwen2-MoE)."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: every n-th from the first (n), or one 0/1 per layer (e.g. dense
+    first layers: [0, 1, 1, ...])."""
+    moe_router_score_function: str = "softmax"
+    """"softmax" (Mixtral, Qwen-MoE, OLMoE) or "sigmoid" (DeepSeek-V3)."""
+    moe_norm_topk_prob: bool = True
+    """Rescale each token's k routing weights to sum to one (Mixtral, Qwen3-MoE; Qwen2-MoE
+    and OLMoE do not)."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Multiplies the routing weights (DeepSeek-V3's routed_scaling_factor)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """"aux_loss" (Switch Transformer's, with moe_aux_loss_coeff) or "none"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE)."""
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most ceil(tokens * k / experts * factor) of the tokens one rank
+    routes, those of largest weight; the rest of their routes are dropped. None: dropless."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """"alltoall" (routed tokens only travel) or "allgather" (every token gathered)."""
+    moe_grouped_gemm: bool = True
+    """Run the local experts through one grouped GEMM (torch._grouped_mm where it runs);
+    False: a loop over the experts."""
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -149,6 +189,7 @@ class GPTConfig:
         if self.sliding_window is not None:
             check_positive_ints("GPTConfig", sliding_window=self.sliding_window)
         self._check_rotary_scaling()
+        self._check_moe()
         scale = self.embedding_scale
         if scale is not None and not (
             isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf
@@ -199,6 +240,78 @@ class GPTConfig:
             raise ValueError(
                 "tpcore: GPTConfig: rotary_scaling llama3 needs "
                 f"high_freq_factor > low_freq_factor, got {scaling!r}"
+            )
+
+    def _check_moe(self) -> None:
+        def fail(what: str) -> None:
+            raise ValueError(f"tpcore: GPTConfig: {what}")
+
+        if self.num_experts is None:
+            # A MoE option without experts is a mistake, not a no-op.
+            changed = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name.startswith("moe_") and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                fail(f"{', '.join(changed)} set without num_experts")
+            return
+        check_positive_ints(
+            "GPTConfig", num_experts=self.num_experts, moe_router_topk=self.moe_router_topk
+        )
+        if self.moe_router_topk > self.num_experts:
+            fail(
+                f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts})"
+            )
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        check_positive_ints("GPTConfig", moe_ffn_hidden_size=self.moe_ffn_hidden_size)
+        if self.moe_shared_expert_intermediate_size is not None:
+            check_positive_ints(
+                "GPTConfig",
+                moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            )
+        elif self.moe_shared_expert_gate:
+            fail("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or any(f not in (0, 1) for f in freq):
+                fail(
+                    f"moe_layer_freq as a list needs one 0 or 1 per layer ({self.num_layers}), "
+                    f"got {list(freq)}"
+                )
+            self.moe_layer_freq = [int(f) for f in freq]
+        else:
+            check_positive_ints("GPTConfig", moe_layer_freq=freq)
+        for name in (
+            "moe_router_topk_scaling_factor",
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                fail(f"{name} must be a finite number >= 0, got {value!r}")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
+            fail(f"moe_expert_capacity_factor must be > 0 or None, got {factor!r}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based, global) has experts instead of a dense MLP."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[index]) if isinstance(freq, list) else index % freq == 0
+
+    def check_ep(self, ep: int) -> None:
+        """Raise a ValueError unless the experts split over `ep` expert-parallel ranks."""
+        if ep > 1 and self.num_experts is None:
+            raise ValueError(
+                f"tpcore: GPTConfig: expert-parallel size {ep} for a model without experts"
+            )
+        if self.num_experts is not None and self.num_experts % ep:
+            raise ValueError(
+                f"tpcore: GPTConfig: num_experts ({self.num_experts}) is not divisible by the "
+                f"expert-parallel size ({ep})"
             )
 
     @property

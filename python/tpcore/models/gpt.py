@@ -26,7 +26,13 @@ from torch import nn
 
 from .. import _op_entry
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
-from ..parallel_state import live_group_name, resolve_tensor_group
+from ..moe import MoELayer
+from ..parallel_state import (
+    get_expert_model_parallel_group,
+    is_initialized,
+    live_group_name,
+    resolve_tensor_group,
+)
 from ..tensor_parallel.adapters import lora_adapters
 from ..tensor_parallel.dropout import region_dropout
 from ..tensor_parallel.embedding import VocabParallelEmbedding, pad_vocab_size
@@ -52,6 +58,7 @@ from .gpt_specs import gpt_shard_specs
 from .gqa import kv_copies, replicated_kv_grad
 from .initialization import initialize_gpt_parameters
 from .kv_cache import KVCache
+from .moe_block import moe_config
 from .reference_gpt import ReferenceGPT
 
 __all__ = ["GPTModel", "finalize_sequence_parallel_grads", "attach_gpt_shard_specs"]
@@ -185,10 +192,15 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
 
 class ParallelMLP(nn.Module):
     def __init__(
-        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+        self,
+        config: GPTConfig,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype | None,
+        ffn: int | None = None,
     ) -> None:
         super().__init__()
         c = self.config = config
+        ffn = c.ffn_hidden_size if ffn is None else ffn
         common = dict(
             bias=c.mlp_bias,
             sequence_parallel=c.sequence_parallel,
@@ -196,26 +208,57 @@ class ParallelMLP(nn.Module):
             dtype=dtype,
             device="meta",
         )
-        self.fc1 = ColumnParallelLinear(
-            c.hidden_size, c.ffn_hidden_size * (2 if c.gated_mlp else 1), **common
-        )
-        self.fc2 = RowParallelLinear(
-            c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, **common
-        )
+        self.fc1 = ColumnParallelLinear(c.hidden_size, ffn * (2 if c.gated_mlp else 1), **common)
+        self.fc2 = RowParallelLinear(ffn, c.hidden_size, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(mlp_activation(self.config, self.fc1(x)))
 
 
+def _moe_mlp(
+    config: GPTConfig,
+    group: dist.ProcessGroup,
+    expert_group: dist.ProcessGroup | None,
+    dtype: torch.dtype | None,
+) -> MoELayer:
+    shared = config.moe_shared_expert_intermediate_size
+    layer = MoELayer(
+        moe_config(config),
+        group=group,
+        expert_group=expert_group,
+        dtype=dtype,
+        shared_expert=None if shared is None else ParallelMLP(config, group, dtype, shared),
+    )
+    # Each TP rank routes its own tokens: the router's gradient is a share per rank, and so
+    # are the experts' when every rank holds every expert (at EP > 1 the expert-data-parallel
+    # group sums them). The shared-expert gate sees this rank's sequence shard under SP.
+    ep = 1 if expert_group is None else dist.get_world_size(expert_group)
+    _mark_sequence_parallel(layer.router.weight)
+    if ep == 1:
+        _mark_sequence_parallel(*layer.experts.parameters())
+    if config.sequence_parallel and config.moe_shared_expert_gate:
+        _mark_sequence_parallel(layer.shared_expert_gate.weight)
+    return layer
+
+
 class ParallelBlock(nn.Module):
     def __init__(
-        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+        self,
+        config: GPTConfig,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype | None,
+        index: int = 0,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_norm = make_norm(config, dtype, "meta")
         self.attention = ParallelAttention(config, group, dtype)
         self.post_attention_norm = make_norm(config, dtype, "meta")
-        self.mlp = ParallelMLP(config, group, dtype)
+        self.mlp = (
+            _moe_mlp(config, group, expert_group, dtype)
+            if config.is_moe_layer(index)
+            else ParallelMLP(config, group, dtype)
+        )
         self.dropout = nn.Dropout(config.dropout)
         self.sequence_parallel = config.sequence_parallel
         if config.sequence_parallel:
@@ -331,6 +374,10 @@ class GPTModel(SharesProcessGroups, nn.Module):
     all), the embedding when `pre_process` (else `forward` takes the previous stage's
     hidden states `[s(/tp), b, h]`), the final norm, LM head and loss when `post_process`
     (else `forward` returns hidden states). Parameter names are the full model's.
+
+    With `config.num_experts`, the MoE layers' experts split over `expert_group` (default:
+    `parallel_state`'s expert-parallel group when groups are initialized, else none: every
+    expert on every rank); see `tpcore.moe.MoELayer`.
     """
 
     def __init__(
@@ -338,6 +385,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
         config: GPTConfig,
         *,
         group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
         device=None,
         _init: bool = True,
@@ -349,6 +397,10 @@ class GPTModel(SharesProcessGroups, nn.Module):
         self.config, self.group = config, resolve_tensor_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         config.check_tp(self.tp_size)
+        if expert_group is None and config.num_experts is not None and is_initialized():
+            expert_group = get_expert_model_parallel_group()
+        self.expert_group = expert_group
+        config.check_ep(1 if expert_group is None else dist.get_world_size(expert_group))
         layers = (
             range(config.num_layers)
             if layers is None
@@ -359,7 +411,9 @@ class GPTModel(SharesProcessGroups, nn.Module):
             self.embedding = ParallelEmbedding(config, self.group, dtype)
         elif post_process and config.tie_embeddings:
             self.embedding = _TiedHeadWeight(config, self.group, dtype)
-        self.layers = LayerStack({i: ParallelBlock(config, self.group, dtype) for i in layers})
+        self.layers = LayerStack(
+            {i: ParallelBlock(config, self.group, dtype, i, expert_group) for i in layers}
+        )
         if post_process:
             self.final_norm = make_norm(config, dtype, "meta")
             if config.sequence_parallel:
@@ -373,7 +427,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
             self.lm_head.weight = nn.Parameter(
                 torch.empty(rows, config.hidden_size, dtype=dtype, device="meta")
             )
-        attach_gpt_shard_specs(self, config, self.group)
+        attach_gpt_shard_specs(self, config, self.group, expert_group)
         to_empty_keeping_attributes(self, device or "cpu")
         if _init and next(self.parameters()).device.type != "meta":
             self.reset_parameters()
@@ -485,6 +539,17 @@ class GPTModel(SharesProcessGroups, nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
 
+    def moe_layers(self) -> dict[str, MoELayer]:
+        """This stage's MoE layers by module name (`layers.3.mlp`)."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, MoELayer)}
+
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """The gradient the MoE layers' balancing and z losses get in backward: the factor
+        the language-model loss's gradient carries (1 / micro-batches when each micro-batch's
+        loss is divided by their number; times the loss scale under fp16)."""
+        for layer in self.moe_layers().values():
+            layer.aux_loss_scale = scale
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -583,16 +648,33 @@ class GPTModel(SharesProcessGroups, nn.Module):
         return loss.t() if reduction == "none" else loss
 
 
-def attach_gpt_shard_specs(module: nn.Module, config: GPTConfig, group: dist.ProcessGroup) -> None:
+def attach_gpt_shard_specs(
+    module: nn.Module,
+    config: GPTConfig,
+    group: dist.ProcessGroup,
+    expert_group: dist.ProcessGroup | None = None,
+) -> None:
     """Give every parameter of `module` (a GPTModel, or modules of one under GPTModel's names:
-    `layers.i.…`) its spec from `gpt_shard_spec`, placed on this rank of `group`: the layers'
-    own specs call the fused QKV and fc1 one part each. Parameters marked `sequence_parallel`
-    get `partial_grad`."""
-    # Every layer splits alike: a one-layer model's specs serve them all.
-    specs = gpt_shard_specs(dataclasses.replace(config, num_layers=1))
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    `layers.i.…`) its spec from `gpt_shard_spec`, placed on this rank of `group` (expert
+    weights: of `expert_group`, None meaning one rank): the layers' own specs call the fused
+    QKV and fc1 one part each. Parameters marked `sequence_parallel` get `partial_grad`."""
+    # The dense layers split alike, and so do the MoE layers: one of each serves them all.
+    kinds = sorted({config.is_moe_layer(i) for i in range(config.num_layers)})
+    freq = [int(k) for k in kinds] if config.num_experts is not None else 1
+    specs = gpt_shard_specs(dataclasses.replace(config, num_layers=len(kinds), moe_layer_freq=freq))
+    placements = {
+        "tensor": (dist.get_world_size(group), dist.get_rank(group), group),
+        "expert": (1, 0, None)
+        if expert_group is None
+        else (dist.get_world_size(expert_group), dist.get_rank(expert_group), expert_group),
+    }
     for name, p in module.named_parameters():
-        spec = specs[re.sub(r"^layers\.\d+\.", "layers.0.", name)].at(tp, rank, group)
+        match = re.match(r"^layers\.(\d+)\.", name)
+        if match:
+            kind = kinds.index(config.is_moe_layer(int(match.group(1))))
+            name = f"layers.{kind}." + name[match.end() :]
+        spec = specs[name]
+        spec = spec.at(*placements[spec.axis])
         set_shard_spec(
             p, dataclasses.replace(spec, partial_grad=getattr(p, "sequence_parallel", False))
         )

@@ -8,9 +8,14 @@ Hugging Face export of a pipeline stage that does not hold the tensor, a folder'
 The fused QKV weight is `[Q; K; V]` (parts by head), SwiGLU's fc1 `[gate; up]`; the word
 embedding and an untied LM head are vocabulary splits; norms and positions are replicated
 (GPTModel marks those whose gradients are a share per rank under sequence parallelism).
+An MoE layer's expert weights `[experts, ...]` split along the experts over the
+expert-parallel group (axis "expert"); its router and shared-expert gate are replicated, its
+shared expert splits like the dense MLP.
 """
 
 from __future__ import annotations
+
+import re
 
 from ..tensor_parallel.shard_spec import Part, ShardSpec
 from .config import GPTConfig
@@ -34,13 +39,15 @@ def gpt_shard_spec(name: str, config: GPTConfig, shape: tuple[int, ...]) -> Shar
     if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
         heads = (c.num_attention_heads, c.num_kv_heads, c.num_kv_heads)
         return ShardSpec(shape, 0, tuple(Part(n, h * c.head_dim, h) for n, h in zip("qkv", heads)))
-    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
-        f = c.ffn_hidden_size
+    if name.endswith(("mlp.experts.fc1.weight", "mlp.experts.fc2.weight")):
+        return ShardSpec(shape, 0, axis="expert")
+    if re.search(r"mlp\.(shared_expert\.)?fc1\.(weight|bias)$", name):
+        f = c.moe_shared_expert_intermediate_size if "shared_expert" in name else c.ffn_hidden_size
         return ShardSpec(shape, 0, (Part("gate", f, f), Part("up", f, f)) if c.gated_mlp else ())
     if name.endswith("attention.proj.weight"):
         return ShardSpec(
             shape, 1, (Part("", c.num_attention_heads * c.head_dim, c.num_attention_heads),)
         )
-    if name.endswith("mlp.fc2.weight"):
+    if name.endswith(("mlp.fc2.weight", "mlp.shared_expert.fc2.weight")):
         return ShardSpec(shape, 1)
     return ShardSpec(shape)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import ReferenceMoE
 from ..tensor_parallel.initialization import draw_seed
 from .common import (
     apply_rotary,
@@ -22,6 +23,7 @@ from .common import (
 )
 from .config import GPTConfig
 from .initialization import initialize_gpt_parameters
+from .moe_block import moe_config
 
 __all__ = ["ReferenceGPT"]
 
@@ -71,26 +73,39 @@ class DenseAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+    def __init__(self, config: GPTConfig, dtype=None, device=None, ffn: int | None = None) -> None:
         super().__init__()
         c = self.config = config
-        width = c.ffn_hidden_size * (2 if c.gated_mlp else 1)  # SwiGLU, GeGLU: [gate; up]
+        ffn = c.ffn_hidden_size if ffn is None else ffn
+        width = ffn * (2 if c.gated_mlp else 1)  # SwiGLU, GeGLU: [gate; up]
         self.fc1 = nn.Linear(c.hidden_size, width, bias=c.mlp_bias, dtype=dtype, device=device)
-        self.fc2 = nn.Linear(
-            c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device
-        )
+        self.fc2 = nn.Linear(ffn, c.hidden_size, bias=c.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(mlp_activation(self.config, self.fc1(x)))
 
 
+def _dense_moe(config: GPTConfig, dtype, device) -> ReferenceMoE:
+    shared = config.moe_shared_expert_intermediate_size
+    return ReferenceMoE(
+        moe_config(config),
+        dtype=dtype,
+        device=device,
+        shared_expert=None if shared is None else DenseMLP(config, dtype, device, shared),
+    )
+
+
 class DenseBlock(nn.Module):
-    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+    def __init__(self, config: GPTConfig, dtype=None, device=None, index: int = 0) -> None:
         super().__init__()
         self.input_norm = make_norm(config, dtype, device)
         self.attention = DenseAttention(config, dtype, device)
         self.post_attention_norm = make_norm(config, dtype, device)
-        self.mlp = DenseMLP(config, dtype, device)
+        self.mlp = (
+            _dense_moe(config, dtype, device)
+            if config.is_moe_layer(index)
+            else DenseMLP(config, dtype, device)
+        )
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -130,7 +145,7 @@ class ReferenceGPT(nn.Module):
         # Built on meta (nn.Linear would draw its own init), then allocated and drawn once.
         self.embedding = DenseEmbedding(config, dtype, "meta")
         self.layers = nn.ModuleList(
-            DenseBlock(config, dtype, "meta") for _ in range(config.num_layers)
+            DenseBlock(config, dtype, "meta", i) for i in range(config.num_layers)
         )
         self.final_norm = make_norm(config, dtype, "meta")
         if not config.tie_embeddings:
@@ -149,6 +164,13 @@ class ReferenceGPT(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """The MoE layers' balancing and z losses of the last forward, summed (0 without
+        MoE): add it to the loss before backward."""
+        return sum(
+            layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, ReferenceMoE)
+        )
 
     def forward(
         self, ids: torch.Tensor, target: torch.Tensor | None = None, ignore_index: int = -100

@@ -20,7 +20,7 @@ from ..pipeline_parallel import (
     lookup_only_weights,
     tied_embedding_copies,
 )
-from ..tensor_parallel.shard_spec import shard_spec
+from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
 from .distributed_adamw import DistributedAdamW
 from .parallel_adamw import LossScaler, ParallelAdamW
 
@@ -94,6 +94,7 @@ def make_optimizer(
     step is `grads.start_step(m)`, the backward passes, `grads.finish_grad_sync()` (in place
     of `finalize_model_grads`), then `optimizer.step(...)`."""
     chunks = list(chunks)
+    refuse_expert_weights(chunks, "the trainer's optimizer setup")
     specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     common = dict(
         is_replicated=lambda name: specs[name].kind == "replicated",

@@ -21,6 +21,12 @@ Kinds (`spec.kind`):
 - "vocab": rows split with padding: the global tensor has `global_shape[0]` real rows, the
   local one `pad_vocab_size(rows, tp, vocab_multiple) / tp`; rows past the real ones are
   padding (zero, in no checkpoint).
+
+`axis` names the kind of group the split is over: "tensor" (the TP group), or "expert" (an
+MoE layer's expert weights `[experts, ...]`, split along dim 0 over the expert-parallel
+group; `tp_size` / `tp_rank` are then the EP size and rank). Expert weights are replicated
+over the expert-data-parallel group, which sums their gradients (at EP 1, every rank holds
+every expert and `partial_grad` sums their shares over TP).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "copy_overlap",
     "shares_indices",
     "part_chunks",
+    "refuse_expert_weights",
 ]
 
 
@@ -112,10 +119,16 @@ class ShardSpec:
     """This piece's rank in that group."""
     group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     """The group (for gathers); not part of the spec's identity."""
+    axis: str = "tensor"
+    """The kind of group the tensor is split over: "tensor" or "expert" (module doc)."""
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.global_shape)
         object.__setattr__(self, "global_shape", shape)
+        if self.axis not in ("tensor", "expert"):
+            raise ValueError(f"tpcore: ShardSpec: axis must be tensor or expert, got {self.axis!r}")
+        if self.axis == "expert" and (self.dim != 0 or self.vocab_multiple is not None):
+            raise ValueError("tpcore: ShardSpec: expert weights are split along dim 0")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(
                 f"tpcore: ShardSpec: rank {self.tp_rank} is outside a group of {self.tp_size}"
@@ -225,12 +238,13 @@ class ShardSpec:
         """Whether `other` cuts the same global tensor along the same dim into the same parts
         (vocabulary padding, gradient handling and placement aside): pieces of one can be
         copied into pieces of the other."""
-        return (self.global_shape, self.dim, self.parts, self.vocab_multiple is None) == (
-            other.global_shape,
-            other.dim,
-            other.parts,
-            other.vocab_multiple is None,
-        )
+        return (
+            self.global_shape,
+            self.dim,
+            self.parts,
+            self.vocab_multiple is None,
+            self.axis,
+        ) == (other.global_shape, other.dim, other.parts, other.vocab_multiple is None, other.axis)
 
     def to_dict(self) -> dict:
         """The logical spec (no rank, no group), for JSON metadata."""
@@ -241,6 +255,8 @@ class ShardSpec:
             out["vocab_multiple"] = self.vocab_multiple
         if self.partial_grad:
             out["partial_grad"] = True
+        if self.axis != "tensor":
+            out["axis"] = self.axis
         return out
 
     @classmethod
@@ -254,6 +270,7 @@ class ShardSpec:
             bool(data.get("partial_grad")),
             tp_size,
             tp_rank,
+            axis=data.get("axis", "tensor"),
         )
 
 
@@ -384,3 +401,18 @@ def shares_indices(spec: ShardSpec, piece_spec: ShardSpec) -> bool:
     _, mine = spec.ranges()
     _, theirs = piece_spec.ranges(owned=True)
     return any(max(start, s) < min(start + n, s + m) for _, start, n in mine for _, s, m in theirs)
+
+
+def refuse_expert_weights(modules: Sequence[torch.nn.Module], what: str) -> None:
+    """Raise NotImplementedError naming `what` and the first expert weight (axis "expert")
+    among `modules`' parameters: the parts of tpcore that do not handle mixture-of-experts
+    weights yet (checkpoints, the optimizers' sharding and norms, the DP gradient buffers,
+    the Hugging Face export) refuse them instead of mishandling them. Raised on every rank
+    alike (every rank holds the same layers' kinds), before any collective."""
+    for module in modules:
+        for name, p in module.named_parameters():
+            if shard_spec(p).axis == "expert":
+                raise NotImplementedError(
+                    f"tpcore: {what} does not handle mixture-of-experts weights yet ({name}); "
+                    "train an MoE GPTModel with your own loop for now (docs/moe.md)"
+                )

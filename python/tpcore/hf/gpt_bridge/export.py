@@ -34,7 +34,7 @@ from ..._atomic import atomic_output
 from ...models.config import GPTConfig
 from ...models.gpt_specs import gpt_shard_specs
 from ...safetensors_io import SafetensorsWriter
-from ...tensor_parallel.shard_spec import ShardSpec, merged_views
+from ...tensor_parallel.shard_spec import ShardSpec, merged_views, refuse_expert_weights
 from .config import config_to_hf, hf_family
 from .weights import hf_sources, source_shapes
 
@@ -342,6 +342,7 @@ def export_hf(
     from ...pipeline_parallel.layout import current_layout
 
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
+    refuse_expert_weights(chunks, "export_hf")
     first = chunks[0]
     config, tp_group, tp_rank = first.config, first.group, first.tp_rank
     if is_initialized():  # DP replicas hold the same weights: only replica 0 writes
