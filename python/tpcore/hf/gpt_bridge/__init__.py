@@ -5,7 +5,9 @@
     export_hf(model, "out/")                         # a running model (a collective)
     checkpoint_to_hf("checkpoints/run", "out/")      # a checkpoint, in one process
 
-Families: GPT-2, Llama, Mistral, Qwen2/3, Gemma (`config.SUPPORTED_MODEL_TYPES`).
+Families: GPT-2, Llama, Mistral, Qwen2/3, Gemma, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (`config.SUPPORTED_MODEL_TYPES`; experts split over the
+expert-parallel group, read and written per rank like the TP slices).
 """
 
 from .checkpoint import checkpoint_to_hf

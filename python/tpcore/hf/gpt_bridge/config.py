@@ -8,6 +8,19 @@ Families: `gpt2` (LayerNorm, tanh or erf GeLU, learned positions, biases everywh
 Llama shape `llama`, `mistral`, `qwen2`, `qwen3`, `gemma` (RMSNorm, SwiGLU, rotary, GQA;
 Qwen2 has q/k/v biases only, Qwen3 q/k norms; Gemma (1 + weight) norms, GeGLU, embeddings
 scaled by sqrt(hidden) and a tied head; head_dim other than hidden / heads is kv_channels).
+Mixture-of-experts families: `mixtral` (every layer's MLP routed, top-k renormalised, no
+biases), `qwen3_moe` (Qwen3's q / k norms; dense layers where `mlp_only_layers` or
+`decoder_sparse_step` say) and `qwen2_moe` (Qwen2's q/k/v biases and a shared expert gated by
+sigmoid(x . w) beside the routed ones). `router_aux_loss_coef` becomes `moe_aux_loss_coeff`
+times `num_experts_per_tok`: transformers' balancing loss (`load_balancing_loss_func`) counts
+the tokens each expert takes where Megatron (and tpcore) count the routes, k per token, so
+one layer's loss is then the same number. transformers adds that loss to the training loss
+only with `output_router_logits`, so without it the coefficient is 0 (the export writes the
+flag and the coefficient back). Two differences remain: transformers averages the counts
+and probabilities over the layers before multiplying, tpcore sums each layer's loss
+(Megatron's); and transformers computes the router's logits in the model's dtype, tpcore in
+float32 (the same in float32). OLMoE is refused (its q / k norms run over the whole
+projection, GPTModel's over each head), as is Mixtral's `router_jitter_noise`.
 Both spellings of the rotary settings transformers has written are read (`rope_theta` +
 `rope_scaling` up to 4.x, `rope_parameters` from 5.x) and both are written, so either
 version loads the export. Anything GPTModel does not compute exactly (another rotary
@@ -24,8 +37,20 @@ from ...models.config import GPTConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "read_hf_config", "hf_family"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_MODEL_TYPES = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# Parameter-name families of the MoE model types (`hf_family`).
+_MOE_FAMILIES = {"mixtral": "mixtral", "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe"}
 _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
@@ -33,6 +58,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # Why the families transformers has and GPTModel lacks are refused (the first thing each needs).
 _MISSING = {
@@ -41,7 +69,7 @@ _MISSING = {
     "falcon": "Falcon's parallel attention / MLP",
     "phi": "Phi's parallel residual and partial rotary embeddings",
     "gemma2": "Gemma 2's logit soft-capping and extra norms around attention and MLP",
-    "mixtral": "Mixtral's mixture-of-experts MLP",
+    "olmoe": "OLMoE's q / k norms over the whole projection (qk_norm normalises each head)",
 }
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
 
@@ -76,12 +104,15 @@ def read_hf_config(source) -> dict:
 
 
 def hf_family(model_type: str | None) -> str:
-    """ "gpt2" or "llama" (the parameter names and layout: Mistral, Qwen2 and Qwen3 share Llama's);
-    a ValueError naming an unsupported type and why."""
+    """The parameter names and layout of `model_type`: "gpt2", "llama" (Mistral, Qwen2,
+    Qwen3 and Gemma share Llama's), "mixtral" or "qwen_moe" (Llama's attention and MoE
+    layers under their names); a ValueError naming an unsupported type and why."""
     if model_type == "gpt2":
         return "gpt2"
     if model_type in _LLAMA_LIKE:
         return "llama"
+    if model_type in _MOE_FAMILIES:
+        return _MOE_FAMILIES[model_type]
     why = f" (GPTModel has no {_MISSING[model_type]})" if model_type in _MISSING else ""
     raise ValueError(
         f"tpcore: Hugging Face model_type {model_type!r} is not "
@@ -134,6 +165,13 @@ def _sliding_window(d: dict, model_type: str, num_layers: int) -> int | None:
             else (d.get("use_sliding_window") and num_layers > d.get("max_window_layers", 28))
         )
         window = window if used else None
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # Qwen3-MoE windows every layer when use_sliding_window; Qwen2-MoE the layers that
+        # layer_types names (saved with its config; else use_sliding_window decides). Qwen2-MoE
+        # writes a 0 window when unused.
+        types = d.get("layer_types") if model_type == "qwen2_moe" else None
+        used = "sliding_attention" in types if types else bool(d.get("use_sliding_window"))
+        window = d.get("sliding_window", 4096) if used else None
     if window is None or window >= d.get("max_position_embeddings", window):
         return None  # a window as long as the context changes nothing
     return int(window)
@@ -156,6 +194,46 @@ def _gemma(d: dict) -> dict:
     )
 
 
+def _moe(d: dict, model_type: str) -> dict:
+    """The GPTConfig `moe_*` fields of an MoE family (module doc); {} for a Qwen-MoE
+    config without experts (transformers builds every MLP dense then)."""
+    mixtral = model_type == "mixtral"
+    if mixtral and d.get("router_jitter_noise", 0.0):
+        raise _unsupported(model_type, "router_jitter_noise", d["router_jitter_noise"])
+    spellings = ("num_local_experts", "num_experts")
+    experts = next((d[k] for k in (spellings if mixtral else spellings[::-1]) if k in d), None)
+    if experts is None:
+        experts = 8 if mixtral else 60 if model_type == "qwen2_moe" else 128  # configs' defaults
+    if not mixtral and experts == 0:
+        return {}
+    layers = d["num_hidden_layers"]
+    if mixtral:
+        moe_layers = [1] * layers
+    else:
+        # transformers' rule: layer i is sparse unless listed, when (i + 1) % step == 0.
+        dense, step = set(d.get("mlp_only_layers") or ()), d.get("decoder_sparse_step", 1)
+        moe_layers = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    k = d.get("num_experts_per_tok", 2 if mixtral else 4 if model_type == "qwen2_moe" else 8)
+    fields = dict(
+        num_experts=experts,
+        moe_router_topk=k,
+        moe_ffn_hidden_size=d["intermediate_size" if mixtral else "moe_intermediate_size"],
+        moe_norm_topk_prob=mixtral or bool(d.get("norm_topk_prob", False)),
+        moe_layer_freq=1 if all(moe_layers) else moe_layers,
+        # The same balancing loss as transformers trains with (module doc): k times the
+        # coefficient, and none where transformers adds none.
+        moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.001)) * k
+        if d.get("output_router_logits")
+        else 0.0,
+    )
+    if model_type == "qwen2_moe":
+        shared = d.get("shared_expert_intermediate_size", 5632)
+        if not shared:  # transformers would build a zero-width shared expert
+            raise _unsupported(model_type, "shared_expert_intermediate_size", shared)
+        fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return fields
+
+
 def _llama_like(d: dict, model_type: str) -> dict:
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     if model_type != "gemma" and d.get("hidden_act", "silu") != "silu":
@@ -166,6 +244,10 @@ def _llama_like(d: dict, model_type: str) -> dict:
     base, scaling = _rotary(d, model_type)
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
+    elif model_type == "qwen2_moe":
+        qkv_bias, proj_bias, mlp_bias = bool(d.get("qkv_bias", True)), False, False
+    elif model_type == "mixtral":  # no bias options
+        qkv_bias = proj_bias = mlp_bias = False
     else:
         qkv_bias = proj_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False))
@@ -192,8 +274,10 @@ def _llama_like(d: dict, model_type: str) -> dict:
         proj_bias=proj_bias,
         mlp_bias=mlp_bias,
         init_std=d.get("initializer_range", 0.02),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
     )
+    if model_type in _MOE_FAMILIES:
+        fields.update(_moe(d, model_type))
     return {**fields, **(_gemma(d) if model_type == "gemma" else {})}
 
 
@@ -241,9 +325,67 @@ def config_from_hf(source, **overrides) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
+def _pick_moe_type(c: GPTConfig, preferred: str | None) -> str:
+    """The MoE family whose architecture is exactly `c` (which has experts): qwen2_moe with
+    a shared expert, qwen3_moe with q / k norms, else mixtral; a ValueError naming what
+    that family lacks."""
+    wrong = {
+        "norm, activation and positions other than rmsnorm, swiglu and rotary": (
+            c.norm,
+            c.activation,
+            c.position_embedding,
+        )
+        != ("rmsnorm", "swiglu", "rotary"),
+        f"embedding_scale {c.embedding_scale}": c.embedding_scale is not None,
+        f"moe_router_score_function {c.moe_router_score_function!r} (only softmax)": (
+            c.moe_router_score_function != "softmax"
+        ),
+        "moe_router_topk_scaling_factor "
+        f"{c.moe_router_topk_scaling_factor} (only 1)": c.moe_router_topk_scaling_factor != 1,
+        "MLP biases (mlp_bias)": c.mlp_bias,
+    }
+    if c.moe_shared_expert_intermediate_size is not None:
+        model_type = "qwen2_moe"
+        wrong.update(
+            {
+                "a shared expert without its gate (moe_shared_expert_gate)": (
+                    not c.moe_shared_expert_gate
+                ),
+                "q / k norms (qk_norm)": c.qk_norm,
+                "an output projection bias (proj_bias)": c.proj_bias,
+            }
+        )
+    elif c.qk_norm:
+        model_type = "qwen3_moe"
+        wrong["q/k/v and output projection biases that differ (qkv_bias, proj_bias)"] = (
+            c.qkv_bias != c.proj_bias
+        )
+    else:
+        model_type = "mixtral"
+        wrong.update(
+            {
+                "attention biases (qkv_bias, proj_bias)": c.qkv_bias or c.proj_bias,
+                "top-k weights left unnormalised (moe_norm_topk_prob False; qwen3_moe has "
+                "them, with qk_norm)": not c.moe_norm_topk_prob,
+                "dense layers (moe_layer_freq "
+                f"{c.moe_layer_freq}; qwen3_moe has them, with qk_norm)": not all(
+                    c.is_moe_layer(i) for i in range(c.num_layers)
+                ),
+            }
+        )
+    if any(wrong.values()):
+        raise ValueError(
+            f"tpcore: GPTConfig -> {model_type} (the MoE family of this shape): it has no "
+            f"{'; no '.join(w for w, bad in wrong.items() if bad)}"
+        )
+    return model_type
+
+
 def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
     """The family whose architecture is exactly `c` (`preferred` when it fits); else a
     ValueError naming what fits none."""
+    if c.num_experts is not None:
+        return _pick_moe_type(c, preferred)
     if c.norm == "gemma_rmsnorm" and c.activation == "geglu" and c.position_embedding == "rotary":
         wrong = {
             "embedding_scale (must be sqrt(hidden_size))": c.embedding_scale is None
@@ -346,6 +488,12 @@ def config_to_hf(c: GPTConfig, base: dict | None = None) -> dict:
             "rope_theta",
             "layer_types",
             "transformers_version",
+            # MoE keys written below for MoE families, wrong for the others
+            "num_experts",
+            "num_local_experts",
+            "mlp_only_layers",
+            "decoder_sparse_step",
+            "shared_expert_intermediate_size",
         )
     }
     out.update(
@@ -387,7 +535,9 @@ def config_to_hf(c: GPTConfig, base: dict | None = None) -> dict:
         rope_scaling=dict(scaling) if scaling else None,
         rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": c.rotary_base},
     )
-    if model_type == "llama":
+    if model_type in _MOE_FAMILIES:
+        out.update(_moe_to_hf(c, model_type, out))
+    elif model_type == "llama":
         out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
     elif model_type == "gemma":
         out.update(
@@ -403,6 +553,44 @@ def config_to_hf(c: GPTConfig, base: dict | None = None) -> dict:
             use_sliding_window=window,
             sliding_window=c.sliding_window,
             max_window_layers=0 if window else c.num_layers,
+            layer_types=["sliding_attention" if window else "full_attention"] * c.num_layers,
+        )
+    return out
+
+
+def _moe_to_hf(c: GPTConfig, model_type: str, base: dict) -> dict:
+    """The config.json keys of MoE family `model_type` for `c` (`base`: the keys so far)."""
+    k = c.moe_router_topk
+    out: dict = {"num_experts_per_tok": k}
+    if c.moe_aux_loss_coeff > 0:  # k times transformers' coefficient (module doc)
+        out.update(router_aux_loss_coef=c.moe_aux_loss_coeff / k, output_router_logits=True)
+    else:  # no balancing loss: transformers adds none without the flag (its coefficient kept)
+        out.update(output_router_logits=False)
+    if model_type == "mixtral":
+        out.update(
+            num_local_experts=c.num_experts,
+            intermediate_size=c.moe_ffn_hidden_size,
+            sliding_window=c.sliding_window,
+            router_jitter_noise=0.0,
+        )
+        return out
+    window = c.sliding_window is not None
+    out.update(
+        num_experts=c.num_experts,
+        moe_intermediate_size=c.moe_ffn_hidden_size,
+        norm_topk_prob=c.moe_norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
+        use_sliding_window=window,
+    )
+    if model_type == "qwen3_moe":  # the window, if any, on every layer
+        out.update(attention_bias=c.qkv_bias, sliding_window=c.sliding_window)
+    else:
+        out.update(
+            qkv_bias=c.qkv_bias,
+            shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
+            sliding_window=c.sliding_window if window else 0,  # transformers' "none"
+            max_window_layers=c.num_layers if window else 0,
             layer_types=["sliding_attention" if window else "full_attention"] * c.num_layers,
         )
     return out

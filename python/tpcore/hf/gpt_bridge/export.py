@@ -15,6 +15,12 @@ at a time, no merged copy. `export_hf` fetches by all-gathering a parameter's pi
 one buffer over its stage's TP group and sending that buffer to the first stage, one
 parameter at a time; `gpt_bridge.checkpoint_to_hf` fetches views of a checkpoint's
 memory-mapped shards.
+
+An MoE layer's experts are written one tensor per expert and projection, as transformers'
+`save_pretrained` writes them (`experts.{e}.w1 / w3 / w2`, `experts.{e}.gate_proj / up_proj
+/ down_proj`; transformers 5 fuses them on loading, 4.x loads them as they are): views of
+the expert weight's pieces, which `export_hf` gathers over the expert-parallel group (the
+weight's shard spec's group) instead of the TP group.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ from ..._atomic import atomic_output
 from ...models.config import GPTConfig
 from ...models.gpt_specs import gpt_shard_specs
 from ...safetensors_io import SafetensorsWriter
-from ...tensor_parallel.shard_spec import ShardSpec, merged_views, refuse_expert_weights
+from ...tensor_parallel.shard_spec import ShardSpec, merged_views, shard_spec
 from .config import config_to_hf, hf_family
-from .weights import hf_sources, source_shapes
+from .weights import expert_sources, hf_sources, source_shapes
 
 __all__ = [
     "export_hf",
@@ -65,13 +71,16 @@ TOKENIZER_FILES = (
 @dataclass(frozen=True)
 class HFEntry:
     """One Hugging Face tensor: its key, where it comes from (GPTModel parameter, part
-    index along the split dim, stored transposed) and its stored shape."""
+    index along the split dim, stored transposed; for one expert's tensor, the expert and
+    its first row in that expert's matrix) and its stored shape."""
 
     key: str
     param: str
     part: int
     transposed: bool
     shape: tuple[int, ...]
+    expert: int | None = None
+    row: int = 0
 
 
 def plan_hf_files(
@@ -84,6 +93,13 @@ def plan_hf_files(
     itemsize = torch.empty(0, dtype=dtype).element_size()
     entries = []
     for name, spec in gpt_shard_specs(config).items():
+        if spec.axis == "expert":  # one tensor per expert and projection
+            cols = spec.global_shape[2]
+            entries += [
+                HFEntry(key, name, 0, False, (rows, cols), expert, row)
+                for key, expert, row, rows in expert_sources(name, family, spec)
+            ]
+            continue
         sources = hf_sources(name, family)
         for part, ((key, transposed), shape) in enumerate(
             zip(sources, source_shapes(spec, len(sources)))
@@ -115,8 +131,12 @@ def _hf_parts(
     pieces: list[torch.Tensor], entry: HFEntry, spec: ShardSpec, count: int
 ) -> tuple[int, list[torch.Tensor]]:
     """Entry's Hugging Face tensor as `(dim, views)` of the GPTModel parameter's TP
-    `pieces` (rank order; `spec` its logical shard spec) that concatenate along `dim` to it:
-    nothing is copied here."""
+    `pieces` (rank order; `spec` its logical shard spec; expert weights: the expert-parallel
+    ranks' pieces) that concatenate along `dim` to it: nothing is copied here."""
+    if entry.expert is not None:  # rows of one expert's matrix, on the piece holding it
+        per_piece = spec.global_shape[0] // len(pieces)
+        piece = pieces[entry.expert // per_piece][entry.expert % per_piece]
+        return 0, [piece.narrow(0, entry.row, entry.shape[0])]
     dim, views = merged_views(pieces, spec, entry.part if count > 1 else None)
     if entry.transposed:  # GPT-2's Conv1D stores [in, out]
         return 1 - dim, [v.t() for v in views]
@@ -214,10 +234,11 @@ def write_hf_folder(
     specs: dict[str, ShardSpec] | None = None,
 ) -> BaseException | None:
     """Stream `config`'s export into `out_dir`. `fetch(name)` gives GPTModel parameter
-    `name` as every TP rank's piece, in rank order (a list of one: the full tensor), which
-    `specs[name]` describes (default: GPTModel's specs, `gpt_shard_spec`); it is
-    called once per parameter, in order, also where `write` is False (it may be a
-    collective), and only where `write` is its answer used. The pieces are written through
+    `name` as every TP rank's piece (expert weights: every expert-parallel rank's), in rank
+    order (a list of one: the full tensor), which `specs[name]` describes (default:
+    GPTModel's specs, `gpt_shard_spec`); it is called once per parameter, in order, also
+    where `write` is False (it may be a collective), and only where `write` is its answer
+    used. The pieces are written through
     views, block by block, and dropped before the next fetch. `hf_config` is the source
     model's config.json (token ids and other non-architecture fields are kept). Returns
     the error that stopped the writing (fetching goes on to the end regardless, so the
@@ -328,7 +349,8 @@ def export_hf(
     """Write a running GPTModel (or this rank's pipeline chunks) as a Hugging Face folder.
     A collective: call on every rank (TP, PP and DP; the groups default to
     `parallel_state`'s). The first stage's TP rank 0 of DP replica 0 writes, receiving one
-    parameter's gathered pieces at a time: a rank's host memory peaks near the largest
+    parameter's gathered pieces at a time (MoE experts: gathered over the expert-parallel
+    group, the group of their shard spec): a rank's host memory peaks near the largest
     tensor (on gloo groups about twice that: gloo's all-gather stages through a buffer of
     its own). `dtype`: default the parameters'. Raises on every rank when writing failed on
     the writer. Returns `out_dir`."""
@@ -342,7 +364,6 @@ def export_hf(
     from ...pipeline_parallel.layout import current_layout
 
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
-    refuse_expert_weights(chunks, "export_hf")
     first = chunks[0]
     config, tp_group, tp_rank = first.config, first.group, first.tp_rank
     if is_initialized():  # DP replicas hold the same weights: only replica 0 writes
@@ -359,25 +380,38 @@ def export_hf(
         for name, p in chunk.named_parameters()
         if name not in skip
     }
+    # (a detached tensor has no spec: taken from the parameters)
+    placed = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     param = next(first.parameters())
     tags = stage_tags(config)  # one message in flight at a time: tags may repeat
     tp = dist.get_world_size(tp_group)
+    expert_group = getattr(first, "expert_group", None)
+    # How many pieces a parameter has: TP's, or for expert weights the expert-parallel size.
+    ep = 1 if expert_group is None else dist.get_world_size(expert_group)
+    sizes = {"tensor": tp, "expert": ep}
     # The specs of the parameters other stages hold are GPTModel's (a stage holds only its own).
-    specs = {name: spec.at(tp, 0) for name, spec in gpt_shard_specs(config).items()}
+    specs = {name: spec.at(sizes[spec.axis], 0) for name, spec in gpt_shard_specs(config).items()}
 
     def gathered_shape(name: str) -> list[int]:
         """The shape of `name`'s pieces stacked along dim 0 (what the owning stage sends)."""
-        local = specs[name].local_shape
-        return list(local) if specs[name].kind == "replicated" else [tp * local[0], *local[1:]]
+        local, n = specs[name].local_shape, specs[name].tp_size
+        return list(local) if specs[name].kind == "replicated" else [n * local[0], *local[1:]]
+
+    def gather(name: str) -> torch.Tensor:
+        """Every piece of this rank's `name` along dim 0, in one buffer (no merged copy)."""
+        local, spec = mine[name], placed[name]
+        if spec.kind == "replicated" or (spec.axis == "expert" and spec.tp_size == 1):
+            return local
+        # Over the group the parameter is split over: TP's, or the experts' (its spec's).
+        group = tp_group if spec.axis == "tensor" else spec.group
+        return comm.all_gather(local.contiguous(), 0, group)
 
     def fetch(name: str) -> list[torch.Tensor] | None:
         owner = layout.pipeline_rank_of(name)
         replicated = specs[name].kind == "replicated"
         gathered = None
-        if pp_rank == owner:  # every piece along dim 0 into one buffer: no merged copy
-            gathered = (
-                mine[name] if replicated else comm.all_gather(mine[name].contiguous(), 0, tp_group)
-            )
+        if pp_rank == owner:
+            gathered = gather(name)
         if owner != 0 and tp_rank == 0:  # this stage's TP rank 0 sends it to the first stage's
             item = (name, gathered, gathered_shape(name), owner, tags[name])
             (gathered,) = move_to_first_stage(
@@ -385,7 +419,7 @@ def export_hf(
             )
         if gathered is None or tp_rank != 0 or pp_rank != 0:
             return None
-        return [gathered] if replicated else list(gathered.chunk(tp, 0))
+        return [gathered] if replicated else list(gathered.chunk(specs[name].tp_size, 0))
 
     error = write_hf_folder(
         out_dir,
