@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..tensor_parallel.gradient_sink import attach_gradient_sink
-from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
+from ..tensor_parallel.shard_spec import shard_spec
 from ..tensor_parallel.shared_grads import sum_in_place
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 from .grad_hooks import detach_sinks, weak_hook, weak_sink, weak_use
@@ -61,6 +61,11 @@ class DataParallelGrads:
     `head_first`: parameters whose gradient is complete at the start of the backward though
     registered early (a last stage's copy of the tied embedding): first in bucket order.
     `lookup_only`: word embeddings used only for the lookup.
+    `expert_dp_group`: with expert parallelism (expert weights split over EP > 1 ranks,
+    shard spec axis "expert"), the ranks holding the same experts: expert gradients get
+    buffers of their own, summed over that group and divided by the DP size (each
+    expert saw tokens from every data-parallel rank of its expert-parallel group, so the sum
+    over the group is the sum over DP of the ranks' gradients).
     """
 
     def __init__(
@@ -78,16 +83,25 @@ class DataParallelGrads:
         lookup_and_head: Sequence[nn.Parameter] = (),
         head_first: Sequence[nn.Parameter] = (),
         lookup_only: Sequence[nn.Parameter] = (),
+        expert_dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
-        refuse_expert_weights(chunks, "DataParallelGrads")
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.overlap, self.reduce_scatter = overlap_grad_reduce, reduce_scatter
-        # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's chunk
-        # at wait(), whose work never reports completion: an all-reduce in place on the
-        # bucket sends the same bytes and leaves this rank's slice where it belongs.
-        self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
+        experts = {
+            id(p) for c in chunks for p in c.parameters() if p.requires_grad and _split_expert(p)
+        }
+        if experts and expert_dp_group is None:
+            raise ValueError(
+                "tpcore: DataParallelGrads: expert weights split over expert-parallel ranks "
+                "need expert_dp_group (parallel_state.get_expert_data_parallel_group())"
+            )
+        if experts and reduce_scatter:
+            raise NotImplementedError(
+                "tpcore: the distributed optimizer does not shard expert weights split over "
+                "expert-parallel ranks yet; drop --use-distributed-optimizer or use EP 1"
+            )
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
         # Frozen copies (fine-tuning adapters) have no buffer and nothing to sum.
         self.tied = [p for p in tied if p.requires_grad] if embedding_sum else []
@@ -115,24 +129,28 @@ class DataParallelGrads:
                 continue
             size = bucket_size or default_bucket_size(named[0][1].device)
             mine = []
-            for dtype in dict.fromkeys(p.dtype for _, p in named):
+            kinds = dict.fromkeys((p.dtype, id(p) in experts) for _, p in named)
+            for dtype, expert in kinds:
                 group = [
-                    (n, p) for n, p in reversed(named) if p.dtype == dtype
-                ]  # reverse order of use
+                    (n, p)
+                    for n, p in reversed(named)  # reverse order of use
+                    if p.dtype == dtype and (id(p) in experts) == expert
+                ]
                 # An LM head's weight (a split embedding's too) is ready first: put it first.
                 group = [x for x in group if id(x[1]) in first_ids] + [
                     x for x in group if id(x[1]) not in first_ids
                 ]
-                mine.append(
-                    GradBuffer(
-                        group,
-                        grad_dtype=grad_dtype,
-                        bucket_size=size,
-                        dp_size=self.dp_size,
-                        separate=self.tied + self.split + self.lookup_only,
-                        keep_params=reduce_scatter,
-                    )
+                reduce_group = expert_dp_group if expert else dp_group
+                buffer = GradBuffer(
+                    group,
+                    grad_dtype=grad_dtype,
+                    bucket_size=size,
+                    dp_size=dist.get_world_size(reduce_group),
+                    separate=self.tied + self.split + self.lookup_only,
+                    keep_params=reduce_scatter,
                 )
+                buffer.reduce_group = reduce_group
+                mine.append(buffer)
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
         self.params = [p for b in self.buffers for p in b.params]
@@ -156,6 +174,10 @@ class DataParallelGrads:
         self.rows_summed = 0
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
+        # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's chunk
+        # at wait(), whose work never reports completion: an all-reduce in place on the
+        # bucket sends the same bytes and leaves this rank's slice where it belongs.
+        self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in self.params]
         self._sinks = [(p, weak_sink(self, p)) for p in self.split + self.lookup_only]
         for p, sink in self._sinks:
@@ -292,22 +314,22 @@ class DataParallelGrads:
         self._done[i] += 1
 
     def _start(self, i: int, bucket: Bucket) -> None:
-        if self.dp_size == 1 or (
-            len(bucket.params) == 1 and id(bucket.params[0]) in self._lookup_only_ids
-        ):
-            self._pending[(i, bucket.index)] = None  # nothing to send, or rows after the backward
+        group = self.buffers[i].reduce_group
+        if len(bucket.params) == 1 and id(bucket.params[0]) in self._lookup_only_ids:
+            self._pending[(i, bucket.index)] = None  # rows, summed after the backward
             return
         # The DP mean: scaled before the sum (exact for a power-of-two DP size), so that
-        # with overlap this pass runs during the backward and not after it.
-        bucket.grad.div_(self.dp_size)
-        if self.reduce_scatter and not self._scatter_by_all_reduce:
-            self._pending[(i, bucket.index)] = comm.reduce_scatter_async(
-                bucket.grad, 0, self.dp_group
-            )
+        # with overlap this pass runs during the backward and not after it. (Expert
+        # buffers: the sum over their group is the sum over DP, so the same divisor; their
+        # group may hold TP peers even at DP 1.)
+        if self.dp_size > 1:
+            bucket.grad.div_(self.dp_size)
+        if dist.get_world_size(group) == 1:
+            self._pending[(i, bucket.index)] = None  # nothing to send
+        elif self.reduce_scatter and not self._scatter_by_all_reduce:
+            self._pending[(i, bucket.index)] = comm.reduce_scatter_async(bucket.grad, 0, group)
         else:
-            self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(
-                bucket.grad, self.dp_group
-            )
+            self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(bucket.grad, group)
 
     def finish_grad_sync(self) -> None:
         """Start the buckets not started yet (all of them without overlap), wait for every
@@ -426,6 +448,12 @@ class DataParallelGrads:
             h.remove()
         self._hooks = []
         detach_sinks(self._sinks)
+
+
+def _split_expert(p: nn.Parameter) -> bool:
+    """Whether `p` is an expert weight split over more than one expert-parallel rank."""
+    spec = shard_spec(p)
+    return spec.axis == "expert" and spec.tp_size > 1
 
 
 def _add_rows(

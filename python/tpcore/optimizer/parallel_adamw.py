@@ -16,13 +16,19 @@ from .. import comm
 __all__ = ["LossScaler", "ParallelAdamW", "average_data_parallel_grads", "grad_norm"]
 
 
-def average_data_parallel_grads(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> None:
-    """Replace each gradient by its mean over the DP group (one fp32 all-reduce for all)."""
-    dp = dist.get_world_size(dp_group)
-    if dp == 1 or not grads:
+def average_data_parallel_grads(
+    grads: list[torch.Tensor], dp_group: dist.ProcessGroup | None, divisor: int | None = None
+) -> None:
+    """Replace each gradient by its sum over `dp_group` divided by `divisor` (default the
+    group's size: the mean), in one fp32 all-reduce for all."""
+    size = 1 if dp_group is None else dist.get_world_size(dp_group)
+    divisor = size if divisor is None else divisor
+    if (size == 1 and divisor == 1) or not grads:
         return
     flat = torch.cat([g.reshape(-1).float() for g in grads])
-    flat = comm.all_reduce(flat, dp_group).div_(dp)
+    if size > 1:
+        flat = comm.all_reduce(flat, dp_group)
+    flat = flat.div_(divisor)
     for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(piece.view_as(g))
 
@@ -34,29 +40,41 @@ def grad_norm(
     pp_group: dist.ProcessGroup | None = None,
     duplicate: list[bool] | None = None,
     copies: list[tuple[int, int] | None] | None = None,
+    expert: list[bool] | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> float:
     """L2 norm of the full model's gradient: sharded gradients summed over TP, replicated
     ones (identical on every TP rank) counted once, from TP rank 0; with `pp_group`, summed
     over the pipeline stages too, where `duplicate` marks gradients that are copies of one
     counted on another stage (the tied embedding's last-stage copy). `copies[i]`: the flat
     elements `[lo, hi)` of gradient i that copy ones a lower TP rank counts (KV heads
-    replicated over TP, `ShardSpec.copied_elements`), or None. Infinite when any gradient on
-    any rank holds inf or NaN, replicated and duplicate ones included."""
+    replicated over TP, `ShardSpec.copied_elements`), or None. `expert[i]`: gradient i is
+    of MoE expert weights split over `ep_group` (each rank of it holds other experts,
+    whatever its TP rank): summed over that group instead of TP. Infinite when any gradient
+    on any rank holds inf or NaN, replicated and duplicate ones included."""
     first = dist.get_rank(tp_group) == 0
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device)
+    expert_squares = torch.zeros((), device=device)
     bad = torch.zeros((), device=device)
-    for g, rep, dup, span in zip(
-        grads, replicated, duplicate or [False] * len(grads), copies or [None] * len(grads)
+    n = len(grads)
+    for g, rep, dup, span, exp in zip(
+        grads, replicated, duplicate or [False] * n, copies or [None] * n, expert or [False] * n
     ):
         square = g.float().pow(2).sum()
         bad += (~torch.isfinite(square)).float()  # checked on every rank, counted or not
         if span is not None:  # leave out the copied elements
             flat = g.reshape(-1).float()
             square = flat[: span[0]].pow(2).sum() + flat[span[1] :].pow(2).sum()
-        if (first or not rep) and not dup:
+        if exp:
+            expert_squares += square
+        elif (first or not rep) and not dup:
             squares += square
     total = comm.all_reduce(torch.stack([squares, bad]), tp_group)  # one collective for both
+    if expert is not None and any(expert):
+        if ep_group is None:
+            raise ValueError("tpcore: grad_norm: expert gradients need ep_group")
+        total = total + torch.stack([comm.all_reduce(expert_squares, ep_group), bad.new_zeros(())])
     if pp_group is not None:
         total = comm.all_reduce(total, pp_group)
     return math.inf if total[1].item() > 0 else math.sqrt(float(total[0].item()))
@@ -126,6 +144,9 @@ class ParallelAdamW:
         eps: float = 1e-8,
         loss_scaler: LossScaler | None = None,
         grads=None,
+        is_expert: Callable[[str], bool] | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        expert_dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if grads is not None and grads.reduce_scatter:
             raise ValueError(
@@ -146,6 +167,13 @@ class ParallelAdamW:
         self.replicated = [is_replicated(n) for n in self.names]
         self.duplicate = [n in duplicates for n in self.names]
         self.copies = [tp_copies(n) if tp_copies else None for n in self.names]
+        self.expert = [bool(is_expert and is_expert(n)) for n in self.names]
+        self.ep_group, self.expert_dp_group = ep_group, expert_dp_group
+        if any(self.expert) and (ep_group is None or expert_dp_group is None):
+            raise ValueError(
+                "tpcore: ParallelAdamW: expert weights split over expert-parallel ranks need "
+                "ep_group and expert_dp_group"
+            )
         self.pp_group = pp_group
         # fp32 parameters are their own master; low-precision ones get an fp32 copy.
         self.masters = [
@@ -195,7 +223,13 @@ class ParallelAdamW:
         for p in self.params:
             if p.grad is None:  # unused parameter: a zero gradient keeps ranks in step
                 p.grad = torch.zeros_like(p)
-        average_data_parallel_grads([p.grad for p in self.params], self.dp_group)
+        dense = [p.grad for p, e in zip(self.params, self.expert) if not e]
+        average_data_parallel_grads(dense, self.dp_group)
+        # Expert weights: the sum over the ranks holding them is the sum over DP.
+        experts = [p.grad for p, e in zip(self.params, self.expert) if e]
+        average_data_parallel_grads(
+            experts, self.expert_dp_group, divisor=dist.get_world_size(self.dp_group)
+        )
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float() if m is not p else p.grad
 
@@ -213,6 +247,8 @@ class ParallelAdamW:
             self.pp_group,
             self.duplicate,
             self.copies,
+            self.expert,
+            self.ep_group,
         )
         skipped = not math.isfinite(norm)  # the norm is the same on every rank: all skip alike
         if self.scaler:

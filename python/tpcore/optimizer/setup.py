@@ -20,7 +20,7 @@ from ..pipeline_parallel import (
     lookup_only_weights,
     tied_embedding_copies,
 )
-from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
+from ..tensor_parallel.shard_spec import shard_spec
 from .distributed_adamw import DistributedAdamW
 from .parallel_adamw import LossScaler, ParallelAdamW
 
@@ -94,10 +94,17 @@ def make_optimizer(
     step is `grads.start_step(m)`, the backward passes, `grads.finish_grad_sync()` (in place
     of `finalize_model_grads`), then `optimizer.step(...)`."""
     chunks = list(chunks)
-    refuse_expert_weights(chunks, "the trainer's optimizer setup")
     specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
+    # Expert weights split over EP > 1 ranks have their own reduction group and norm; at EP 1
+    # every rank holds every expert, replicated over TP like a norm's weight.
+    state = get_parallel_state()
+    experts = {n for n, s in specs.items() if s.axis == "expert" and s.tp_size > 1}
+    expert_groups = dict(ep_group=state.expert_group, expert_dp_group=state.expert_data_group)
     common = dict(
-        is_replicated=lambda name: specs[name].kind == "replicated",
+        is_replicated=lambda name: (
+            specs[name].kind == "replicated"
+            or (specs[name].axis == "expert" and specs[name].tp_size == 1)
+        ),
         tp_group=tp_group,
         pp_group=pp_group,
         tp_copies=lambda name: specs[name].copied_elements(),
@@ -109,7 +116,9 @@ def make_optimizer(
         loss_scaler=loss_scaler,
     )
     if not options.contiguous_buffers:
-        return ParallelAdamW(chunks, dp_group=dp_group, **common), None
+        return ParallelAdamW(
+            chunks, dp_group=dp_group, is_expert=experts.__contains__, **expert_groups, **common
+        ), None
     tied = tied_embedding_copies(chunks)
     if tied and embedding_group is None and get_parallel_state().embedding_group is not None:
         embedding_group = get_parallel_state().embedding_group
@@ -126,9 +135,17 @@ def make_optimizer(
         lookup_and_head=lookup_and_head_weights(chunks),
         head_first=head_only_tied_weights(chunks),
         lookup_only=lookup_only_weights(chunks),
+        expert_dp_group=state.expert_data_group,
     )
     if options.use_distributed_optimizer:
         return DistributedAdamW(
             grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common
         ), grads
-    return ParallelAdamW(chunks, dp_group=dp_group, grads=grads, **common), grads
+    return ParallelAdamW(
+        chunks,
+        dp_group=dp_group,
+        grads=grads,
+        is_expert=experts.__contains__,
+        **expert_groups,
+        **common,
+    ), grads
