@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.shard_spec import ShardSpec, refuse_expert_weights, shard_spec
+from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
 from .dcp_slices import has_checkpointable, load_slice_state_dict, slice_state_dict
 from .optimizer_slices import is_sharded
 
@@ -204,7 +204,6 @@ def sharded_state_dict(model: Model) -> dict[str, Any]:
     (names and shapes as the dense module's; vocabulary padding left out), for
     `torch.distributed.checkpoint.save` / `load`. Builds no global tensor. `model`: a
     module, or this rank's pipeline chunks."""
-    refuse_expert_weights(_chunks(model), "sharded_state_dict")
     specs = {name: shard_spec(p) for name, p in _named_parameters(model).items()}
     return {
         name: _sharded(t, specs[name]) if name in specs else t
@@ -218,7 +217,6 @@ def load_sharded_state_dict(model: Model, state_dict: dict[str, Any]) -> None:
     chunks are replicated (grouped-query attention with fewer KV heads than TP): call on
     every rank."""
     own = _module_state(model)
-    refuse_expert_weights(_chunks(model), "load_sharded_state_dict")
     missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if missing or extra:
         raise KeyError(

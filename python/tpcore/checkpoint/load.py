@@ -99,6 +99,12 @@ _SHAPE_FIELDS = (
     "mlp_bias",
     # (a checkpoint from before the field has none: None, as a model without the scale)
     "embedding_scale",
+    # mixture of experts: the experts' weights and which layers hold them
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_layer_freq",
 )
 
 
@@ -433,13 +439,13 @@ def load_checkpoint(
     directory = require_checkpoint(path)
     meta = read_metadata(directory)
     chunks = model_chunks(model)
-    refuse_expert_weights(chunks, "load_checkpoint")
     config = chunks[0].config
     _check_config(meta, config, directory)
     if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
         return _load_torch_dist(
             directory, meta, chunks, optimizer, tp_group, pp_group, load_rng, load_group, verify
         )
+    refuse_expert_weights(chunks, "load_checkpoint's torch format (ckpt_format='torch_dist' does)")
     files = shard_files(directory, meta)
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)

@@ -105,7 +105,10 @@ def save_checkpoint(
             f"{ckpt_format!r}"
         )
     chunks = model_chunks(model)
-    refuse_expert_weights(chunks, "save_checkpoint")
+    if ckpt_format == "torch":
+        refuse_expert_weights(
+            chunks, "save_checkpoint's torch format (use ckpt_format='torch_dist')"
+        )
     if optimizer is not None:
         # parameter all-gathers still in flight (--overlap-param-gather)
         optimizer.finish_param_sync()

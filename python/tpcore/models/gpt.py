@@ -543,6 +543,14 @@ class GPTModel(SharesProcessGroups, nn.Module):
         """This stage's MoE layers by module name (`layers.3.mlp`)."""
         return {n: m for n, m in self.named_modules() if isinstance(m, MoELayer)}
 
+    def take_moe_totals(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each MoE layer's routing totals since the last call, by global layer index
+        (`MoELayer.take_routing_totals`)."""
+        return {
+            int(name.split(".")[1]): layer.take_routing_totals()
+            for name, layer in self.moe_layers().items()
+        }
+
     def set_moe_aux_loss_scale(self, scale: float) -> None:
         """The gradient the MoE layers' balancing and z losses get in backward: the factor
         the language-model loss's gradient carries (1 / micro-batches when each micro-batch's

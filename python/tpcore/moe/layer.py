@@ -87,6 +87,12 @@ def attach_aux_loss(out: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -
     return _AttachAuxLoss.apply(out, loss, scale)
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (activation recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class _Weight(nn.Module):
     def __init__(self, shape: Sequence[int], dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -153,6 +159,14 @@ class MoELayer(SharesProcessGroups, nn.Module):
         self.last_routing: dict[str, torch.Tensor] = {}
         """The last forward's detached `aux_loss`, `z_loss` (this rank's shares) and
         `tokens_per_expert` `[experts]` (this rank's tokens), for logging."""
+        self._totals: dict[str, torch.Tensor] = {}
+
+    def take_routing_totals(self) -> dict[str, torch.Tensor]:
+        """`last_routing`'s values summed over the forwards since the last call (activation
+        recomputation's second forward not counted), and reset: a step's totals for its
+        metrics. Empty when no forward ran."""
+        totals, self._totals = self._totals, {}
+        return totals
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, tp = self.config, self.tp_size
@@ -176,6 +190,9 @@ class MoELayer(SharesProcessGroups, nn.Module):
             "z_loss": routing.z_loss.detach(),
             "tokens_per_expert": routing.tokens_per_expert.detach(),
         }
+        if not _recomputing():
+            for key, value in self.last_routing.items():
+                self._totals[key] = self._totals.get(key, 0) + value
         if split_here:
             # The loss's gradient is the same on every TP rank here: keep this rank's rows.
             out = gather_from_sequence_parallel(out, self.group, reduce_scatter_grad=False)

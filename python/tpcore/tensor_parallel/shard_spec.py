@@ -405,14 +405,12 @@ def shares_indices(spec: ShardSpec, piece_spec: ShardSpec) -> bool:
 
 def refuse_expert_weights(modules: Sequence[torch.nn.Module], what: str) -> None:
     """Raise NotImplementedError naming `what` and the first expert weight (axis "expert")
-    among `modules`' parameters: the parts of tpcore that do not handle mixture-of-experts
-    weights yet (checkpoints, the optimizers' sharding and norms, the DP gradient buffers,
-    the Hugging Face export) refuse them instead of mishandling them. Raised on every rank
+    among `modules`' parameters: what does not handle mixture-of-experts weights yet (the
+    "torch" checkpoint format) refuses them instead of mishandling them. Raised on every rank
     alike (every rank holds the same layers' kinds), before any collective."""
     for module in modules:
         for name, p in module.named_parameters():
             if shard_spec(p).axis == "expert":
                 raise NotImplementedError(
-                    f"tpcore: {what} does not handle mixture-of-experts weights yet ({name}); "
-                    "train an MoE GPTModel with your own loop for now (docs/moe.md)"
+                    f"tpcore: {what} does not handle mixture-of-experts weights yet ({name})"
                 )

@@ -8,6 +8,7 @@ config files may use either spelling.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -100,11 +101,58 @@ class TrainArgs:
         "at the end, write the LoRA adapters here for PEFT (PeftModel.from_pretrained of the "
         "Hugging Face model --load-hf or --save-hf names)",
     )
+    # Mixture of experts (docs/moe.md; Megatron-Core's flags)
+    num_experts: int | None = _arg(None, "experts of each MoE layer (default: dense MLPs only)")
+    moe_router_topk: int = _arg(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int | None = _arg(None, "width of each expert (default ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: int | None = _arg(
+        None, "width of a shared expert every token also goes through (default: none)"
+    )
+    moe_shared_expert_gate: bool = _arg(
+        False, "scale the shared expert's output by a sigmoid gate (Qwen2-MoE)"
+    )
+    moe_layer_freq: str = _arg(
+        "1",
+        'which layers are MoE: every N-th ("2"), or one 0/1 per layer ("0,1,1,1", or Megatron\'s '
+        '"([0]*1+[1]*3)")',
+    )
+    moe_router_score_function: str = _arg(
+        "softmax", "router score function (sigmoid: DeepSeek-V3)", ("softmax", "sigmoid")
+    )
+    moe_router_pre_softmax: bool = _arg(
+        False,
+        "keep the top-k probabilities of the softmax over all experts (Qwen2-MoE, OLMoE); "
+        "default: renormalised over the k (Mixtral, Qwen3-MoE)",
+    )
+    moe_router_topk_scaling_factor: float | None = _arg(
+        None, "multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor)"
+    )
+    moe_router_load_balancing_type: str = _arg(
+        "aux_loss", "load balancing: the auxiliary loss, or none", ("aux_loss", "none")
+    )
+    moe_aux_loss_coeff: float = _arg(0.0, "coefficient of the load-balancing loss")
+    moe_z_loss_coeff: float | None = _arg(None, "coefficient of the router z-loss (ST-MoE)")
+    moe_expert_capacity_factor: float | None = _arg(
+        None,
+        "each expert takes at most ceil(tokens x k / experts x factor) of a rank's tokens, the "
+        "others' routes are dropped (default: dropless)",
+    )
+    moe_token_dispatcher_type: str = _arg(
+        "alltoall",
+        "how tokens reach their experts' ranks: all-to-all of the routed tokens, or all-gather",
+        ("alltoall", "allgather"),
+    )
+    moe_grouped_gemm: bool = _arg(
+        True, "run each rank's experts as one grouped GEMM (--no-moe-grouped-gemm: a loop)"
+    )
     # Parallelism and memory
     tensor_parallel_size: int = _arg(
         1, "tensor-parallel ranks (the rest of the world is data parallel)"
     )
     pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
+    expert_model_parallel_size: int = _arg(
+        1, "expert-parallel ranks: each holds experts / EP of every MoE layer (divides TP x DP)"
+    )
     virtual_pipeline_model_parallel_size: int | None = _arg(
         None, "model chunks per pipeline rank (N > 1 selects the interleaved schedule)"
     )
@@ -308,6 +356,21 @@ class TrainArgs:
                 need(False, f"--save-hf: {str(e).removeprefix('tpcore: ')}")
         self._check_pipeline(need)
         self._check_lora(need)
+        need(
+            self.num_experts is not None or self.expert_model_parallel_size == 1,
+            f"--expert-model-parallel-size {self.expert_model_parallel_size} needs --num-experts",
+        )
+        if self.num_experts is not None:
+            need(
+                self.num_experts % self.expert_model_parallel_size == 0,
+                f"--num-experts {self.num_experts} is not divisible by "
+                f"--expert-model-parallel-size {self.expert_model_parallel_size}",
+            )
+            need(
+                not self.save or self.ckpt_format == "torch_dist",
+                "--save: the torch checkpoint format does not hold mixture-of-experts weights "
+                "yet; use --ckpt-format torch_dist",
+            )
 
     def _check_lora(self, need) -> None:
         if self.lora_rank is None:
@@ -431,7 +494,78 @@ class TrainArgs:
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
             fused_lm_head_loss=self.fused_lm_head_loss,
+            **self.moe_options(),
         )
+
+    def moe_options(self) -> dict:
+        """The GPTConfig fields of the MoE flags (none without --num-experts). With
+        --load-hf the folder gives the architecture and the flags the rest."""
+        if self.num_experts is None:
+            given = [
+                f"--{f.name.replace('_', '-')}"
+                for f in dataclasses.fields(self)
+                if f.name.startswith("moe_") and getattr(self, f.name) != f.default
+            ]
+            if given:
+                raise ValueError(f"tpcore: {', '.join(given)} need(s) --num-experts")
+            return {}
+        return dict(
+            num_experts=self.num_experts,
+            moe_router_topk=self.moe_router_topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=self.moe_shared_expert_gate,
+            moe_layer_freq=parse_moe_layer_freq(self.moe_layer_freq),
+            moe_router_score_function=self.moe_router_score_function,
+            moe_norm_topk_prob=not self.moe_router_pre_softmax,
+            moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor or 1.0,
+            **self.moe_run_options(),
+        )
+
+    def moe_run_options(self) -> dict:
+        """The MoE flags that are run-time choices, not architecture (kept under --load-hf)."""
+        return dict(
+            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+            moe_z_loss_coeff=self.moe_z_loss_coeff or 0.0,
+            moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+            moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+            moe_grouped_gemm=self.moe_grouped_gemm,
+        )
+
+
+def parse_moe_layer_freq(text: str | int) -> int | list[int]:
+    """--moe-layer-freq: "N" (every N-th layer), "0,1,1" or "[0, 1, 1]", or Megatron's
+    list expression "([0]*1+[1]*3)*2" (lists of 0 / 1, +, * by an int; nothing else runs)."""
+    text = str(text).strip()
+    if text.isdigit():
+        return int(text)
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            times = left if type(left) is int else right
+            if isinstance(node.op, ast.Mult) and type(times) is int and times > 100_000:
+                raise ValueError(node)  # a per-layer list is never this long
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(node)
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        result = None
+    if type(result) is int:
+        return result
+    if not isinstance(result, list) or any(type(v) is not int for v in result):
+        raise ValueError(
+            f"tpcore: --moe-layer-freq must be an int, a 0/1 list such as 0,1,1 or Megatron's "
+            f'"([0]*1+[1]*3)", got {text!r}'
+        )
+    return result
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}
@@ -461,6 +595,15 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "lora_rank": ("int", 1, None),
     "lora_alpha": (">", 0.0, None),
     "lora_dropout": ("[)", 0.0, 1.0),
+    "num_experts": ("int", 1, None),
+    "moe_router_topk": ("int", 1, None),
+    "expert_model_parallel_size": ("int", 1, None),
+    "moe_ffn_hidden_size": ("int", 1, None),
+    "moe_shared_expert_intermediate_size": ("int", 1, None),
+    "moe_router_topk_scaling_factor": (">", 0.0, None),
+    "moe_aux_loss_coeff": (">=", 0.0, None),
+    "moe_z_loss_coeff": (">=", 0.0, None),
+    "moe_expert_capacity_factor": (">", 0.0, None),
 }
 
 # GPTModel's parallel linear layers, the names --lora-target-modules takes.

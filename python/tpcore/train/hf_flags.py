@@ -55,6 +55,22 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
     "untie_embeddings": lambda c: not c.tie_embeddings,
     "embedding_scale": lambda c: c.embedding_scale,
     "disable_bias": lambda c: not c.bias,
+    # A dense folder gives each MoE flag's default.
+    "num_experts": lambda c: c.num_experts,
+    "moe_router_topk": lambda c: c.moe_router_topk,
+    "moe_ffn_hidden_size": lambda c: c.moe_ffn_hidden_size,
+    "moe_shared_expert_intermediate_size": lambda c: c.moe_shared_expert_intermediate_size,
+    "moe_shared_expert_gate": lambda c: c.moe_shared_expert_gate,
+    "moe_layer_freq": lambda c: (
+        ",".join(map(str, c.moe_layer_freq))
+        if isinstance(c.moe_layer_freq, list)
+        else str(c.moe_layer_freq)
+    ),
+    "moe_router_score_function": lambda c: c.moe_router_score_function,
+    "moe_router_pre_softmax": lambda c: not c.moe_norm_topk_prob,
+    "moe_router_topk_scaling_factor": lambda c: (
+        c.moe_router_topk_scaling_factor if c.num_experts is not None else None
+    ),
 }
 
 
@@ -167,7 +183,8 @@ def check_save_hf_folder(args, device: torch.device | str) -> None:
 
 
 def hf_model_config(args) -> GPTConfig:
-    """The GPTConfig of `--load-hf` with the run-time flags applied."""
+    """The GPTConfig of `--load-hf` with the run-time flags applied (an MoE model's
+    balancing, capacity and dispatch options included)."""
     return config_from_hf(
         args.load_hf,
         dropout=args.dropout,
@@ -175,6 +192,7 @@ def hf_model_config(args) -> GPTConfig:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         fused_lm_head_loss=args.fused_lm_head_loss,
+        **(args.moe_run_options() if args.num_experts is not None else {}),
     )
 
 

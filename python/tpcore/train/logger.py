@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from typing import Sequence
 
 from .._atomic import atomic_output
 from ..checkpoint.integrity import describe_os_error
@@ -75,6 +76,7 @@ class MetricsLogger:
         start_iter: int,
         log_interval: int,
         progress: bool,
+        extra_columns: Sequence[str] = (),
     ) -> None:
         self.active, self.total, self.log_interval = active, total_iters, log_interval
         self.bar = active and progress and sys.stdout.isatty()
@@ -91,7 +93,7 @@ class MetricsLogger:
             with open(self.csv_path, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if float(r["iteration"]) <= start_iter]
         self._file = open(self.csv_path, "w", newline="")
-        self._csv = csv.DictWriter(self._file, COLUMNS)
+        self._csv = csv.DictWriter(self._file, COLUMNS + list(extra_columns))
         self._csv.writeheader()
         self._csv.writerows(kept)
         try:
@@ -137,6 +139,12 @@ class MetricsLogger:
                 f"iter {iteration:>6}/{self.total} | loss {metrics['loss']:.4f} | lr "
                 f"{metrics['lr']:.3e} | grad norm {metrics['grad_norm']:.3f} | "
                 f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['step_ms']:.1f} ms/step"
+                + (
+                    f" | moe aux {metrics['moe_aux_loss']:.4f} z {metrics['moe_z_loss']:.4f} "
+                    f"load max/mean {metrics['moe_load_max_over_mean']:.2f}"
+                    if "moe_aux_loss" in metrics
+                    else ""
+                )
                 + (" | skipped (non-finite gradients)" if metrics.get("skipped") else "")
             )
         elif "loss" in metrics and self.bar:

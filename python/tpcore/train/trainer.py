@@ -45,6 +45,7 @@ from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_h
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .lora_setup import add_adapters, checkpoint_role, finish_lora, load_lora_base, lora_settings
 from .lr_schedule import learning_rate
+from .moe_metrics import MOE_COLUMNS, discard_moe_totals, moe_step_metrics, set_aux_loss_scale
 from .same_arguments import check_same_arguments
 
 __all__ = ["pretrain", "init_distributed", "precision"]
@@ -213,6 +214,7 @@ class _Training:
             parallel_state.initialize_model_parallel(
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=pp,
+                expert_model_parallel_size=args.expert_model_parallel_size,
                 timeout=timeout,
             )
         self.tp_group, self.dp_group = (
@@ -340,6 +342,7 @@ class _Training:
                 start_iter=self.start,
                 log_interval=args.log_interval,
                 progress=args.progress,
+                extra_columns=MOE_COLUMNS if config.num_experts is not None else (),
             ),
             f"opening the metrics files in {self.log_dir}",
             device,
@@ -425,6 +428,12 @@ class _Training:
                 else " | "
             )
             + (
+                f"MoE {self.config.num_experts} experts, top-{self.config.moe_router_topk}, EP "
+                f"{args.expert_model_parallel_size} ({self.config.moe_token_dispatcher_type}) | "
+                if self.config.num_experts is not None
+                else ""
+            )
+            + (
                 f"{self.device} "
                 f"{str(self.dtype).removeprefix('torch.')}"
                 f"{' autocast ' + args.autocast if self.autocast_dtype else ''} | "
@@ -474,6 +483,8 @@ class _Training:
         micro_batches = [batches(step, micro) for micro in range(batches.accumulation)]
         if self.grads is not None and not forward_only:
             self.grads.start_step(batches.accumulation)
+        if self.config.num_experts is not None:  # the MoE losses' share of each micro-batch
+            set_aux_loss_scale(self.chunks, self.optimizer.loss_scale / batches.accumulation)
         return forward_backward(
             gpt_forward_step(
                 self.chunks,
@@ -525,6 +536,15 @@ class _Training:
             tokens_per_s=self.global_batch * args.seq_length / timer.seconds,
             step_ms=1000 * timer.seconds,
         )
+        if self.config.num_experts is not None:
+            metrics.update(
+                moe_step_metrics(
+                    self.chunks,
+                    self.train_batches.accumulation,
+                    dist.get_world_size(self.dp_group),
+                    self.device,
+                )
+            )
         return metrics, skipped, explained
 
     def evaluate(self) -> float:
@@ -536,6 +556,8 @@ class _Training:
                 total += self.run_pipeline(self.valid_batches, step, forward_only=True)
         for chunk in self.chunks:
             chunk.train()
+        if self.config.num_experts is not None:
+            discard_moe_totals(self.chunks)
         return _dp_mean(total / self.args.eval_iters, self.dp_group, self.device)
 
     def save(self, iteration: int) -> None:

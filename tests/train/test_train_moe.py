@@ -1,0 +1,140 @@
+"""MoE pretraining through the CLI (Megatron's flags): the loss curve at EP 2, at TP 2 x EP 2
+with sequence parallelism, and at PP 2 x EP 2 equals EP 1's (same global batch), with the
+balancing and z losses and the expert loads in metrics.csv; MoE flags the run cannot honour
+raise before training; a checkpoint saved at EP 2 resumes at EP 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from launch import torchrun
+from tpcore.train import parse_args
+from train_runs import (  # noqa: F401 (workdir: a fixture)
+    FLAGS,
+    RUN_TIMEOUT_S,
+    SCRIPT,
+    assert_same_curves,
+    train,
+    workdir,
+)
+
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--moe-z-loss-coeff",
+    "0.001",
+    "--moe-layer-freq",
+    "([0]*1+[1]*1)",
+    "--activation",
+    "swiglu",
+    "--train-iters",
+    "30",
+    "--eval-interval",
+    "15",
+]
+
+
+@pytest.fixture(scope="module")
+def ep1_run(workdir):  # noqa: F811
+    return train(workdir, "moe_ep1", 2, *MOE)
+
+
+@pytest.mark.parametrize(
+    "name,nproc,flags",
+    [
+        ("ep2", 2, ["--expert-model-parallel-size", "2"]),
+        (
+            "tp2_sp_ep2",
+            4,
+            [
+                "--tensor-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-model-parallel-size",
+                "2",
+                "--moe-token-dispatcher-type",
+                "allgather",
+            ],
+        ),
+        (
+            "pp2_ep2",
+            4,
+            ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+        ),
+    ],
+)
+def test_expert_parallel_curves_equal_ep1(workdir, ep1_run, name, nproc, flags):  # noqa: F811
+    rows, out = train(workdir, f"moe_{name}", nproc, *MOE, *flags)
+    assert_same_curves(ep1_run[0], rows, exact=False)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean"):
+        ours = [r[key] for r in rows]
+        theirs = [r[key] for r in ep1_run[0]]
+        assert all(math.isfinite(v) and v > 0 for v in ours), f"{key}: {ours}"
+        assert ours == pytest.approx(theirs, rel=1e-5), key
+    # Balancing at coefficient 0.01: E * sum f P is about 1 for an even router.
+    assert 0.005 < rows[-1]["moe_aux_loss"] < 0.03
+    assert "MoE 4 experts, top-2, EP 2" in out
+
+
+def test_checkpoint_at_ep2_resumes_at_ep1(workdir, ep1_run):  # noqa: F811
+    """Saved (torch_dist) halfway at EP 2, resumed at EP 1: the curve of the uninterrupted EP 1
+    run. A model with another number of experts refuses the checkpoint, naming both."""
+    save = str(workdir / "moe_ckpt")
+    ckpt = ["--save", save, "--save-interval", "15", "--ckpt-format", "torch_dist"]
+    train(
+        workdir,
+        "moe_resume",
+        2,
+        *MOE,
+        *ckpt,
+        "--expert-model-parallel-size",
+        "2",
+        "--exit-interval",
+        "15",
+    )
+    rows, out = train(workdir, "moe_resume", 2, *MOE, "--load", save)
+    assert "resumed from" in out
+    assert_same_curves(ep1_run[0], rows, exact=False)
+    other = [f if f != "4" else "8" for f in MOE]  # --num-experts 8
+    proc = torchrun(
+        [SCRIPT, *FLAGS, *other, "--data-path", str(workdir / "corpus"), "--load", save],
+        2,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert proc.returncode != 0
+    assert "num_experts: checkpoint 4, model 8" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--moe-router-topk", "4"], "--moe-router-topk need(s) --num-experts"),
+        (
+            ["--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2 needs --num-experts",
+        ),
+        (
+            ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+            "--num-experts 6 is not divisible",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-topk", "5"],
+            "moe_router_topk (5) exceeds num_experts",
+        ),
+        (["--num-experts", "4", "--moe-layer-freq", "[1]*1000000000"], "--moe-layer-freq must be"),
+        (["--num-experts", "4", "--save", "/tmp/x"], "use --ckpt-format torch_dist"),
+        (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+    ],
+)
+def test_bad_moe_flags_raise(flags, match):
+    with pytest.raises(
+        ValueError,
+        match=match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("*", r"\*"),
+    ):
+        parse_args(["--data-path", "x", *flags])
