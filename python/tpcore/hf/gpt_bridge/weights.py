@@ -268,7 +268,8 @@ class HFFolder:
             if stored and stored[0] != experts:
                 raise ValueError(
                     f"tpcore: {self.path}: tensor {found!r} in {file} holds {stored[0]} experts, "
-                    f"the config gives {experts} (num_experts)"
+                    f"the config gives {experts} (num_experts; num_local_experts in a Mixtral "
+                    "config.json)"
                 )
             if stored != list(spec.global_shape):
                 raise ValueError(
@@ -281,7 +282,7 @@ class HFFolder:
             raise ValueError(
                 f"tpcore: {self.path} holds {len(present)} experts in layer {name.split('.')[1]} "
                 f"(indices {min(present)}..{max(present)}), the config gives {experts} "
-                "(num_experts)"
+                "(num_experts; num_local_experts in a Mixtral config.json)"
             )
         for key, _, _, rows in expert_sources(name, self.family, spec):
             try:
