@@ -162,6 +162,10 @@ def _decode_matches_forward(rank, world, tp):
     refuses tokens past its length and the model's positions."""
     setup_tp(tp)
     variants = {**VARIANTS, **{k: GQA_VARIANTS[k] for k in ("llama_kv1", "qwen3_kv2", "gemma")}}
+    # MoE: a step's 2 tokens do not split over TP 4, so every TP rank routes both there.
+    variants["moe"] = dataclasses.replace(
+        VARIANTS["llama"], num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1]
+    )
     for name, config in variants.items():
         torch.manual_seed(0)
         model = GPTModel(config).eval()

@@ -172,16 +172,21 @@ class MoELayer(SharesProcessGroups, nn.Module):
         c, tp = self.config, self.tp_size
         tokens = x.reshape(-1, x.shape[-1])
         split_here = tp > 1 and not c.sequence_parallel
-        if split_here:
-            if tokens.shape[0] % tp:
+        if split_here and tokens.shape[0] % tp:
+            if torch.is_grad_enabled():
                 raise ValueError(
                     f"tpcore: MoELayer: {tokens.shape[0]} tokens (sequence x batch) do not "
                     f"split over the {tp} tensor-parallel ranks; make sequence x batch "
                     "divisible, or use sequence parallelism"
                 )
+            # Without gradients (decoding one token at a time) every TP rank may route all of
+            # them: each gets the same outputs, and nothing is summed over TP.
+            split_here = False
+        if split_here:
             tokens = scatter_to_sequence_parallel(tokens, self.group)
         logits = F.linear(tokens.float(), self.router.weight.float())
-        routing = route(logits, c.routing, token_group=self.group if tp > 1 else None)
+        shared_tokens = tp > 1 and (split_here or c.sequence_parallel)
+        routing = route(logits, c.routing, token_group=self.group if shared_tokens else None)
         dispatcher = dispatch.all_gather if c.dispatcher == "allgather" else dispatch.all_to_all
         out = dispatcher(tokens, routing, self.experts, c.routing.num_experts, self.expert_group)
         out = attach_aux_loss(out, routing.aux_loss + routing.z_loss, self.aux_loss_scale)
