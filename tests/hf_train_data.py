@@ -16,7 +16,8 @@ from tpcore.data.train_tokenizer import train_tokenizer
 def hf_model_and_data(work: Path, family: str) -> tuple[Path, torch.nn.Module]:
     """(the folder `work/llama`, the model saved there). A Llama whose embedding is padded
     past the tokenizer (as Qwen's and Llama's are); a Qwen3 (q / k norms, heads 32 wide in a
-    64-wide model); a Gemma; or a GPT-2. The corpus, preprocessed, is `work/data/docs`."""
+    64-wide model); a Gemma; a GPT-2; or a Mixtral. The corpus, preprocessed, is
+    `work/data/docs`."""
     corpus = work / "docs.jsonl"
     corpus.write_text(
         "".join(
@@ -59,6 +60,16 @@ def hf_model_and_data(work: Path, family: str) -> tuple[Path, torch.nn.Module]:
             eos_token_id=shape["eos_token_id"], bos_token_id=None,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(gpt2).eval()
+    elif family == "mixtral":  # 4 experts, top-2, with its balancing loss on
+        model = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(
+                **shape,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                router_aux_loss_coef=0.02,
+            )
+        ).eval()
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     folder = work / "llama"

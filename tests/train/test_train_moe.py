@@ -138,3 +138,48 @@ def test_bad_moe_flags_raise(flags, match):
         match=match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("*", r"\*"),
     ):
         parse_args(["--data-path", "x", *flags])
+
+
+def test_mixtral_from_hf_at_ep2_and_back(tmp_path):
+    """--load-hf of a Mixtral at EP 2: the first step's loss is transformers' on the same
+    batch, the balancing coefficient is the folder's (x top-k), and --save-hf gives a folder
+    transformers loads as a Mixtral, holding the trained weights."""
+    import torch
+    import transformers
+    from hf_train_data import hf_model_and_data
+
+    from tpcore.data import GPTDataset, IndexedDataset
+    from tpcore.train import read_metrics
+
+    folder, model = hf_model_and_data(tmp_path, "mixtral")
+    out = tmp_path / "out"
+    proc = torchrun(
+        ["-m", "tpcore.train", "--load-hf", str(folder), "--data-path",
+         str(tmp_path / "data" / "docs"), "--seq-length", "16", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "4", "--eval-iters", "0", "--lr", "3e-3",
+         "--lr-warmup-iters", "0", "--log-interval", "1", "--device", "cpu", "--no-progress",
+         "--expert-model-parallel-size", "2", "--log-dir", str(out), "--save-hf",
+         str(tmp_path / "exported"), "--seed", "1234"],
+        2,
+        cwd=tmp_path,
+        timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = read_metrics(str(out / "metrics.csv"))
+    dataset = GPTDataset(
+        IndexedDataset(str(tmp_path / "data" / "docs")), 16, 16, split="train",
+        valid_fraction=0.05, seed=1234,
+    )  # fmt: skip
+    batch = torch.stack([dataset[i] for i in range(4)])
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        ).item()
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert rows[0]["moe_aux_loss"] > 0.5 * 0.02 * 2 * 2  # 2 layers, coefficient 0.02 x top-2
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert isinstance(exported, transformers.MixtralForCausalLM)
+    with torch.no_grad():
+        after = exported(input_ids=batch).logits
+    assert torch.isfinite(after).all() and not torch.equal(after, logits)  # trained, not copied

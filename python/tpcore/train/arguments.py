@@ -8,7 +8,6 @@ config files may use either spelling.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
@@ -27,6 +26,7 @@ from .hf_flags import (
     check_save_hf_paths,
     hf_model_config,
 )
+from .moe_flags import check_moe_flags, moe_config_fields, moe_run_fields
 
 __all__ = ["TrainArgs", "parse_args", "load_config_file"]
 
@@ -356,21 +356,7 @@ class TrainArgs:
                 need(False, f"--save-hf: {str(e).removeprefix('tpcore: ')}")
         self._check_pipeline(need)
         self._check_lora(need)
-        need(
-            self.num_experts is not None or self.expert_model_parallel_size == 1,
-            f"--expert-model-parallel-size {self.expert_model_parallel_size} needs --num-experts",
-        )
-        if self.num_experts is not None:
-            need(
-                self.num_experts % self.expert_model_parallel_size == 0,
-                f"--num-experts {self.num_experts} is not divisible by "
-                f"--expert-model-parallel-size {self.expert_model_parallel_size}",
-            )
-            need(
-                not self.save or self.ckpt_format == "torch_dist",
-                "--save: the torch checkpoint format does not hold mixture-of-experts weights "
-                "yet; use --ckpt-format torch_dist",
-            )
+        check_moe_flags(self, need)
 
     def _check_lora(self, need) -> None:
         if self.lora_rank is None:
@@ -498,74 +484,12 @@ class TrainArgs:
         )
 
     def moe_options(self) -> dict:
-        """The GPTConfig fields of the MoE flags (none without --num-experts). With
-        --load-hf the folder gives the architecture and the flags the rest."""
-        if self.num_experts is None:
-            given = [
-                f"--{f.name.replace('_', '-')}"
-                for f in dataclasses.fields(self)
-                if f.name.startswith("moe_") and getattr(self, f.name) != f.default
-            ]
-            if given:
-                raise ValueError(f"tpcore: {', '.join(given)} need(s) --num-experts")
-            return {}
-        return dict(
-            num_experts=self.num_experts,
-            moe_router_topk=self.moe_router_topk,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
-            moe_shared_expert_gate=self.moe_shared_expert_gate,
-            moe_layer_freq=parse_moe_layer_freq(self.moe_layer_freq),
-            moe_router_score_function=self.moe_router_score_function,
-            moe_norm_topk_prob=not self.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=self.moe_router_topk_scaling_factor or 1.0,
-            **self.moe_run_options(),
-        )
+        """The GPTConfig fields of the MoE flags (`moe_flags`)."""
+        return moe_config_fields(self)
 
     def moe_run_options(self) -> dict:
         """The MoE flags that are run-time choices, not architecture (kept under --load-hf)."""
-        return dict(
-            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
-            moe_z_loss_coeff=self.moe_z_loss_coeff or 0.0,
-            moe_expert_capacity_factor=self.moe_expert_capacity_factor,
-            moe_token_dispatcher_type=self.moe_token_dispatcher_type,
-            moe_grouped_gemm=self.moe_grouped_gemm,
-        )
-
-
-def parse_moe_layer_freq(text: str | int) -> int | list[int]:
-    """--moe-layer-freq: "N" (every N-th layer), "0,1,1" or "[0, 1, 1]", or Megatron's
-    list expression "([0]*1+[1]*3)*2" (lists of 0 / 1, +, * by an int; nothing else runs)."""
-    text = str(text).strip()
-    if text.isdigit():
-        return int(text)
-
-    def value(node: ast.AST):
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, (ast.List, ast.Tuple)):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            times = left if type(left) is int else right
-            if isinstance(node.op, ast.Mult) and type(times) is int and times > 100_000:
-                raise ValueError(node)  # a per-layer list is never this long
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(node)
-
-    try:
-        result = value(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
-        result = None
-    if type(result) is int:
-        return result
-    if not isinstance(result, list) or any(type(v) is not int for v in result):
-        raise ValueError(
-            f"tpcore: --moe-layer-freq must be an int, a 0/1 list such as 0,1,1 or Megatron's "
-            f'"([0]*1+[1]*3)", got {text!r}'
-        )
-    return result
+        return moe_run_fields(self)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainArgs)}

@@ -192,8 +192,19 @@ def hf_model_config(args) -> GPTConfig:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         fused_lm_head_loss=args.fused_lm_head_loss,
-        **(args.moe_run_options() if args.num_experts is not None else {}),
+        **_moe_run_options(args),
     )
+
+
+def _moe_run_options(args) -> dict:
+    """An MoE folder's run-time options from the flags; the balancing coefficient from the
+    folder (`router_aux_loss_coef`, converted) unless --moe-aux-loss-coeff sets one."""
+    if args.num_experts is None:
+        return {}
+    options = args.moe_run_options()
+    if options["moe_aux_loss_coeff"] == 0.0:
+        del options["moe_aux_loss_coeff"]
+    return options
 
 
 def check_tokenizer_fits(tokenizer, config: GPTConfig, path: str) -> None:
