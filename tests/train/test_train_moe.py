@@ -129,6 +129,28 @@ def test_checkpoint_at_ep2_resumes_at_ep1(workdir, ep1_run):  # noqa: F811
         ),
         (["--num-experts", "4", "--moe-layer-freq", "[1]*1000000000"], "--moe-layer-freq must be"),
         (["--num-experts", "4", "--save", "/tmp/x"], "use --ckpt-format torch_dist"),
+        (
+            [
+                "--num-experts",
+                "4",
+                "--use-distributed-optimizer",
+                "--save",
+                "/tmp/x",
+                "--ckpt-format",
+                "torch_dist",
+            ],
+            "its state of the 3-D expert weights",
+        ),
+        (
+            [
+                "--num-experts",
+                "4",
+                "--use-distributed-optimizer",
+                "--expert-model-parallel-size",
+                "2",
+            ],
+            "--use-distributed-optimizer does not shard expert weights",
+        ),
         (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     ],
 )
