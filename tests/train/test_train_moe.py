@@ -1,5 +1,6 @@
-"""MoE pretraining through the CLI (Megatron's flags): the loss curve at EP 2, at TP 2 x EP 2
-with sequence parallelism, and at PP 2 x EP 2 equals EP 1's (same global batch), with the
+"""MoE pretraining through the CLI (Megatron's flags): the loss curve at EP 2 (also with the
+distributed optimizer, overlapped), at TP 2 x EP 2 with sequence parallelism, and at PP 2 x
+EP 2 equals EP 1's (same global batch), with the
 balancing and z losses and the expert loads in metrics.csv; MoE flags the run cannot honour
 raise before training; a checkpoint saved at EP 2 resumes at EP 1."""
 
@@ -49,6 +50,17 @@ def ep1_run(workdir):  # noqa: F811
     "name,nproc,flags",
     [
         ("ep2", 2, ["--expert-model-parallel-size", "2"]),
+        (
+            "ep2_distributed_optimizer",
+            2,
+            [
+                "--expert-model-parallel-size",
+                "2",
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+            ],
+        ),
         (
             "tp2_sp_ep2",
             4,
@@ -140,16 +152,6 @@ def test_checkpoint_at_ep2_resumes_at_ep1(workdir, ep1_run):  # noqa: F811
                 "torch_dist",
             ],
             "its state of the 3-D expert weights",
-        ),
-        (
-            [
-                "--num-experts",
-                "4",
-                "--use-distributed-optimizer",
-                "--expert-model-parallel-size",
-                "2",
-            ],
-            "--use-distributed-optimizer does not shard expert weights",
         ),
         (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     ],

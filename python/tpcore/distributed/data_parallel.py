@@ -97,11 +97,7 @@ class DataParallelGrads:
                 "tpcore: DataParallelGrads: expert weights split over expert-parallel ranks "
                 "need expert_dp_group (parallel_state.get_expert_data_parallel_group())"
             )
-        if experts and reduce_scatter:
-            raise NotImplementedError(
-                "tpcore: the distributed optimizer does not shard expert weights split over "
-                "expert-parallel ranks yet; drop --use-distributed-optimizer or use EP 1"
-            )
+        self.expert_dp_group = expert_dp_group
         embedding_sum = embedding_group is not None and dist.get_world_size(embedding_group) > 1
         # Frozen copies (fine-tuning adapters) have no buffer and nothing to sum.
         self.tied = [p for p in tied if p.requires_grad] if embedding_sum else []
@@ -149,7 +145,15 @@ class DataParallelGrads:
                     separate=self.tied + self.split + self.lookup_only,
                     keep_params=reduce_scatter,
                 )
+                # The group this buffer is summed over (and, reduce-scattered, sliced over).
                 buffer.reduce_group = reduce_group
+                buffer.reduce_rank = dist.get_rank(reduce_group)
+                # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's
+                # chunk at wait(), whose work never reports completion: an all-reduce in place
+                # on the bucket sends the same bytes and leaves this rank's slice in place.
+                buffer.scatter_by_all_reduce = (
+                    reduce_scatter and dist.get_backend(reduce_group) == "gloo"
+                )
                 mine.append(buffer)
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
@@ -174,10 +178,6 @@ class DataParallelGrads:
         self.rows_summed = 0
         """Rows of embeddings' lookup gradients summed over DP on their own (for tests)."""
         self.finished = False
-        # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's chunk
-        # at wait(), whose work never reports completion: an all-reduce in place on the
-        # bucket sends the same bytes and leaves this rank's slice where it belongs.
-        self._scatter_by_all_reduce = reduce_scatter and dist.get_backend(dp_group) == "gloo"
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in self.params]
         self._sinks = [(p, weak_sink(self, p)) for p in self.split + self.lookup_only]
         for p, sink in self._sinks:
@@ -307,9 +307,10 @@ class DataParallelGrads:
         pending = self._pending[(i, bucket.index)]
         if pending is not None:
             result = pending.wait()
-            if self.reduce_scatter and not self._scatter_by_all_reduce:
-                lo, hi = bucket.shard(self.dp_rank)
-                self.buffers[i].grad_data[lo:hi].copy_(result)
+            buffer = self.buffers[i]
+            if self.reduce_scatter and not buffer.scatter_by_all_reduce:
+                lo, hi = bucket.shard(buffer.reduce_rank)
+                buffer.grad_data[lo:hi].copy_(result)
             self._pending[(i, bucket.index)] = None  # started: a late gradient still raises
         self._done[i] += 1
 
@@ -326,7 +327,7 @@ class DataParallelGrads:
             bucket.grad.div_(self.dp_size)
         if dist.get_world_size(group) == 1:
             self._pending[(i, bucket.index)] = None  # nothing to send
-        elif self.reduce_scatter and not self._scatter_by_all_reduce:
+        elif self.reduce_scatter and not self.buffers[i].scatter_by_all_reduce:
             self._pending[(i, bucket.index)] = comm.reduce_scatter_async(bucket.grad, 0, group)
         else:
             self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(bucket.grad, group)

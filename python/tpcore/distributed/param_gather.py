@@ -29,7 +29,9 @@ Key = tuple[int, int]  # (buffer index, bucket index)
 
 
 class ParamGather:
-    """The all-gathers of `buffers` (which own the parameters of `chunks`) over `dp_group`."""
+    """The all-gathers of `buffers` (which own the parameters of `chunks`) over `dp_group`,
+    or over a buffer's own `reduce_group` where it has one (expert weights: the ranks holding
+    the same experts)."""
 
     def __init__(
         self,
@@ -105,17 +107,18 @@ class ParamGather:
         """All-gather every bucket's parameters (each rank contributes its slice): started
         and waited now, or with overlap started only. A collective over the DP group."""
         self.finish()
-        if self.dp_size == 1:
-            return
         order = [k for k in self._used if k in self._key_set()] + [
             k for k in self._default if k not in self._used
         ]
         self._used = []
         for key in order:
             buffer = self.buffers[key[0]]
+            group = getattr(buffer, "reduce_group", self.dp_group)
+            if dist.get_world_size(group) == 1:
+                continue
             bucket = buffer.buckets[key[1]]
-            lo, hi = bucket.shard(self.dp_rank)
-            pending = comm.all_gather_async(buffer.param_data[lo:hi], 0, self.dp_group)
+            lo, hi = bucket.shard(dist.get_rank(group))
+            pending = comm.all_gather_async(buffer.param_data[lo:hi], 0, group)
             if self.overlap:
                 self._pending[key] = pending
                 self._launched.append(key)

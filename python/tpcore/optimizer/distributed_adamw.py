@@ -9,6 +9,10 @@ alike when the norm is not finite, clips, updates its slice of the masters with 
 (no weight decay for 1-D parameters: biases and norms), writes them into its slice of the
 parameter buffer and all-gathers the parameters bucket by bucket (`ParamGather`). The
 update is the one `ParallelAdamW` makes, element for element.
+
+MoE expert weights split over expert-parallel ranks live in buffers of their own, sliced
+over the ranks holding the same experts (the expert-data-parallel group) instead of DP;
+their squares in the norm are summed over that group and the expert-parallel group.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class _Piece:
     """`[hi - lo]` fp32: a view of the parameter itself when it is fp32, else a copy."""
     replicated: bool
     duplicate: bool
+    expert: bool
+    """Expert weights split over expert-parallel ranks (sliced over their own group)."""
     copied: tuple[int, int] | None = None
     """Elements of `[0, hi - lo)` copying what a lower TP rank holds (not counted in the norm)."""
 
@@ -79,6 +85,7 @@ class DistributedAdamW:
         loss_scaler: LossScaler | None = None,
         overlap_param_gather: bool = False,
         chunks: list[nn.Module] | None = None,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not grads.reduce_scatter:
             raise ValueError(
@@ -97,9 +104,16 @@ class DistributedAdamW:
             loss_scaler,
         )
         self.dp_group, self.dp_rank = grads.dp_group, grads.dp_rank
+        # Expert buffers are sliced over the ranks holding the same experts; their norm sums
+        # over those and over the expert-parallel group (each rank other experts).
+        self.expert_dp_group, self.ep_group = grads.expert_dp_group, ep_group
+        self.has_experts = any(b.reduce_group is not self.dp_group for b in grads.buffers)
+        if self.has_experts and ep_group is None:
+            raise ValueError("tpcore: DistributedAdamW: expert weights need ep_group")
         self.pieces: list[_Piece] = []
         for buffer in grads.buffers:
-            for p, _, lo, hi in buffer.shard_pieces(self.dp_rank):
+            expert = buffer.reduce_group is not self.dp_group
+            for p, _, lo, hi in buffer.shard_pieces(buffer.reduce_rank):
                 name = buffer.entry(p).name
                 flat = p.data.view(-1)[lo:hi]
                 master = flat if p.dtype == torch.float32 else flat.float()
@@ -119,6 +133,7 @@ class DistributedAdamW:
                         master,
                         is_replicated(name),
                         name in duplicates,
+                        expert,
                         copied,
                     )
                 )
@@ -159,19 +174,25 @@ class DistributedAdamW:
         all; infinite when any element anywhere is not finite."""
         first = dist.get_rank(self.tp_group) == 0
         device = self.pieces[0].master.device if self.pieces else self.grads.buffers[0].device
-        squares, bad = torch.zeros((), device=device), torch.zeros((), device=device)
+        dense, experts = torch.zeros(2, device=device), torch.zeros(2, device=device)
         for piece in self.pieces:
             square = piece.master.grad.float().pow(2).sum()
-            bad += (~torch.isfinite(square)).float()
+            bad = (~torch.isfinite(square)).float()
             if piece.copied is not None:  # replicated KV heads: counted on their owner
                 grad, (a, b) = piece.master.grad.float(), piece.copied
                 square = grad[:a].pow(2).sum() + grad[b:].pow(2).sum()
-            if (first or not piece.replicated) and not piece.duplicate:
-                squares += square
-        total = torch.stack([squares, bad])
-        for group in (self.dp_group, self.tp_group, self.pp_group):
+            counted = (first or not piece.replicated) and not piece.duplicate
+            target = experts if piece.expert else dense
+            target += torch.stack([square if counted else square.new_zeros(()), bad])
+        groups = [(dense, self.dp_group), (dense, self.tp_group)]
+        if self.has_experts:
+            groups += [(experts, self.expert_dp_group), (experts, self.ep_group)]
+        for total, group in groups:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
+        total = dense + experts
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(total, group=self.pp_group)
         return math.inf if total[1].item() > 0 else math.sqrt(float(total[0].item()))
 
     def step(self, lr: float, clip_grad: float) -> tuple[float, bool]:

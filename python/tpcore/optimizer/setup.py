@@ -139,7 +139,11 @@ def make_optimizer(
     )
     if options.use_distributed_optimizer:
         return DistributedAdamW(
-            grads, overlap_param_gather=options.overlap_param_gather, chunks=chunks, **common
+            grads,
+            overlap_param_gather=options.overlap_param_gather,
+            chunks=chunks,
+            ep_group=state.expert_group,
+            **common,
         ), grads
     return ParallelAdamW(
         chunks,

@@ -15,7 +15,7 @@ __all__ = ["check_moe_flags", "moe_config_fields", "moe_run_fields", "parse_moe_
 def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
     """`need` that the expert-parallel size fits the experts, and that what does not handle
     expert weights yet is not asked for: tpcore's torch checkpoint format, the distributed
-    optimizer at EP > 1 or in a checkpoint."""
+    optimizer's state in a checkpoint."""
     need(
         args.num_experts is not None or args.expert_model_parallel_size == 1,
         f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts",
@@ -31,17 +31,11 @@ def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
             "--save: the torch checkpoint format does not hold mixture-of-experts weights "
             "yet; use --ckpt-format torch_dist",
         )
-        if args.use_distributed_optimizer:
-            need(
-                args.expert_model_parallel_size == 1,
-                "--use-distributed-optimizer does not shard expert weights split over "
-                "expert-parallel ranks yet; use --expert-model-parallel-size 1 or drop it",
-            )
-            need(
-                not args.save,
-                "--save with --use-distributed-optimizer: its state of the 3-D expert "
-                "weights has no checkpoint layout yet; drop one of them",
-            )
+        need(
+            not (args.use_distributed_optimizer and args.save),
+            "--save with --use-distributed-optimizer: its state of the 3-D expert weights has "
+            "no checkpoint layout yet; drop one of them",
+        )
 
 
 def moe_config_fields(args) -> dict:
