@@ -105,6 +105,7 @@ def test_moe_gpt_equals_the_dense_reference(cpu_ranks, tp, ep, sp, dispatcher):
         (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type must be one of"),
         (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
         (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff must be a finite number >= 0"),
+        (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias needs"),
     ],
 )
 def test_bad_moe_configs_raise(change, match):

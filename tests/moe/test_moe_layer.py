@@ -188,3 +188,42 @@ def _bad_input(rank, world):
 
 def test_moe_layer_bad_input_raises_on_every_rank(cpu_ranks):
     assert all(cpu_ranks.run(_bad_input))
+
+
+def _expert_bias(rank, world):
+    """DeepSeek-V3's balancing bias: the step moves each expert's bias by the rate towards
+    the mean load; the bias changes which experts are chosen (not their weights), alike in
+    MoELayer at EP 2 and in its reference."""
+    tpcore.initialize_model_parallel(1, expert_model_parallel_size=2)
+    routing = RouterConfig(EXPERTS, 2, score="sigmoid")
+    config = MoEConfig(HIDDEN, FFN, routing, _swiglu, gated=True, expert_bias_update_rate=0.25)
+    ref = _reference(config, torch.float32)
+    layer = MoELayer(
+        config,
+        group=parallel_state.get_tensor_model_parallel_group(),
+        expert_group=parallel_state.get_expert_model_parallel_group(),
+    )
+    layer.to_empty(device="cpu")
+    tpcore.moe.reset_expert_biases(layer)
+    assert torch.equal(layer.router.expert_bias, torch.zeros(EXPERTS))
+    layer.update_expert_bias(torch.tensor([9, 1, 5, 5, 0, 10, 5, 5]))  # mean 5
+    want = 0.25 * torch.tensor([-1.0, 1, 0, 0, 1, -1, 0, 0])
+    assert torch.equal(layer.router.expert_bias, want)
+    # A bias large enough to put the last expert (never chosen otherwise) in every top-2.
+    first = parallel_state.get_expert_model_parallel_rank() * EXPERTS // 2
+    with torch.no_grad():
+        layer.router.expert_bias[-1] = 5.0
+        ref.router.expert_bias.copy_(layer.router.expert_bias)
+        layer.router.weight.copy_(ref.router.weight)
+        layer.experts.fc1.weight.copy_(ref.experts.fc1.weight[first : first + EXPERTS // 2])
+        layer.experts.fc2.weight.copy_(ref.experts.fc2.weight[first : first + EXPERTS // 2])
+    x, _ = _inputs(rank, torch.float32)
+    out = layer(x)
+    loads = layer.last_routing["tokens_per_expert"]
+    assert loads[-1] == SEQ * BATCH, loads
+    assert_close(out, ref(x), "output with a balancing bias")
+    return True
+
+
+def test_expert_bias_balances_and_steers_the_choice(cpu_ranks):
+    assert all(cpu_ranks.run(_expert_bias))

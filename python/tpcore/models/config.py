@@ -135,6 +135,12 @@ class GPTConfig:
     routes, those of largest weight; the rest of their routes are dropped. None: dropless."""
     moe_token_dispatcher_type: str = "alltoall"
     """"alltoall" (routed tokens only travel) or "allgather" (every token gathered)."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing (sigmoid scores): a per-expert bias added to
+    the scores for choosing, moved towards the mean load after every step by
+    moe_router_bias_update_rate."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each expert's balancing bias moves per step."""
     moe_grouped_gemm: bool = True
     """Run the local experts through one grouped GEMM (torch._grouped_mm where it runs);
     False: a loop over the experts."""
@@ -291,6 +297,15 @@ class GPTConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 fail(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            fail("moe_router_enable_expert_bias needs moe_router_score_function 'sigmoid'")
+        if not (
+            isinstance(self.moe_router_bias_update_rate, (int, float))
+            and self.moe_router_bias_update_rate > 0
+        ):
+            fail(
+                f"moe_router_bias_update_rate must be > 0, got {self.moe_router_bias_update_rate!r}"
+            )
         factor = self.moe_expert_capacity_factor
         if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
             fail(f"moe_expert_capacity_factor must be > 0 or None, got {factor!r}")

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import _op_entry
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
-from ..moe import MoELayer
+from ..moe import MoELayer, reset_expert_biases
 from ..parallel_state import (
     get_expert_model_parallel_group,
     is_initialized,
@@ -429,6 +429,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
             )
         attach_gpt_shard_specs(self, config, self.group, expert_group)
         to_empty_keeping_attributes(self, device or "cpu")
+        reset_expert_biases(self)
         if _init and next(self.parameters()).device.type != "meta":
             self.reset_parameters()
 
@@ -470,6 +471,9 @@ class GPTModel(SharesProcessGroups, nn.Module):
                         f"shape {list(piece.shape)}, expected {list(param.shape)}"
                     )
                 param.copy_(piece)
+            for name, buffer in self.named_buffers():  # replicated (balancing biases)
+                if name in state:
+                    buffer.copy_(state[name])
 
     def to_dense(self) -> ReferenceGPT:
         """The full `ReferenceGPT` (a collective: call on every TP rank). LoRA adapters not
@@ -489,6 +493,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
             for name, param in self.named_parameters()
             if name not in skip
         }
+        state.update(dict(self.named_buffers()))  # replicated (balancing biases)
         with torch.no_grad():
             for name, adapter in adapters.items():
                 if not adapter.merged:

@@ -35,4 +35,7 @@ def moe_config(config: GPTConfig) -> MoEConfig:
         dispatcher=c.moe_token_dispatcher_type,
         grouped_gemm=c.moe_grouped_gemm,
         shared_expert_gate=c.moe_shared_expert_gate,
+        expert_bias_update_rate=(
+            c.moe_router_bias_update_rate if c.moe_router_enable_expert_bias else None
+        ),
     )

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import ReferenceMoE
+from ..moe import ReferenceMoE, reset_expert_biases
 from ..tensor_parallel.initialization import draw_seed
 from .common import (
     apply_rotary,
@@ -155,6 +155,7 @@ class ReferenceGPT(nn.Module):
         device = torch.empty(0, device=device).device  # None: the default device
         if device.type != "meta":
             self.to_empty(device=device)
+            reset_expert_biases(self)
             self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None) -> None:

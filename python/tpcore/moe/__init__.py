@@ -3,7 +3,7 @@
 
 from .dispatch import all_gather, all_to_all, permute, unpermute
 from .grouped_gemm import grouped_linear, grouped_mm_available
-from .layer import ExpertWeights, MoEConfig, MoELayer, attach_aux_loss
+from .layer import ExpertWeights, MoEConfig, MoELayer, attach_aux_loss, reset_expert_biases
 from .reference import ReferenceMoE
 from .router import RouterConfig, Routing, route
 
@@ -16,6 +16,7 @@ __all__ = [
     "ExpertWeights",
     "ReferenceMoE",
     "attach_aux_loss",
+    "reset_expert_biases",
     "grouped_linear",
     "grouped_mm_available",
     "all_to_all",

@@ -39,7 +39,7 @@ from . import dispatch
 from .grouped_gemm import grouped_linear
 from .router import RouterConfig, route
 
-__all__ = ["MoEConfig", "MoELayer", "ExpertWeights", "attach_aux_loss"]
+__all__ = ["MoEConfig", "MoELayer", "ExpertWeights", "attach_aux_loss", "reset_expert_biases"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,18 @@ class MoEConfig:
     """One grouped GEMM per projection; False: a loop over the local experts."""
     shared_expert_gate: bool = False
     """Scale the shared expert's output by sigmoid(x . w), w `[1, H]` (Qwen2-MoE)."""
+    expert_bias_update_rate: float | None = None
+    """DeepSeek-V3's auxiliary-loss-free balancing (sigmoid scores only): a per-expert bias,
+    added to the scores for choosing the experts, moves by this much after each step
+    towards the mean load (`update_expert_bias`). None: no bias."""
+
+    def __post_init__(self) -> None:
+        rate = self.expert_bias_update_rate
+        if rate is not None and not (rate > 0 and self.routing.score == "sigmoid"):
+            raise ValueError(
+                "tpcore: MoEConfig: expert_bias_update_rate must be > 0, with the sigmoid "
+                f"score function (got {rate!r}, {self.routing.score})"
+            )
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -85,6 +97,15 @@ def attach_aux_loss(out: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -
     if not loss.requires_grad:
         return out
     return _AttachAuxLoss.apply(out, loss, scale)
+
+
+def reset_expert_biases(module: nn.Module) -> None:
+    """Zero every balancing bias (`router.expert_bias`) below `module`: after the module is
+    moved off the meta device, where buffers are left uninitialised."""
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buffer.zero_()
 
 
 def _recomputing() -> bool:
@@ -149,6 +170,8 @@ class MoELayer(SharesProcessGroups, nn.Module):
                 "expert-parallel ranks"
             )
         self.router = _Weight((experts, c.hidden_size), dtype)
+        if c.expert_bias_update_rate is not None:
+            self.router.register_buffer("expert_bias", torch.zeros(experts, device="meta"))
         self.experts = ExpertWeights(config, experts // ep, dtype)
         if shared_expert is not None:
             self.shared_expert = shared_expert
@@ -160,6 +183,19 @@ class MoELayer(SharesProcessGroups, nn.Module):
         """The last forward's detached `aux_loss`, `z_loss` (this rank's shares) and
         `tokens_per_expert` `[experts]` (this rank's tokens), for logging."""
         self._totals: dict[str, torch.Tensor] = {}
+
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """DeepSeek-V3's balancing step: each expert's bias moves by the update rate towards
+        the mean load, `bias += rate * sign(mean - load)`, given the step's loads `[experts]`
+        over the whole batch (the same on every rank, so the biases stay equal)."""
+        rate = self.config.expert_bias_update_rate
+        if rate is None:
+            return
+        loads = tokens_per_expert.float()
+        with torch.no_grad():
+            self.router.expert_bias += rate * torch.sign(loads.mean() - loads).to(
+                self.router.expert_bias.device
+            )
 
     def take_routing_totals(self) -> dict[str, torch.Tensor]:
         """`last_routing`'s values summed over the forwards since the last call (activation
@@ -186,7 +222,12 @@ class MoELayer(SharesProcessGroups, nn.Module):
             tokens = scatter_to_sequence_parallel(tokens, self.group)
         logits = F.linear(tokens.float(), self.router.weight.float())
         shared_tokens = tp > 1 and (split_here or c.sequence_parallel)
-        routing = route(logits, c.routing, token_group=self.group if shared_tokens else None)
+        routing = route(
+            logits,
+            c.routing,
+            getattr(self.router, "expert_bias", None),
+            token_group=self.group if shared_tokens else None,
+        )
         dispatcher = dispatch.all_gather if c.dispatcher == "allgather" else dispatch.all_to_all
         out = dispatcher(tokens, routing, self.experts, c.routing.num_experts, self.expert_group)
         out = attach_aux_loss(out, routing.aux_loss + routing.z_loss, self.aux_loss_scale)

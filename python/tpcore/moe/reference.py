@@ -34,6 +34,8 @@ class ReferenceMoE(nn.Module):
         self.config = c
         rows = c.ffn_hidden_size * (2 if c.gated else 1)
         self.router = nn.Linear(c.hidden_size, experts, bias=False, dtype=dtype, device=device)
+        if c.expert_bias_update_rate is not None:
+            self.router.register_buffer("expert_bias", torch.zeros(experts, device=device))
         self.experts = nn.Module()
         for name, shape in (
             ("fc1", (experts, rows, c.hidden_size)),
@@ -53,7 +55,8 @@ class ReferenceMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         tokens = x.reshape(-1, x.shape[-1])
-        routing = route(F.linear(tokens.float(), self.router.weight.float()), c.routing)
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, c.routing, getattr(self.router, "expert_bias", None))
         self.aux_loss = routing.aux_loss + routing.z_loss
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
         fc1, fc2 = self.experts.fc1.weight, self.experts.fc2.weight

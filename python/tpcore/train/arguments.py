@@ -142,6 +142,12 @@ class TrainArgs:
         "how tokens reach their experts' ranks: all-to-all of the routed tokens, or all-gather",
         ("alltoall", "allgather"),
     )
+    moe_router_enable_expert_bias: bool = _arg(
+        False,
+        "DeepSeek-V3's balancing without an auxiliary loss (sigmoid scores): a per-expert bias "
+        "for choosing, moved towards the mean load after every step",
+    )
+    moe_router_bias_update_rate: float = _arg(1e-3, "how far each expert's bias moves per step")
     moe_grouped_gemm: bool = _arg(
         True, "run each rank's experts as one grouped GEMM (--no-moe-grouped-gemm: a loop)"
     )
@@ -528,6 +534,7 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "moe_aux_loss_coeff": (">=", 0.0, None),
     "moe_z_loss_coeff": (">=", 0.0, None),
     "moe_expert_capacity_factor": (">", 0.0, None),
+    "moe_router_bias_update_rate": (">", 0.0, None),
 }
 
 # GPTModel's parallel linear layers, the names --lora-target-modules takes.

@@ -59,6 +59,8 @@ def moe_config_fields(args) -> dict:
         moe_router_score_function=args.moe_router_score_function,
         moe_norm_topk_prob=not args.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         **moe_run_fields(args),
     )
 

@@ -4,7 +4,8 @@ Each MoE layer sums its routing over the step's forwards (`MoELayer.take_routing
 one all-reduce over every rank turns them into the step's values: the losses are shares per
 TP rank (summed), per micro-batch (averaged) and per data-parallel rank (averaged), summed
 over the layers of every pipeline stage; the loads are each layer's tokens per expert over
-the whole global batch, reported as the worst layer's max / mean.
+the whole global batch, reported as the worst layer's max / mean, and what DeepSeek-V3's
+balancing biases move by (`MoELayer.update_expert_bias`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def discard_moe_totals(chunks: Sequence[GPTModel]) -> None:
 def moe_step_metrics(
     chunks: Sequence[GPTModel], micro_batches: int, dp_size: int, device: str
 ) -> dict[str, float]:
-    """The step's MoE metrics (`MOE_COLUMNS`); a collective over every rank."""
+    """The step's MoE metrics (`MOE_COLUMNS`); a collective over every rank. With
+    DeepSeek-V3's balancing biases, each layer's bias then takes its step from the loads."""
     config = chunks[0].config
     losses = torch.zeros(2, dtype=torch.float64, device=device)
     loads = torch.zeros(config.num_layers, config.num_experts, dtype=torch.float64, device=device)
@@ -49,6 +51,9 @@ def moe_step_metrics(
                 loads[index] += totals["tokens_per_expert"].double()
     dist.all_reduce(losses)
     dist.all_reduce(loads)
+    for chunk in chunks:
+        for name, layer in chunk.moe_layers().items():
+            layer.update_expert_bias(loads[int(name.split(".")[1])])
     losses /= micro_batches * dp_size
     used = loads[loads.sum(1) > 0]
     imbalance = (used.max(1).values / used.mean(1)).max().item() if used.numel() else 0.0
