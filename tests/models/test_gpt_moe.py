@@ -149,3 +149,31 @@ def _torch_format_refuses(rank, world, tmp):
 
 def test_torch_checkpoint_format_refuses_experts(cpu_ranks, tmp_path):
     assert all(cpu_ranks.run(_torch_format_refuses, str(tmp_path)))
+
+
+def _generate_stops_together(rank, world):
+    """Greedy generation at EP 2 with an end-of-document id that ends rank 0's sequence after
+    one token: the EP peers keep stepping together (no rank waits in an all-to-all for one
+    that stopped), and every rank's tokens are the dense model's, padded with that id."""
+    from tpcore.models import generate
+
+    tpcore.initialize_model_parallel(1, expert_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPTModel(MOE)
+    torch.manual_seed(0)
+    dense = ReferenceGPT(MOE)
+    prompt = torch.tensor([[1 + rank, 2, 3 + 5 * rank]])
+    first = generate(model, prompt, 1, greedy=True)[:, -1]
+    everyone = [torch.zeros_like(first) for _ in range(world)]
+    dist.all_gather(everyone, first)
+    eod = int(everyone[0])
+    out = generate(model, prompt, 6, greedy=True, eod=eod)
+    want = generate(dense, prompt, 6, greedy=True, eod=eod)
+    assert torch.equal(out[:, : want.shape[1]], want), (out, want)
+    assert (out[:, want.shape[1] :] == eod).all()
+    return out.shape[1]
+
+
+def test_generation_at_ep2_stops_together(cpu_ranks):
+    lengths = cpu_ranks.run(_generate_stops_together)
+    assert lengths[0] == lengths[1] and lengths[0] > 4  # rank 0 stepped on with its peer

@@ -120,7 +120,7 @@ def _load_job(rank, world, folders, ids, expected, aux_loss, out_dir):
             if config.num_layers == 2 and config.moe_layer_freq == [1, 0]:
                 # One MoE layer: its balancing loss (this rank's share of it, summed over the
                 # ranks that split its tokens) is transformers', times the coefficient.
-                share = model.moe_layers()["layers.0.mlp"].last_routing["aux_loss"].clone()
+                share = model.moe_layers()[0].last_routing["aux_loss"].clone()
                 dist.all_reduce(share, group=tp_group)
                 assert_close(share, aux_loss * source["router_aux_loss_coef"], f"{what} aux")
         export_hf(model, os.path.join(out_dir, f"tp{tp}_ep{ep}"), hf_config=source)

@@ -13,6 +13,7 @@ token leaves its logits unchanged).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..tensor_parallel.sampling import check_sampling_args, next_token
 from .gpt import GPTModel
@@ -66,6 +67,14 @@ def _recomputed_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids)[:, n - 1]
 
 
+def _all_done(done: torch.Tensor, expert_group) -> bool:
+    """Whether every sequence has finished here and, with an expert group, on its ranks."""
+    finished = done.all().to(torch.int32)
+    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=expert_group)
+    return bool(finished)
+
+
 def generate(
     model,
     prompt: torch.Tensor,
@@ -93,6 +102,9 @@ def generate(
     cache = KVCache(window) if tp and not c.sequence_parallel else None
     generator = torch.Generator(device=device).manual_seed(seed)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    # MoE at EP > 1: the ranks of the expert group exchange tokens at every step, so they
+    # stop together (each may hold other sequences).
+    experts = getattr(model, "expert_group", None) if tp else None
     was_training = model.training
     model.eval()
     try:
@@ -119,7 +131,7 @@ def generate(
                     nxt = nxt.masked_fill(done, eod)
                     done |= nxt == eod
                 tokens = torch.cat([tokens, nxt.unsqueeze(1)], 1)
-                if eod is not None and bool(done.all()):
+                if eod is not None and _all_done(done, experts):
                     break
     finally:
         model.train(was_training)

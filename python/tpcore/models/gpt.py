@@ -343,6 +343,10 @@ class LayerStack(nn.ModuleList):
     def __getitem__(self, index: int) -> nn.Module:
         return self._modules[str(index)]
 
+    def indices(self) -> list[int]:
+        """The global layer index of each block, in order."""
+        return [int(name) for name in self._modules]
+
 
 def _check_layer_indices(layers: Sequence[int], num_layers: int) -> list[int]:
     layers = list(layers)
@@ -544,17 +548,18 @@ class GPTModel(SharesProcessGroups, nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def moe_layers(self) -> dict[str, MoELayer]:
-        """This stage's MoE layers by module name (`layers.3.mlp`)."""
-        return {n: m for n, m in self.named_modules() if isinstance(m, MoELayer)}
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This stage's MoE layers by global layer index."""
+        return {
+            index: block.mlp
+            for index, block in zip(self.layers.indices(), self.layers)
+            if isinstance(block.mlp, MoELayer)
+        }
 
     def take_moe_totals(self) -> dict[int, dict[str, torch.Tensor]]:
         """Each MoE layer's routing totals since the last call, by global layer index
         (`MoELayer.take_routing_totals`)."""
-        return {
-            int(name.split(".")[1]): layer.take_routing_totals()
-            for name, layer in self.moe_layers().items()
-        }
+        return {index: layer.take_routing_totals() for index, layer in self.moe_layers().items()}
 
     def set_moe_aux_loss_scale(self, scale: float) -> None:
         """The gradient the MoE layers' balancing and z losses get in backward: the factor

@@ -4,7 +4,8 @@
 expert 1, ... (`counts[e]` rows each, some possibly 0) and `weight [experts, out, in]`; row
 block e of the result `[tokens, out]` is `x_e @ weight[e]^T`. Forward and both backward
 products go through `torch._grouped_mm` (one C++ call per product on CPU, one kernel on CUDA)
-where this torch, device and dtype have it, else through a loop over the experts.
+where this torch, device and dtype have it and the shapes suit it (rows of a multiple of 16
+bytes, some tokens), else through a loop over the experts.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
                 ok = False
         _AVAILABLE[key] = ok
     return _AVAILABLE[key]
+
+
+def _suits_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes this problem: its kernels need every row (in, out)
+    to be a multiple of 16 bytes (and on CUDA 16-byte aligned data); an empty batch goes
+    through the loop, whose backward handles broadcast gradients of no rows."""
+    if x.dtype != weight.dtype or x.shape[0] == 0:
+        return False
+    size = x.element_size()
+    if (weight.shape[1] * size) % 16 or (weight.shape[2] * size) % 16:
+        return False
+    if x.is_cuda and (x.data_ptr() % 16 or weight.data_ptr() % 16):
+        return False
+    return grouped_mm_available(x.device, x.dtype)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -70,7 +85,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int])
             f"tpcore: grouped_linear: counts {list(counts)} must give the rows of each of the "
             f"{weight.shape[0]} experts and add up to the {x.shape[0]} tokens"
         )
-    if x.dtype == weight.dtype and grouped_mm_available(x.device, x.dtype):
+    if _suits_grouped_mm(x, weight):
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return _GroupedLinear.apply(x.contiguous(), weight, offsets.to(x.device))
     blocks = x.split(list(counts))

@@ -133,13 +133,16 @@ class ExpertWeights(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """`rows [n, h]` sorted by local expert, `counts[e]` of expert e -> `[n, h]`."""
-        act = self.config.activation
+        act, fc1, fc2 = self.config.activation, self.fc1.weight, self.fc2.weight
+        device = rows.device.type
+        if torch.is_autocast_enabled(device):  # as autocast runs a matmul: in its dtype
+            dtype = torch.get_autocast_dtype(device)
+            rows, fc1, fc2 = rows.to(dtype), fc1.to(dtype), fc2.to(dtype)
         if self.config.grouped_gemm:
-            hidden = grouped_linear(rows, self.fc1.weight, counts)
-            return grouped_linear(act(hidden), self.fc2.weight, counts)
+            return grouped_linear(act(grouped_linear(rows, fc1, counts)), fc2, counts)
         out = []
         for e, block in enumerate(rows.split(list(counts))):
-            out.append(act(block @ self.fc1.weight[e].t()) @ self.fc2.weight[e].t())
+            out.append(act(block @ fc1[e].t()) @ fc2[e].t())
         return torch.cat(out)
 
 
@@ -220,7 +223,8 @@ class MoELayer(SharesProcessGroups, nn.Module):
             split_here = False
         if split_here:
             tokens = scatter_to_sequence_parallel(tokens, self.group)
-        logits = F.linear(tokens.float(), self.router.weight.float())
+        with torch.autocast(tokens.device.type, enabled=False):  # the router in float32
+            logits = F.linear(tokens.float(), self.router.weight.float())
         shared_tokens = tp > 1 and (split_here or c.sequence_parallel)
         routing = route(
             logits,

@@ -5,7 +5,7 @@ one all-reduce over every rank turns them into the step's values: the losses are
 TP rank (summed), per micro-batch (averaged) and per data-parallel rank (averaged), summed
 over the layers of every pipeline stage; the loads are each layer's tokens per expert over
 the whole global batch, reported as the worst layer's max / mean, and what DeepSeek-V3's
-balancing biases move by (`MoELayer.update_expert_bias`).
+balancing biases move by (`update_expert_biases`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from ..models import GPTModel
 
-__all__ = ["MOE_COLUMNS", "set_aux_loss_scale", "moe_step_metrics", "discard_moe_totals"]
+__all__ = [
+    "MOE_COLUMNS",
+    "set_aux_loss_scale",
+    "moe_step_totals",
+    "moe_step_metrics",
+    "update_expert_biases",
+    "discard_moe_totals",
+]
 
 MOE_COLUMNS = ["moe_aux_loss", "moe_z_loss", "moe_load_max_over_mean"]
 """metrics.csv's columns for MoE runs."""
@@ -36,11 +43,10 @@ def discard_moe_totals(chunks: Sequence[GPTModel]) -> None:
         chunk.take_moe_totals()
 
 
-def moe_step_metrics(
-    chunks: Sequence[GPTModel], micro_batches: int, dp_size: int, device: str
-) -> dict[str, float]:
-    """The step's MoE metrics (`MOE_COLUMNS`); a collective over every rank. With
-    DeepSeek-V3's balancing biases, each layer's bias then takes its step from the loads."""
+def moe_step_totals(chunks: Sequence[GPTModel], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's routing, summed over every rank (a collective over all of them): the
+    balancing and z losses `[2]` (shares, not yet averaged) and each layer's tokens per
+    expert over the global batch `[layers, experts]` (zero rows for dense layers)."""
     config = chunks[0].config
     losses = torch.zeros(2, dtype=torch.float64, device=device)
     loads = torch.zeros(config.num_layers, config.num_experts, dtype=torch.float64, device=device)
@@ -51,10 +57,22 @@ def moe_step_metrics(
                 loads[index] += totals["tokens_per_expert"].double()
     dist.all_reduce(losses)
     dist.all_reduce(loads)
+    return losses, loads
+
+
+def update_expert_biases(chunks: Sequence[GPTModel], loads: torch.Tensor) -> None:
+    """DeepSeek-V3's balancing step of every MoE layer that has a bias, from the step's
+    loads `[layers, experts]` (`moe_step_totals`)."""
     for chunk in chunks:
-        for name, layer in chunk.moe_layers().items():
-            layer.update_expert_bias(loads[int(name.split(".")[1])])
-    losses /= micro_batches * dp_size
+        for index, layer in chunk.moe_layers().items():
+            layer.update_expert_bias(loads[index])
+
+
+def moe_step_metrics(
+    losses: torch.Tensor, loads: torch.Tensor, micro_batches: int, dp_size: int
+) -> dict[str, float]:
+    """The step's MoE metrics (`MOE_COLUMNS`) from `moe_step_totals`."""
+    losses = losses / (micro_batches * dp_size)
     used = loads[loads.sum(1) > 0]
     imbalance = (used.max(1).values / used.mean(1)).max().item() if used.numel() else 0.0
     return {

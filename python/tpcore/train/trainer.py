@@ -45,7 +45,14 @@ from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_h
 from .logger import MetricsLogger, StepTimer, plot_loss_curve
 from .lora_setup import add_adapters, checkpoint_role, finish_lora, load_lora_base, lora_settings
 from .lr_schedule import learning_rate
-from .moe_metrics import MOE_COLUMNS, discard_moe_totals, moe_step_metrics, set_aux_loss_scale
+from .moe_metrics import (
+    MOE_COLUMNS,
+    discard_moe_totals,
+    moe_step_metrics,
+    moe_step_totals,
+    set_aux_loss_scale,
+    update_expert_biases,
+)
 from .same_arguments import check_same_arguments
 
 __all__ = ["pretrain", "init_distributed", "precision"]
@@ -537,14 +544,10 @@ class _Training:
             step_ms=1000 * timer.seconds,
         )
         if self.config.num_experts is not None:
-            metrics.update(
-                moe_step_metrics(
-                    self.chunks,
-                    self.train_batches.accumulation,
-                    dist.get_world_size(self.dp_group),
-                    self.device,
-                )
-            )
+            losses, loads = moe_step_totals(self.chunks, self.device)
+            update_expert_biases(self.chunks, loads)
+            dp = dist.get_world_size(self.dp_group)
+            metrics.update(moe_step_metrics(losses, loads, self.train_batches.accumulation, dp))
         return metrics, skipped, explained
 
     def evaluate(self) -> float:
