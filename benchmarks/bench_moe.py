@@ -51,7 +51,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_comm import _fmt_bytes, _fmt_us, _time_calls  # noqa: E402
-from ranks import run_on_ranks  # noqa: E402
+from ranks import join_gloo, run_on_ranks  # noqa: E402
 
 LAYER_CONTENDERS = [
     "tpcore MoELayer (grouped GEMM)",
@@ -65,21 +65,9 @@ TPCORE, HF_EAGER, HF_GROUPED = LAYER_CONTENDERS[0], LAYER_CONTENDERS[3], LAYER_C
 
 def _init(rank: int, world: int, store: str, threads: int):
     """Join a gloo job of `world` ranks with `threads` threads; returns torch."""
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
 
-    import tpcore  # noqa: F401 - registers the `tpcore` backend
-
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
+    join_gloo(rank, world, store, threads)
     return torch
 
 

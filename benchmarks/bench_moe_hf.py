@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import run_on_ranks  # noqa: E402
+from ranks import join_gloo, run_on_ranks  # noqa: E402
 
 
 def _mixtral_config(args):
@@ -45,16 +45,8 @@ def _mixtral_config(args):
 
 
 def _case(rank, world, store, args, folder, results) -> None:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-        timeout=timedelta(minutes=10),
-    )  # fmt: skip
     import transformers
 
     import tpcore
@@ -63,6 +55,7 @@ def _case(rank, world, store, args, folder, results) -> None:
     from tpcore.models import GPTModel
     from tpcore.models import generate as gpt_generate
 
+    join_gloo(rank, world, store, threads=1)
     # Every rank its own size-1 TP group for the EP model (all ranks create all groups).
     alone = [dist.new_group([r]) for r in range(world)][rank]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -104,6 +104,23 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def join_gloo(rank: int, world: int, store_path: str, threads: int) -> None:
+    """Join a `world`-rank gloo job (no tpcore groups yet) with `threads` threads a rank."""
+    import torch
+    import torch.distributed as dist
+
+    import tpcore  # noqa: F401 - registers the `tpcore` backend
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+
+
 def init_ranks(rank: int, world: int, store_path: str, device: str) -> None:
     """Join a `world`-rank job (gloo on CPU, NCCL on CUDA) with TP over all of it."""
     import torch
