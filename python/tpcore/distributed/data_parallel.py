@@ -144,20 +144,18 @@ class DataParallelGrads:
                     dp_size=dist.get_world_size(reduce_group),
                     separate=self.tied + self.split + self.lookup_only,
                     keep_params=reduce_scatter,
-                )
-                # The group this buffer is summed over (and, reduce-scattered, sliced over).
-                buffer.reduce_group = reduce_group
-                buffer.reduce_rank = dist.get_rank(reduce_group)
-                # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's
-                # chunk at wait(), whose work never reports completion: an all-reduce in place
-                # on the bucket sends the same bytes and leaves this rank's slice in place.
-                buffer.scatter_by_all_reduce = (
-                    reduce_scatter and dist.get_backend(reduce_group) == "gloo"
+                    group=reduce_group,
                 )
                 mine.append(buffer)
             self.chunk_buffers.append(mine)
             self.buffers.extend(mine)
         self.params = [p for b in self.buffers for p in b.params]
+        # gloo's reduce-scatter is an all-reduce of a clone plus a copy of the rank's chunk
+        # at wait(), whose work never reports completion: an all-reduce in place on the
+        # bucket sends the same bytes and leaves this rank's slice where it belongs.
+        self._scatter_by_all_reduce = [
+            reduce_scatter and dist.get_backend(b.reduce_group) == "gloo" for b in self.buffers
+        ]
         self._index_of = {id(p): i for i, b in enumerate(self.buffers) for p in b.params}
         self._expected: int | None = None
         self._counts: dict[int, int] = {}
@@ -308,7 +306,7 @@ class DataParallelGrads:
         if pending is not None:
             result = pending.wait()
             buffer = self.buffers[i]
-            if self.reduce_scatter and not buffer.scatter_by_all_reduce:
+            if self.reduce_scatter and not self._scatter_by_all_reduce[i]:
                 lo, hi = bucket.shard(buffer.reduce_rank)
                 buffer.grad_data[lo:hi].copy_(result)
             self._pending[(i, bucket.index)] = None  # started: a late gradient still raises
@@ -327,7 +325,7 @@ class DataParallelGrads:
             bucket.grad.div_(self.dp_size)
         if dist.get_world_size(group) == 1:
             self._pending[(i, bucket.index)] = None  # nothing to send
-        elif self.reduce_scatter and not self.buffers[i].scatter_by_all_reduce:
+        elif self.reduce_scatter and not self._scatter_by_all_reduce[i]:
             self._pending[(i, bucket.index)] = comm.reduce_scatter_async(bucket.grad, 0, group)
         else:
             self._pending[(i, bucket.index)] = comm.all_reduce_inplace_async(bucket.grad, group)

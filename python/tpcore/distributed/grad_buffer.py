@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["Bucket", "GradBuffer", "default_bucket_size", "BUCKET_ALIGNMENT"]
@@ -95,6 +96,7 @@ class GradBuffer:
         dp_size: int,
         separate: Sequence[nn.Parameter] = (),
         keep_params: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if not params:
             raise ValueError("tpcore: GradBuffer: no parameters")
@@ -104,6 +106,11 @@ class GradBuffer:
             )
         first = params[0][1]
         self.param_dtype, self.grad_dtype, self.dp_size = first.dtype, grad_dtype, dp_size
+        self.reduce_group = group
+        """The group this buffer is summed over (and, reduce-scattered, sliced over): the
+        data-parallel group, or for MoE experts the ranks holding the same ones."""
+        self.reduce_rank = dist.get_rank(group) if group is not None else 0
+        """This rank's slice of each bucket."""
         self.device = first.device
         if any(p.dtype != self.param_dtype or p.device != self.device for _, p in params):
             raise ValueError(

@@ -113,7 +113,7 @@ class ParamGather:
         self._used = []
         for key in order:
             buffer = self.buffers[key[0]]
-            group = getattr(buffer, "reduce_group", self.dp_group)
+            group = self.dp_group if buffer.reduce_group is None else buffer.reduce_group
             if dist.get_world_size(group) == 1:
                 continue
             bucket = buffer.buckets[key[1]]
