@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
+from ..tensor_parallel.shard_spec import ShardSpec, as_rows, shard_spec
 from .dcp_slices import has_checkpointable, load_slice_state_dict, slice_state_dict
 from .optimizer_slices import is_sharded
 
@@ -263,6 +263,12 @@ def _optimizer_entries(
     }, params
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """An N-D tensor's `[prod(shape[:-1]), shape[-1]]` view (optimizer state of an MoE
+    layer's experts is stored so, as the distributed optimizer's slices of it are)."""
+    return t if t.dim() <= 2 else t.view(-1, t.shape[-1])
+
+
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
     """Create a fresh optimizer's state (one step on zero gradients at lr 0), so a loaded
     checkpoint has tensors to go into; what the step wrote is overwritten by the load."""
@@ -304,7 +310,9 @@ def sharded_optimizer_state_dict(
     for name, entry in entries.items():
         spec, shape = shard_spec(params[name]), tuple(params[name].shape)
         state[name] = {
-            k: _sharded(v, spec) if torch.is_tensor(v) and tuple(v.shape) == shape else v
+            k: _sharded(_rows(v), as_rows(spec))
+            if torch.is_tensor(v) and tuple(v.shape) == shape
+            else v
             for k, v in entry.items()
         }
     out: dict[str, Any] = {"state": state}
@@ -345,7 +353,7 @@ def load_sharded_optimizer_state_dict(model: Model, optimizer, state_dict: dict[
                 and tuple(target.shape) == shape
                 and spec.kind != "replicated"
             ):
-                _from_sharded(value, target, spec)
+                _from_sharded(value, _rows(target), as_rows(spec))
                 value = target
             elif torch.is_tensor(target) and torch.is_tensor(value) and value is not target:
                 with torch.no_grad():

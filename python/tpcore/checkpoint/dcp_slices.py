@@ -14,7 +14,8 @@ loads without it and at another DP size, and the other way round.
 
 Saving writes only the boxes this rank owns (one source per element: replicated norms from
 TP rank 0, replicated key/value heads from their owner); loading reads every box of the
-slice, copies included.
+slice, copies included. An MoE layer's `[experts, rows, cols]` weights are stored as their
+`[experts x rows, cols]` view (`shard_spec.as_rows`), as every optimizer's state of them is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.shard_spec import ShardSpec, shard_spec
+from ..tensor_parallel.shard_spec import ShardSpec, as_rows, shard_spec
 
 __all__ = ["slice_state_dict", "load_slice_state_dict", "has_checkpointable"]
 
@@ -69,13 +70,11 @@ class _Cover:
 
 
 def _cover(shape: tuple[int, ...], lo: int, hi: int) -> _Cover:
+    """What the flat slice `[lo, hi)` of a piece of `shape` touches; an N-D piece counts as
+    its rows of the last dim (`shard_spec.as_rows`)."""
     if len(shape) == 1:
         return _Cover(lo, hi)
-    if len(shape) != 2:
-        raise NotImplementedError(
-            f"tpcore: the distributed optimizer's state of a {len(shape)}-D parameter in DCP"
-        )
-    return _Cover(lo, hi, shape[1])
+    return _Cover(lo, hi, shape[-1])
 
 
 def _row_boxes(c: _Cover) -> list[tuple[int, int, int, int]]:
@@ -158,7 +157,7 @@ def slice_state_dict(optimizer, *, for_load: bool) -> dict:
     tp_rank = dist.get_rank(optimizer.tp_group)
     state = {}
     for piece, entry in _pieces(optimizer):
-        spec = shard_spec(piece.param)
+        spec = as_rows(shard_spec(piece.param))  # [experts, rows, cols]: as [rows, cols]
         if not for_load and spec.kind == "replicated" and tp_rank != 0:
             continue  # every TP rank holds the same replicated slice: TP rank 0 writes it
         cover = _cover(tuple(piece.param.shape), piece.lo, piece.hi)

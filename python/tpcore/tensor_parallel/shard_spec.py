@@ -56,6 +56,7 @@ __all__ = [
     "shares_indices",
     "part_chunks",
     "refuse_expert_weights",
+    "as_rows",
 ]
 
 
@@ -414,3 +415,23 @@ def refuse_expert_weights(modules: Sequence[torch.nn.Module], what: str) -> None
                 raise NotImplementedError(
                     f"tpcore: {what} does not handle mixture-of-experts weights yet ({name})"
                 )
+
+
+def as_rows(spec: ShardSpec) -> ShardSpec:
+    """The spec of an N-D tensor (N > 2) seen as the 2-D `[prod(shape[:-1]), shape[-1]]` (a
+    view of it): a split of dim 0 becomes a split of whole blocks of rows, each unit (an
+    expert) its `prod(shape[1:-1])` rows. 1-D and 2-D specs are returned as they are. What
+    handles matrices only (the distributed optimizer's checkpoint slices) handles an MoE
+    layer's `[experts, rows, cols]` weights through it."""
+    shape = spec.global_shape
+    if len(shape) <= 2:
+        return spec
+    inner, rows = math.prod(shape[1:-1]), math.prod(shape[:-1])
+    if spec.kind == "replicated":
+        return dataclasses.replace(spec, global_shape=(rows, shape[-1]))
+    if spec.dim != 0 or spec.kind != "parts":
+        raise NotImplementedError(
+            f"tpcore: a {len(shape)}-D tensor split along dim {spec.dim} has no 2-D row view"
+        )
+    parts = tuple(Part(p.name, p.size * inner, p.units) for p in spec.parts)
+    return dataclasses.replace(spec, global_shape=(rows, shape[-1]), parts=parts)

@@ -13,9 +13,8 @@ __all__ = ["check_moe_flags", "moe_config_fields", "moe_run_fields", "parse_moe_
 
 
 def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
-    """`need` that the expert-parallel size fits the experts, and that what does not handle
-    expert weights yet is not asked for: tpcore's torch checkpoint format, the distributed
-    optimizer's state in a checkpoint."""
+    """`need` that the expert-parallel size fits the experts, and that tpcore's torch
+    checkpoint format, which does not hold expert weights yet, is not asked for."""
     need(
         args.num_experts is not None or args.expert_model_parallel_size == 1,
         f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts",
@@ -30,11 +29,6 @@ def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
             not args.save or args.ckpt_format == "torch_dist",
             "--save: the torch checkpoint format does not hold mixture-of-experts weights "
             "yet; use --ckpt-format torch_dist",
-        )
-        need(
-            not (args.use_distributed_optimizer and args.save),
-            "--save with --use-distributed-optimizer: its state of the 3-D expert weights has "
-            "no checkpoint layout yet; drop one of them",
         )
 
 
