@@ -6,12 +6,14 @@ and never picks the last expert, so loads are uneven and one expert receives no 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcore
 from checks import assert_close, expect_error
+from harness import DEVICES, pool_for
 from tpcore import parallel_state
 from tpcore.moe import MoEConfig, MoELayer, ReferenceMoE, RouterConfig
 
@@ -227,3 +229,35 @@ def _expert_bias(rank, world):
 
 def test_expert_bias_balances_and_steers_the_choice(cpu_ranks):
     assert all(cpu_ranks.run(_expert_bias))
+
+
+def _on_device(rank, world, device):
+    """One rank's MoELayer (TP 1, EP 1) on `device` against ReferenceMoE on the same device:
+    fp32 (a loop of matmuls on CUDA) and bf16 (torch._grouped_mm where the GPU has it)."""
+    tpcore.initialize_model_parallel(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        config = _config(dict(sp=False, dispatcher="alltoall"))
+        ref = _reference(config, dtype).to(device)
+        layer = MoELayer(
+            config, group=parallel_state.get_tensor_model_parallel_group(), dtype=dtype
+        )
+        layer.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(ref.get_parameter(name))
+        x, grad = (t.to(device) for t in _inputs(rank, dtype))
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = layer(mine)
+        want = ref(theirs)
+        (out.float() * grad).sum().backward()
+        ((want.float() * grad).sum() + ref.aux_loss).backward()
+        assert_close(out, want, f"{device} {dtype} output")
+        assert_close(mine.grad, theirs.grad, f"{device} {dtype} input grad")
+        for name, p in layer.named_parameters():
+            assert_close(p.grad, ref.get_parameter(name).grad, f"{device} {dtype} {name}")
+    return True
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_layer_on_each_device(request, device):
+    assert all(pool_for(request, device, 1).run(_on_device, device))

@@ -31,6 +31,8 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
                 a = torch.zeros(16, 16, device=device, dtype=dtype)
                 b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
                 offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+                # the three layouts grouped_linear uses: forward, input and weight gradients
+                torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
                 torch._grouped_mm(a, b, offs=offsets)
                 torch._grouped_mm(a.t(), a, offs=offsets)
             except (RuntimeError, NotImplementedError, TypeError):
