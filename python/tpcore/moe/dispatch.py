@@ -134,18 +134,18 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def _by_local_expert(received: torch.Tensor) -> torch.Tensor:
+def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:
     """Row order that turns rows grouped by (source rank, local expert), `received [ep,
-    local]` rows each, into rows grouped by (local expert, source rank)."""
+    local]` rows each (`total` in all, known on the host), into rows grouped by (local
+    expert, source rank)."""
     ep, local = received.shape
     flat = received.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat
     chunks = torch.arange(ep * local, device=flat.device).view(ep, local).t().reshape(-1)
     lengths = flat[chunks]
     shifts = starts[chunks] - (torch.cumsum(lengths, 0) - lengths)
-    return torch.repeat_interleave(shifts, lengths) + torch.arange(
-        int(flat.sum()), device=flat.device
-    )
+    index = torch.arange(total, device=flat.device)
+    return torch.repeat_interleave(shifts, lengths, output_size=total) + index
 
 
 def all_to_all(
@@ -170,7 +170,7 @@ def all_to_all(
     sizes = torch.cat([send, receive_matrix.sum(1), receive_matrix.sum(0)]).tolist()
     send_rows, receive_rows, local_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
     arrived = _AllToAll.apply(rows, group, receive_rows, send_rows)
-    order = _by_local_expert(receive_matrix)
+    order = _by_local_expert(receive_matrix, sum(receive_rows))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     done = experts(_Reorder.apply(arrived, order, back), local_counts)

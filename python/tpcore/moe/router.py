@@ -146,8 +146,11 @@ def route(
     capacity = config.capacity(tokens)
     if capacity is not None:
         experts, weights = _drop_over_capacity(experts, weights, capacity, config.num_experts)
-    routed = experts[experts >= 0]
-    tokens_per_expert = torch.bincount(routed, minlength=config.num_experts)
+    # counted without a boolean mask (no host synchronisation on a GPU): dropped routes weigh 0
+    kept = (experts >= 0).reshape(-1).to(torch.int64)
+    tokens_per_expert = torch.bincount(
+        experts.clamp_min(0).reshape(-1), weights=kept, minlength=config.num_experts
+    ).to(torch.int64)
 
     spread = 1 if token_group is None else dist.get_world_size(token_group)
     everyone = tokens * spread  # the batch's tokens over the group
