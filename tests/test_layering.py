@@ -14,7 +14,7 @@ PACKAGE = REPO_ROOT / "python" / "tpcore"
 # base. Packages on one line may not import each other.
 LAYERS = [
     {"tensor_parallel"},
-    {"moe"},
+    {"moe", "context_parallel"},
     {"models", "data"},
     {"pipeline_parallel", "distributed"},
     {"optimizer", "checkpoint"},
