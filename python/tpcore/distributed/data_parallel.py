@@ -90,7 +90,10 @@ class DataParallelGrads:
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.overlap, self.reduce_scatter = overlap_grad_reduce, reduce_scatter
         experts = {
-            id(p) for c in chunks for p in c.parameters() if p.requires_grad and _split_expert(p)
+            id(p)
+            for c in chunks
+            for p in c.parameters()
+            if p.requires_grad and shard_spec(p).split_experts
         }
         if experts and expert_dp_group is None:
             raise ValueError(
@@ -447,12 +450,6 @@ class DataParallelGrads:
             h.remove()
         self._hooks = []
         detach_sinks(self._sinks)
-
-
-def _split_expert(p: nn.Parameter) -> bool:
-    """Whether `p` is an expert weight split over more than one expert-parallel rank."""
-    spec = shard_spec(p)
-    return spec.axis == "expert" and spec.tp_size > 1
 
 
 def _add_rows(

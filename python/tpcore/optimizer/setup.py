@@ -98,13 +98,10 @@ def make_optimizer(
     # Expert weights split over EP > 1 ranks have their own reduction group and norm; at EP 1
     # every rank holds every expert, replicated over TP like a norm's weight.
     state = get_parallel_state()
-    experts = {n for n, s in specs.items() if s.axis == "expert" and s.tp_size > 1}
+    experts = {n for n, s in specs.items() if s.split_experts}
     expert_groups = dict(ep_group=state.expert_group, expert_dp_group=state.expert_data_group)
     common = dict(
-        is_replicated=lambda name: (
-            specs[name].kind == "replicated"
-            or (specs[name].axis == "expert" and specs[name].tp_size == 1)
-        ),
+        is_replicated=lambda name: specs[name].same_on_tp_ranks,
         tp_group=tp_group,
         pp_group=pp_group,
         tp_copies=lambda name: specs[name].copied_elements(),

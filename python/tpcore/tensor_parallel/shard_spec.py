@@ -181,6 +181,18 @@ class ShardSpec:
         return dataclasses.replace(self, tp_size=tp_size, tp_rank=tp_rank, group=group)
 
     @property
+    def split_experts(self) -> bool:
+        """Expert weights split over more than one expert-parallel rank (their gradients are
+        summed over the ranks holding the same experts, not over data parallelism)."""
+        return self.axis == "expert" and self.tp_size > 1
+
+    @property
+    def same_on_tp_ranks(self) -> bool:
+        """Every TP rank holds the whole tensor: replicated, or expert weights at EP 1 (a
+        gradient norm counts it once)."""
+        return self.kind == "replicated" or (self.axis == "expert" and self.tp_size == 1)
+
+    @property
     def local_rows(self) -> int:
         """Rows of each rank's piece of a vocabulary split, padding included."""
         return (

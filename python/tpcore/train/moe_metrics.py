@@ -55,9 +55,9 @@ def moe_step_totals(chunks: Sequence[GPTModel], device: str) -> tuple[torch.Tens
             if totals:
                 losses += torch.stack([totals["aux_loss"], totals["z_loss"]]).double()
                 loads[index] += totals["tokens_per_expert"].double()
-    dist.all_reduce(losses)
-    dist.all_reduce(loads)
-    return losses, loads
+    both = torch.cat([losses, loads.reshape(-1)])  # one all-reduce for both
+    dist.all_reduce(both)
+    return both[:2], both[2:].view_as(loads)
 
 
 def update_expert_biases(chunks: Sequence[GPTModel], loads: torch.Tensor) -> None:
