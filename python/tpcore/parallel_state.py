@@ -1,16 +1,20 @@
-"""Process groups for tensor, pipeline, data and expert parallelism.
+"""Process groups for tensor, context, pipeline, data and expert parallelism.
 
 Ranks are laid out as in Megatron-LM: tensor-parallel ranks are adjacent, then
-data-parallel, then pipeline-parallel, so that
+context-parallel, then data-parallel, then pipeline-parallel, so that
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+Context parallelism splits every sequence over `cp` ranks that hold the same weights, so
+gradients are summed over CP as well as DP: the data-and-context group (`dp * cp` ranks of
+one stage at the same TP rank) is what gradient reduction and the distributed optimizer use.
 
 Expert parallelism (mixtures of experts) is laid over the same ranks as Megatron-Core's
-"MoE parallel folding" with expert tensor parallelism 1: the `tp * dp` ranks of a pipeline
+"MoE parallel folding" with expert tensor parallelism 1: the `tp * cp * dp` ranks of a pipeline
 stage are cut again into expert-parallel groups of `ep` adjacent ranks (each holds
 `experts / ep` of every MoE layer's experts; tokens travel between them by all-to-all) and
 expert-data-parallel groups of the ranks that hold the same experts (stride `ep`; expert
-gradients are summed over it). So `ep` must divide `tp * dp`, not only `dp`.
+gradients are summed over it). So `ep` must divide `tp * cp * dp`, not only `dp`.
 
 `rank_layout` computes the groups as plain lists (no processes needed);
 `initialize_model_parallel` creates them on a live `torch.distributed` job and
@@ -58,6 +62,11 @@ __all__ = [
     "get_data_parallel_group",
     "get_data_parallel_world_size",
     "get_data_parallel_rank",
+    "get_context_parallel_group",
+    "get_context_parallel_world_size",
+    "get_context_parallel_rank",
+    "get_data_context_parallel_group",
+    "get_tensor_context_parallel_group",
     "get_pipeline_model_parallel_group",
     "get_pipeline_model_parallel_world_size",
     "get_pipeline_model_parallel_rank",
@@ -79,15 +88,23 @@ class RankLayout:
     tensor: list[list[int]]
     """Tensor-parallel groups: `tp` adjacent ranks each."""
     data: list[list[int]]
-    """Data-parallel groups: same tp rank and pp stage, stride `tp`."""
+    """Data-parallel groups: same tp rank, cp rank and pp stage, stride `tp * cp`."""
     pipeline: list[list[int]]
-    """Pipeline groups: one rank per stage, stride `tp * dp`."""
+    """Pipeline groups: one rank per stage, stride `tp * cp * dp`."""
     embedding: list[list[int]]
     """Embedding groups: the first and last rank of each pipeline group (one rank when pp = 1)."""
     expert: list[list[int]] = dataclasses.field(default_factory=list)
     """Expert-parallel groups: `ep` adjacent ranks of one pipeline stage."""
     expert_data: list[list[int]] = dataclasses.field(default_factory=list)
     """Expert-data-parallel groups: the ranks of one stage at the same expert-parallel rank."""
+    context: list[list[int]] = dataclasses.field(default_factory=list)
+    """Context-parallel groups: `cp` ranks at stride `tp` (each holds part of every sequence)."""
+    data_context: list[list[int]] = dataclasses.field(default_factory=list)
+    """Data-and-context groups: the `dp * cp` ranks of one stage at the same TP rank
+    (gradients reduce over them); the data groups when cp is 1."""
+    tensor_context: list[list[int]] = dataclasses.field(default_factory=list)
+    """Tensor-and-context groups: `tp * cp` adjacent ranks, whose tokens together are one
+    micro-batch's (MoE balancing losses count over them); none when cp is 1."""
 
     def groups_of(self, rank: int) -> tuple[list[int], list[int], list[int]]:
         """The (tensor, data, pipeline) groups that contain `rank`."""
@@ -101,6 +118,7 @@ def _check_sizes(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> int:
     check_positive_ints(
         "model parallel sizes",
@@ -108,12 +126,18 @@ def _check_sizes(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
-    model_size = tensor_parallel_size * pipeline_parallel_size
+    model_size = tensor_parallel_size * context_parallel_size * pipeline_parallel_size
     if world_size % model_size != 0:
+        cp = (
+            f"context_parallel_size ({context_parallel_size}) x "
+            if context_parallel_size > 1
+            else ""
+        )
         raise ValueError(
             f"tpcore: world size {world_size} is not divisible by "
-            f"tensor_parallel_size ({tensor_parallel_size}) x "
+            f"tensor_parallel_size ({tensor_parallel_size}) x {cp}"
             f"pipeline_parallel_size ({pipeline_parallel_size}) = {model_size}"
             + (
                 " (one process: launch one per rank, e.g. torchrun --nproc_per_node N)"
@@ -125,9 +149,10 @@ def _check_sizes(
     if stage % expert_model_parallel_size:
         raise ValueError(
             f"tpcore: expert_model_parallel_size ({expert_model_parallel_size}) does not divide "
-            f"the tensor x data parallel ranks of a pipeline stage ({stage} = "
-            f"tensor_parallel_size {tensor_parallel_size} x data-parallel size "
-            f"{world_size // model_size}); expert parallelism is laid over those ranks"
+            f"the tensor x context x data parallel ranks of a pipeline stage ({stage} = "
+            f"tensor_parallel_size {tensor_parallel_size} x context_parallel_size "
+            f"{context_parallel_size} x data-parallel size {world_size // model_size}); "
+            "expert parallelism is laid over those ranks"
         )
     return world_size // model_size
 
@@ -137,14 +162,31 @@ def rank_layout(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> RankLayout:
-    """Megatron's rank order for `world_size` ranks: TP adjacent, then DP, then PP; expert
-    groups (only when `expert_model_parallel_size > 1`) fold over each stage's ranks."""
+    """Megatron's rank order for `world_size` ranks: TP adjacent, then CP, then DP, then PP;
+    expert groups (only when `expert_model_parallel_size > 1`) fold over each stage's ranks."""
     tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size
-    dp = _check_sizes(world_size, tp, pp, ep)
-    stage = tp * dp  # ranks per pipeline stage
+    cp = context_parallel_size
+    dp = _check_sizes(world_size, tp, pp, ep, cp)
+    stage = tp * cp * dp  # ranks per pipeline stage
     tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-    data = [[s * stage + d * tp + t for d in range(dp)] for s in range(pp) for t in range(tp)]
+    coords = [(s, c, t) for s in range(pp) for c in range(cp) for t in range(tp)]
+    data = [[s * stage + d * cp * tp + c * tp + t for d in range(dp)] for s, c, t in coords]
+    context = [
+        [s * stage + d * cp * tp + c * tp + t for c in range(cp)]
+        for s in range(pp)
+        for d in range(dp)
+        for t in range(tp)
+    ]
+    data_context = [
+        list(range(s * stage + t, (s + 1) * stage, tp)) for s in range(pp) for t in range(tp)
+    ]
+    tensor_context = [
+        list(range(start, start + tp * cp)) for start in range(0, world_size, tp * cp)
+    ]
+    if cp == 1:  # no groups of one rank: CP 1 is "no context group", DP x CP is DP
+        context, data_context, tensor_context = [], data, []
     pipeline = [[r + s * stage for s in range(pp)] for r in range(stage)]
     embedding = [sorted({g[0], g[-1]}) for g in pipeline]
     expert, expert_data = [], []
@@ -153,7 +195,17 @@ def rank_layout(
         expert_data = [
             list(range(s * stage + e, (s + 1) * stage, ep)) for s in range(pp) for e in range(ep)
         ]
-    return RankLayout(tensor, data, pipeline, embedding, expert, expert_data)
+    return RankLayout(
+        tensor,
+        data,
+        pipeline,
+        embedding,
+        expert,
+        expert_data,
+        context,
+        data_context,
+        tensor_context,
+    )
 
 
 @dataclass
@@ -171,6 +223,14 @@ class ParallelState:
     expert_data_group: dist.ProcessGroup | None = None
     """The ranks holding the same experts as this one; None when expert_model_parallel_size
     is 1 (then every rank holds every expert: expert gradients are summed like the others)."""
+    context_group: dist.ProcessGroup | None = None
+    """This rank's context-parallel group (one rank when context_parallel_size is 1)."""
+    data_context_group: dist.ProcessGroup | None = None
+    """The data-parallel ranks of every context-parallel rank: where gradients reduce (the
+    data group when context_parallel_size is 1)."""
+    tensor_context_group: dist.ProcessGroup | None = None
+    """The tensor- and context-parallel ranks holding one micro-batch's tokens; None when
+    context_parallel_size is 1."""
 
 
 _STATE: ParallelState | None = None
@@ -219,6 +279,7 @@ def _settings(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     expert_model_parallel_size: int,
+    context_parallel_size: int,
     timeout: timedelta | None,
     backend: str | None,
 ) -> dict[str, str]:
@@ -228,6 +289,7 @@ def _settings(
         "tensor_parallel_size": repr(tensor_parallel_size),
         "pipeline_parallel_size": repr(pipeline_parallel_size),
         "expert_model_parallel_size": repr(expert_model_parallel_size),
+        "context_parallel_size": repr(context_parallel_size),
         "timeout": repr(timeout),
         "backend": repr(backend),
     }
@@ -295,11 +357,13 @@ def initialize_model_parallel(
     pipeline_parallel_size: int = 1,
     *,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
     timeout: timedelta | None = None,
     backend: str | None = None,
 ) -> ParallelState:
     """Create the tensor / data / pipeline groups; data-parallel size is derived. With
-    `expert_model_parallel_size > 1` also the expert and expert-data groups (module doc).
+    `expert_model_parallel_size > 1` also the expert and expert-data groups, with
+    `context_parallel_size > 1` the context and data-and-context groups (module doc).
 
     Call after `torch.distributed.init_process_group`, on every rank, with the same
     arguments. With `backend=None`, groups whose ranks share a host use the shared-memory
@@ -316,7 +380,12 @@ def initialize_model_parallel(
     # The ranks compare their arguments first: a check below that failed on one rank only
     # would leave the others waiting in the first group's creation.
     settings = _settings(
-        tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size, timeout, backend
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        expert_model_parallel_size,
+        context_parallel_size,
+        timeout,
+        backend,
     )
     hosts = _agree({**settings, "already initialized": repr(_STATE is not None)})
     if _STATE is not None:
@@ -326,14 +395,21 @@ def initialize_model_parallel(
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(
-        world_size, tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size
+        world_size,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        expert_model_parallel_size,
+        context_parallel_size,
     )
     hosts = None if backend is not None or hosts is None or shm.opted_out() else hosts
     timeout = timeout if timeout is not None else _default_timeout()
     mine = {}
     # Every rank must create every group, in the same order, even those it is not in.
     # (With pp <= 2 the embedding groups are the pipeline groups and are reused as such.)
-    for kind in ("tensor", "data", "pipeline", "embedding", "expert", "expert_data"):
+    kinds = ("tensor", "data", "pipeline", "embedding", "expert", "expert_data", "context")
+    if context_parallel_size > 1:
+        kinds += ("data_context", "tensor_context")
+    for kind in kinds:
         for ranks in getattr(layout, kind):
             group = _new_group(ranks, timeout, backend or shm.cpu_backend_for(ranks, hosts))
             if rank in ranks:
@@ -346,6 +422,9 @@ def initialize_model_parallel(
         mine.get("embedding"),
         mine.get("expert"),
         mine.get("expert_data"),
+        mine.get("context"),
+        mine.get("data_context", mine["data"]),
+        mine.get("tensor_context"),
     )
     exit_hook.register()  # a program that ends without shutdown() must not abort at exit
     return _STATE
@@ -422,6 +501,34 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_rank() -> int:
     return dist.get_rank(get_data_parallel_group())
+
+
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's context-parallel group; None when context_parallel_size is 1."""
+    return get_parallel_state().context_group
+
+
+def get_context_parallel_world_size() -> int:
+    group = get_context_parallel_group()
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def get_context_parallel_rank() -> int:
+    group = get_context_parallel_group()
+    return 0 if group is None else dist.get_rank(group)
+
+
+def get_data_context_parallel_group() -> dist.ProcessGroup:
+    """The data-parallel ranks of every context-parallel rank of this stage and TP rank
+    (Megatron's `get_data_parallel_group(with_context_parallel=True)`): gradients are
+    summed over CP and averaged over DP across it. The data group when CP is 1."""
+    return get_parallel_state().data_context_group
+
+
+def get_tensor_context_parallel_group() -> dist.ProcessGroup | None:
+    """The `tp * cp` ranks that hold one micro-batch's tokens (MoE balancing losses count
+    over them); None when context_parallel_size is 1."""
+    return get_parallel_state().tensor_context_group
 
 
 def get_pipeline_model_parallel_group() -> dist.ProcessGroup:

@@ -106,6 +106,93 @@ def test_expert_parallel_size_must_divide_a_stage():
     assert rank_layout(4, 4, 1, 4).expert == [[0, 1, 2, 3]]  # EP over the TP ranks is fine
 
 
+@pytest.mark.parametrize(
+    "world,tp,cp,pp",
+    [
+        (2, 1, 2, 1),
+        (4, 2, 2, 1),
+        (8, 2, 2, 2),
+        (8, 1, 4, 2),
+        (12, 1, 3, 2),
+        (16, 2, 2, 2),
+        (24, 2, 3, 2),
+    ],
+)
+def test_context_groups_follow_megatron_order(world, tp, cp, pp):
+    """global = pp * (dp cp tp) + dp * (cp tp) + cp_rank * tp + tp_rank; each kind of group
+    fixes every coordinate but its own (data-and-context: fixes pp and tp)."""
+    layout = rank_layout(world, tp, pp, context_parallel_size=cp)
+    dp = world // (tp * cp * pp)
+    coords = {
+        ((p * dp + d) * cp + c) * tp + t: (p, d, c, t)
+        for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp))
+    }
+    assert sorted(coords) == list(range(world))
+    for kind, varying in (
+        ("tensor", (3,)),
+        ("context", (2,)),
+        ("data", (1,)),
+        ("pipeline", (0,)),
+        ("data_context", (1, 2)),
+        ("tensor_context", (2, 3)),
+    ):
+        groups = getattr(layout, kind)
+        assert sorted(r for g in groups for r in g) == list(range(world)), kind
+        for g in groups:
+            fixed = {tuple(v for i, v in enumerate(coords[r]) if i not in varying) for r in g}
+            assert len(fixed) == 1, f"{kind} group {g} mixes coordinates"
+            assert g == sorted(g)
+            assert (
+                len(g)
+                == {
+                    "tensor": tp,
+                    "context": cp,
+                    "data": dp,
+                    "pipeline": pp,
+                    "data_context": dp * cp,
+                    "tensor_context": tp * cp,
+                }[kind]
+            )
+    no_cp = rank_layout(world // cp, tp, pp)
+    assert rank_layout(world // cp, tp, pp, context_parallel_size=1) == no_cp
+    assert no_cp.context == [] and no_cp.data_context == no_cp.data
+    assert no_cp.tensor_context == []
+
+
+def test_context_parallel_size_must_fit_the_world():
+    with pytest.raises(ValueError, match=r"context_parallel_size \(3\) x"):
+        rank_layout(8, 2, 1, context_parallel_size=3)
+    with pytest.raises(ValueError, match="context_parallel_size.*>= 1"):
+        rank_layout(8, 2, 1, context_parallel_size=0)
+    # EP folds over TP x CP x DP
+    assert rank_layout(4, 1, 1, 4, context_parallel_size=2).expert == [[0, 1, 2, 3]]
+
+
+def _context_groups(rank, world):
+    state = tpcore.initialize_model_parallel(2, context_parallel_size=2)
+    ps = tpcore.parallel_state
+    assert dist.get_process_group_ranks(state.context_group) == [rank % 2, rank % 2 + 2]
+    assert ps.get_context_parallel_world_size() == 2
+    assert ps.get_context_parallel_rank() == rank // 2
+    assert dist.get_process_group_ranks(ps.get_data_context_parallel_group()) == [
+        rank % 2,
+        rank % 2 + 2,
+    ]
+    assert ps.get_data_parallel_world_size() == 1
+    assert dist.get_process_group_ranks(ps.get_tensor_context_parallel_group()) == [0, 1, 2, 3]
+    tpcore.destroy_model_parallel()
+    tpcore.initialize_model_parallel(2)
+    assert ps.get_context_parallel_group() is None
+    assert ps.get_context_parallel_world_size() == 1 and ps.get_context_parallel_rank() == 0
+    assert ps.get_data_context_parallel_group() is ps.get_data_parallel_group()
+    assert ps.get_tensor_context_parallel_group() is None
+    return True
+
+
+def test_live_context_groups(cpu_ranks):
+    assert all(cpu_ranks.run(_context_groups))
+
+
 def _expert_groups(rank, world):
     state = tpcore.initialize_model_parallel(2, expert_model_parallel_size=2)
     ps = tpcore.parallel_state
