@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..tensor_parallel.mappings import (
+    all_to_all_rows,
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
 )
@@ -117,23 +118,6 @@ def unpermute(rows: torch.Tensor, permutation: Permutation, weights: torch.Tenso
     return out.index_add(0, permutation.token, weighted).to(rows.dtype)
 
 
-class _AllToAll(torch.autograd.Function):
-    """`all_to_all_single` with uneven splits; backward sends the gradient back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, group, receive, send):  # type: ignore[override]
-        ctx.group, ctx.receive, ctx.send = group, receive, send
-        out = x.new_empty((sum(receive), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
-        return out, None, None, None
-
-
 def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:
     """Row order that turns rows grouped by (source rank, local expert), `received [ep,
     local]` rows each (`total` in all, known on the host), into rows grouped by (local
@@ -169,12 +153,12 @@ def all_to_all(
     receive_matrix = received.view(ep, local)
     sizes = torch.cat([send, receive_matrix.sum(1), receive_matrix.sum(0)]).tolist()
     send_rows, receive_rows, local_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
-    arrived = _AllToAll.apply(rows, group, receive_rows, send_rows)
+    arrived = all_to_all_rows(rows, group, receive_rows, send_rows)
     order = _by_local_expert(receive_matrix, sum(receive_rows))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     done = experts(_Reorder.apply(arrived, order, back), local_counts)
-    returned = _AllToAll.apply(_Reorder.apply(done, back, order), group, send_rows, receive_rows)
+    returned = all_to_all_rows(_Reorder.apply(done, back, order), group, send_rows, receive_rows)
     return unpermute(returned, permutation, routing.weights)
 
 
