@@ -25,6 +25,7 @@ _CHOICES = {
     "moe_router_score_function": ("softmax", "sigmoid"),
     "moe_router_load_balancing_type": ("aux_loss", "none"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
+    "cp_comm_type": ("p2p", "a2a", "allgather"),
 }
 
 
@@ -102,6 +103,10 @@ class GPTConfig:
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole blocks)."""
     fused_lm_head_loss: bool = False
     """Compute the LM head and the loss chunk by chunk, never materialising the logits."""
+    cp_comm_type: str = "p2p"
+    """How attention crosses the context-parallel ranks (docs/context_parallel.md): "p2p"
+    (ring attention), "a2a" (Ulysses all-to-all; query heads per TP rank divisible by CP) or
+    "allgather" (keys and values gathered). Only used at context-parallel size > 1."""
     # Mixture of experts (Megatron-Core's names; docs/moe.md). None: every MLP is dense.
     num_experts: int | None = None
     """Experts of each MoE layer (None: no MoE layer)."""
@@ -342,6 +347,26 @@ class GPTConfig:
             if self.kv_channels is not None
             else self.hidden_size // self.num_attention_heads
         )
+
+    def check_cp(self, cp: int, tp: int = 1) -> None:
+        """Raise a ValueError naming what context parallelism over `cp` ranks (with `tp`
+        tensor-parallel ranks) does not support in this config."""
+        if cp == 1:
+            return
+        if self.attention_dropout > 0:
+            raise ValueError(
+                f"tpcore: GPTConfig: attention_dropout ({self.attention_dropout}) with "
+                f"context-parallel size {cp}: dropout on attention probabilities split over "
+                "ranks is not implemented; set attention_dropout to 0"
+            )
+        heads = self.num_attention_heads // tp
+        if self.cp_comm_type == "a2a" and heads % cp:
+            raise ValueError(
+                f"tpcore: GPTConfig: cp_comm_type 'a2a' splits each tensor-parallel rank's "
+                f"{heads} attention heads over the context-parallel size {cp}: "
+                "num_attention_heads must be divisible by tensor-parallel size x "
+                "context-parallel size (or use p2p / allgather)"
+            )
 
     def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming what does not split over `tp` tensor-parallel ranks.

@@ -10,6 +10,9 @@ embedding, LM head tied to it by default, loss through the vocab-parallel cross-
 (`tracked_dropout`), so they trace under torch.compile.
 With `sequence_parallel`, norms, dropout and residuals hold `[s/tp, b, h]`; the
 column layers all-gather the sequence and the row layers reduce-scatter it.
+With a context-parallel group each rank holds `s/cp` tokens of every sequence (the
+load-balanced chunks of `tpcore.context_parallel`), at their true positions, and attention
+crosses the group (`context_parallel_attention`).
 Activations are `[seq, batch, hidden]` inside; inputs are ids `[batch, seq]`.
 """
 
@@ -26,9 +29,13 @@ from torch import nn
 
 from .. import _op_entry
 from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
+from ..context_parallel import check_sequence, context_parallel_attention
+from ..context_parallel import positions as context_positions
 from ..moe import MoELayer, reset_expert_biases
 from ..parallel_state import (
+    get_context_parallel_group,
     get_expert_model_parallel_group,
+    get_tensor_context_parallel_group,
     is_initialized,
     live_group_name,
     resolve_tensor_group,
@@ -40,7 +47,11 @@ from ..tensor_parallel.initialization import draw_seed
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.lora import active_adapter, column_forward
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from ..tensor_parallel.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
+from ..tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+)
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng_tracker
 from ..tensor_parallel.recompute import checkpoint
 from ..tensor_parallel.scaled_embedding import ScaledVocabParallelEmbedding
@@ -87,11 +98,16 @@ def _mark_sequence_parallel(*params: nn.Parameter | None) -> None:
 
 class ParallelAttention(SharesProcessGroups, nn.Module):
     def __init__(
-        self, config: GPTConfig, group: dist.ProcessGroup, dtype: torch.dtype | None
+        self,
+        config: GPTConfig,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype | None,
+        context_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         c, tp = config, dist.get_world_size(group)
         self.config, self.group, self.tp_rank, self.tp_size = c, group, dist.get_rank(group), tp
+        self.context_group = context_group
         # Fewer KV heads than ranks: one (replicated) KV head per rank.
         self.heads, self.kv_heads = c.num_attention_heads // tp, max(c.num_kv_heads // tp, 1)
         self.replicated_kv = kv_copies(c, tp) > 1
@@ -164,6 +180,8 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:  # [cached + s] keys and values
             k, v = cache[0].append(cache[1], k, v)
+        if self.context_group is not None and cache is None:  # (no attention dropout: check_cp)
+            return context_parallel_attention(q, k, v, self.context_group, self.config.cp_comm_type)
         dropout = self.config.attention_dropout if self.training else 0.0
         # This rank's heads: its own dropout masks, from the model-parallel stream.
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
@@ -220,6 +238,7 @@ def _moe_mlp(
     group: dist.ProcessGroup,
     expert_group: dist.ProcessGroup | None,
     dtype: torch.dtype | None,
+    token_group: dist.ProcessGroup | None,
 ) -> MoELayer:
     shared = config.moe_shared_expert_intermediate_size
     layer = MoELayer(
@@ -228,6 +247,7 @@ def _moe_mlp(
         expert_group=expert_group,
         dtype=dtype,
         shared_expert=None if shared is None else ParallelMLP(config, group, dtype, shared),
+        token_group=token_group,
     )
     # Each TP rank routes its own tokens: the router's gradient is a share per rank, and so
     # are the experts' when every rank holds every expert (at EP > 1 the expert-data-parallel
@@ -249,13 +269,15 @@ class ParallelBlock(nn.Module):
         dtype: torch.dtype | None,
         index: int = 0,
         expert_group: dist.ProcessGroup | None = None,
+        context_group: dist.ProcessGroup | None = None,
+        token_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_norm = make_norm(config, dtype, "meta")
-        self.attention = ParallelAttention(config, group, dtype)
+        self.attention = ParallelAttention(config, group, dtype, context_group)
         self.post_attention_norm = make_norm(config, dtype, "meta")
         self.mlp = (
-            _moe_mlp(config, group, expert_group, dtype)
+            _moe_mlp(config, group, expert_group, dtype, token_group)
             if config.is_moe_layer(index)
             else ParallelMLP(config, group, dtype)
         )
@@ -301,11 +323,18 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
                 _mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """`ids [b, s]` at positions `start..start + s - 1` -> `[s(/tp), b, h]`."""
+    def forward(
+        self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`ids [b, s]` at positions `start..start + s - 1` (or `positions [s]`) ->
+        `[s(/tp), b, h]`."""
         x = self.word(ids.t())
         if hasattr(self, "position"):
-            pos = self.position.weight[start : start + ids.shape[1]]
+            pos = (
+                self.position.weight[start : start + ids.shape[1]]
+                if positions is None
+                else self.position.weight.index_select(0, positions)
+            )
             if self.config.sequence_parallel:  # this rank's sequence shard of the positions
                 tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
                 pos = pos.chunk(tp, 0)[rank]
@@ -382,6 +411,13 @@ class GPTModel(SharesProcessGroups, nn.Module):
     With `config.num_experts`, the MoE layers' experts split over `expert_group` (default:
     `parallel_state`'s expert-parallel group when groups are initialized, else none: every
     expert on every rank); see `tpcore.moe.MoELayer`.
+
+    With `context_group` (default: `parallel_state`'s context-parallel group when groups are
+    initialized, else none) of `cp` ranks, `ids` and `target` are this rank's `[b, s/cp]`
+    of each sequence (`tpcore.context_parallel.slice_sequence`), logits and per-token
+    losses likewise; the mean loss is over the whole sequences of the group (the same
+    value on every CP rank), and each rank's gradients are its share: summed over CP
+    (the data-and-context group does it) they are CP 1's.
     """
 
     def __init__(
@@ -390,6 +426,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
         *,
         group: dist.ProcessGroup | None = None,
         expert_group: dist.ProcessGroup | None = None,
+        context_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
         device=None,
         _init: bool = True,
@@ -405,6 +442,24 @@ class GPTModel(SharesProcessGroups, nn.Module):
             expert_group = get_expert_model_parallel_group()
         self.expert_group = expert_group
         config.check_ep(1 if expert_group is None else dist.get_world_size(expert_group))
+        if context_group is None and is_initialized():
+            context_group = get_context_parallel_group()
+        if context_group is not None and dist.get_world_size(context_group) == 1:
+            context_group = None
+        self.context_group = context_group
+        self.cp_size = 1 if context_group is None else dist.get_world_size(context_group)
+        self.cp_rank = 0 if context_group is None else dist.get_rank(context_group)
+        config.check_cp(self.cp_size, self.tp_size)
+        # MoE balancing losses count a micro-batch's tokens over TP x CP
+        token_group = None
+        if self.cp_size > 1 and config.num_experts is not None:
+            token_group = get_tensor_context_parallel_group() if is_initialized() else None
+            if token_group is None and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+                raise ValueError(
+                    "tpcore: GPTModel: MoE balancing / z losses under context parallelism "
+                    "count tokens over the tensor- and context-parallel ranks: create the "
+                    "groups with initialize_model_parallel(context_parallel_size=...)"
+                )
         layers = (
             range(config.num_layers)
             if layers is None
@@ -416,7 +471,12 @@ class GPTModel(SharesProcessGroups, nn.Module):
         elif post_process and config.tie_embeddings:
             self.embedding = _TiedHeadWeight(config, self.group, dtype)
         self.layers = LayerStack(
-            {i: ParallelBlock(config, self.group, dtype, i, expert_group) for i in layers}
+            {
+                i: ParallelBlock(
+                    config, self.group, dtype, i, expert_group, context_group, token_group
+                )
+                for i in layers
+            }
         )
         if post_process:
             self.final_norm = make_norm(config, dtype, "meta")
@@ -518,6 +578,11 @@ class GPTModel(SharesProcessGroups, nn.Module):
             raise ValueError("tpcore: GPTModel.decode: this is one pipeline stage, not the model")
         if c.sequence_parallel:
             raise ValueError("tpcore: GPTModel.decode: not with sequence_parallel")
+        if self.context_group is not None:
+            raise ValueError(
+                "tpcore: GPTModel.decode: not with context parallelism (build the model "
+                "without a context group to generate)"
+            )
         start, s = cache.length, ids.shape[1]
         if start + s > cache.max_length:  # checked here, before any collective
             raise ValueError(
@@ -588,11 +653,14 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 "tpcore: GPTModel: this pipeline stage takes hidden "
                 f"states [seq, batch, hidden], got shape {list(ids.shape)}"
             )
-        batch, seq = (
+        batch, local = (
             (ids.shape[0], ids.shape[1])
             if self.pre_process
             else (ids.shape[1], ids.shape[0] * (self.tp_size if c.sequence_parallel else 1))
         )
+        seq = local * self.cp_size  # the whole sequence, over the context-parallel ranks
+        if self.cp_size > 1:
+            check_sequence(seq, self.cp_size)
         if seq > c.max_position_embeddings:
             raise ValueError(
                 f"tpcore: GPTModel: sequence length {seq} exceeds "
@@ -603,22 +671,28 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 f"tpcore: GPTModel: sequence length {seq} exceeds "
                 f"sliding_window {c.sliding_window} (sliding-window attention is not implemented)"
             )
-        if target is not None and tuple(target.shape) != (batch, seq):
+        if target is not None and tuple(target.shape) != (batch, local):
             raise ValueError(
                 f"tpcore: GPTModel: target shape {list(target.shape)} "
-                f"does not match the input's [batch, seq] = {[batch, seq]}"
+                f"does not match the input's [batch, seq] = {[batch, local]}"
             )
         if target is not None and not self.post_process:
             raise ValueError(
                 "tpcore: GPTModel: this pipeline stage has no "
                 "LM head; pass the target to the last stage"
             )
-        x = self.embedding(ids) if self.pre_process else ids
+        device = ids.device
+        where = (  # this rank's positions: its two chunks of each sequence
+            context_positions(seq, self.cp_size, self.cp_rank, device) if self.cp_size > 1 else None
+        )
+        x = self.embedding(ids, positions=where) if self.pre_process else ids
         rope = None
         if c.position_embedding == "rotary":
             rope = rotary_tables(
                 seq, c.head_dim, c.rotary_base, x.device, x.dtype, c.rotary_scaling
             )
+            if where is not None:
+                rope = tuple(t.index_select(0, where) for t in rope)
         if self.training and c.recompute != "none" and (c.dropout > 0 or c.attention_dropout > 0):
             _create_dropout_counters(x.device)
         for layer in self.layers:
@@ -646,7 +720,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 self.group,
                 vocab_size=c.vocab_size,
                 ignore_index=ignore_index,
-                reduction=reduction,
+                reduction=self._local_reduction(reduction),
                 inplace_backward=True,
             )
         else:
@@ -661,9 +735,19 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 self.group,
                 vocab_size=c.vocab_size,
                 ignore_index=ignore_index,
-                reduction=reduction,
+                reduction=self._local_reduction(reduction),
             )
-        return loss.t() if reduction == "none" else loss
+        if reduction == "none":
+            return loss.t()
+        if self.cp_size > 1:  # the group's sum (and count): g over CP, identity backward
+            counted = (target != ignore_index).sum().to(loss.dtype)
+            both = reduce_from_tensor_parallel(torch.stack([loss, counted]), self.context_group)
+            loss = both[0] / both[1].detach() if reduction == "mean" else both[0]
+        return loss
+
+    def _local_reduction(self, reduction: str) -> str:
+        """Under CP a mean is taken over the group's tokens: each rank sums its own."""
+        return "sum" if self.cp_size > 1 and reduction == "mean" else reduction
 
 
 def attach_gpt_shard_specs(

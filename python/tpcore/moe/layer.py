@@ -150,7 +150,9 @@ class MoELayer(SharesProcessGroups, nn.Module):
     """Routed experts and an optional shared expert: `[s(/tp), b, h] -> [s(/tp), b, h]`
     (module doc). `group`: the TP group; `expert_group`: the expert-parallel group (None:
     every expert on this rank); `shared_expert`: the TP-split MLP of the shared expert, or
-    None."""
+    None; `token_group`: where one batch's tokens are spread beyond the TP group (context
+    parallelism: the TP x CP group), so that the balancing and z losses count all of them
+    (None: the TP group when tokens are shared out over it)."""
 
     def __init__(
         self,
@@ -160,10 +162,11 @@ class MoELayer(SharesProcessGroups, nn.Module):
         expert_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
         shared_expert: nn.Module | None = None,
+        token_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         c = self.config = config
-        self.group, self.expert_group = group, expert_group
+        self.group, self.expert_group, self.token_group = group, expert_group, token_group
         self.tp_size = dist.get_world_size(group)
         ep = 1 if expert_group is None else dist.get_world_size(expert_group)
         experts = c.routing.num_experts
@@ -230,7 +233,7 @@ class MoELayer(SharesProcessGroups, nn.Module):
             logits,
             c.routing,
             getattr(self.router, "expert_bias", None),
-            token_group=self.group if shared_tokens else None,
+            token_group=self.token_group or (self.group if shared_tokens else None),
         )
         dispatcher = dispatch.all_gather if c.dispatcher == "allgather" else dispatch.all_to_all
         out = dispatcher(tokens, routing, self.experts, c.routing.num_experts, self.expert_group)
