@@ -7,8 +7,8 @@ load-balanced layout (`slicing.py`), three ways (Megatron-Core's `--cp-comm-type
   attention runs on `heads / cp` heads, and an all-to-all turns the output back. Needs the
   (per TP rank) query heads divisible by CP; key / value heads that are not are repeated
   to the query heads first.
-- `allgather`: keys and values all-gathered over CP (their gradients reduce-scattered
-  back); each rank attends its queries to the whole sequence under a mask by position.
+- `allgather` (`allgather.py`): keys and values all-gathered over CP (their gradients
+  reduce-scattered back); each query chunk attends to the keys before it and to itself.
   Simple, and cheap when GQA makes keys and values small.
 
 All take and return the model's layout: q `[s/cp, b, h, d]`, k / v `[s/cp, b, kv, d]`
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..tensor_parallel.mappings import all_to_all_rows, gather_from_sequence_parallel
+from ..tensor_parallel.mappings import all_to_all_rows
+from .allgather import allgather_attention, sequence_order
 from .ring import ring_attention
-from .slicing import positions
 
 __all__ = ["COMM_TYPES", "check_comm_type", "context_parallel_attention"]
 
@@ -43,15 +43,6 @@ def check_comm_type(comm_type: str, cp: int, heads: int) -> None:
             f"heads over the context-parallel size {cp}: heads must be divisible by "
             "tensor-parallel size x context-parallel size (or use p2p / allgather)"
         )
-
-
-def _global_order(cp: int, local: int, device) -> torch.Tensor:
-    """Where each position of the whole sequence lies in the ranks' pieces concatenated in
-    rank order (the inverse of `positions` over every rank)."""
-    pos = torch.cat([positions(local * cp, cp, r, device) for r in range(cp)])
-    where = torch.empty_like(pos)
-    where[pos] = torch.arange(pos.numel(), device=device)
-    return where
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -75,25 +66,12 @@ def _ulysses(q, k, v, group):
         rows = all_to_all_rows(parts.reshape(cp * s, b, n // cp, d), group, even, even)
         return rows.index_select(0, order)
 
-    order = _global_order(cp, s, q.device)
+    order = sequence_order(cp, s, q.device)
     out = _causal(to_heads(q), to_heads(k), to_heads(v))  # [s cp, b, h/cp, d]
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     rows = all_to_all_rows(out.index_select(0, back), group, even, even)  # [cp, s/cp, b, h/cp, d]
     return rows.view(cp, s, b, h // cp, d).permute(1, 2, 0, 3, 4).reshape(s, b, h * d)
-
-
-def _allgather(q, k, v, group):
-    cp, rank, s = dist.get_world_size(group), dist.get_rank(group), q.shape[0]
-    k, v = (gather_from_sequence_parallel(t.contiguous(), group) for t in (k, v))
-    key_pos = torch.cat([positions(s * cp, cp, r, q.device) for r in range(cp)])
-    query_pos = positions(s * cp, cp, rank, q.device)
-    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [s/cp, s]
-    qt, kt, vt = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        qt, kt, vt, attn_mask=mask, enable_gqa=kt.shape[1] != qt.shape[1]
-    )
-    return out.permute(2, 0, 1, 3).reshape(s, q.shape[1], -1)
 
 
 def context_parallel_attention(
@@ -116,8 +94,7 @@ def context_parallel_attention(
         )
     if comm_type == "a2a":
         return _ulysses(q, k, v, group)
-    if comm_type == "allgather":
-        return _allgather(q, k, v, group)
     qt, kt, vt = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = ring_attention(qt, kt, vt, group)  # [b, h, s/cp, d]
+    attention = ring_attention if comm_type == "p2p" else allgather_attention
+    out = attention(qt, kt, vt, group)  # [b, h, s/cp, d]
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
