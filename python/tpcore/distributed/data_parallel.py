@@ -66,6 +66,10 @@ class DataParallelGrads:
     buffers of their own, summed over that group and divided by the DP size (each
     expert saw tokens from every data-parallel rank of its expert-parallel group, so the sum
     over the group is the sum over DP of the ranks' gradients).
+    `grad_divisor`: what the sums are divided by (default: `dp_group`'s size, the DP
+    mean). Under context parallelism `dp_group` is the data-and-context group and the
+    divisor the DP size alone: the CP ranks' gradients are shares of the same sequences',
+    to be summed.
     """
 
     def __init__(
@@ -84,10 +88,12 @@ class DataParallelGrads:
         head_first: Sequence[nn.Parameter] = (),
         lookup_only: Sequence[nn.Parameter] = (),
         expert_dp_group: dist.ProcessGroup | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.grad_divisor = self.dp_size if grad_divisor is None else grad_divisor
         self.overlap, self.reduce_scatter = overlap_grad_reduce, reduce_scatter
         experts = {
             id(p)
@@ -324,8 +330,8 @@ class DataParallelGrads:
         # with overlap this pass runs during the backward and not after it. (Expert
         # buffers: the sum over their group is the sum over DP, so the same divisor; their
         # group may hold TP peers even at DP 1.)
-        if self.dp_size > 1:
-            bucket.grad.div_(self.dp_size)
+        if self.grad_divisor > 1:
+            bucket.grad.div_(self.grad_divisor)
         if dist.get_world_size(group) == 1:
             self._pending[(i, bucket.index)] = None  # nothing to send
         elif self.reduce_scatter and not self._scatter_by_all_reduce[i]:
@@ -347,7 +353,7 @@ class DataParallelGrads:
                 self._complete(i, buffer.buckets[self._done[i]])
         for p in self.split:
             if id(p) in late:  # the DP mean, as the buckets'
-                _add_rows(p.main_grad, *late[id(p)], scale=1 / self.dp_size)
+                _add_rows(p.main_grad, *late[id(p)], scale=1 / self.grad_divisor)
         self._sum_lookup_only()
         self._sum_partial_grads()
         self._sum_tied()
@@ -396,7 +402,7 @@ class DataParallelGrads:
             union = self._union.pop(id(p), None)
             if union is not None and 2 * union.index().numel() >= p.shape[0]:
                 # Most of the table (large batches): in place, as a dense bucket, no copies.
-                p.main_grad.div_(self.dp_size)
+                p.main_grad.div_(self.grad_divisor)
                 comm.all_reduce_inplace_async(p.main_grad, self.dp_group).wait()
                 self.rows_summed += p.shape[0]
                 continue
@@ -411,7 +417,7 @@ class DataParallelGrads:
                 p.main_grad.zero_()
             else:
                 p.main_grad.index_fill_(0, index, 0)
-            _add_rows(p.main_grad, index, values, scale=1 / self.dp_size)
+            _add_rows(p.main_grad, index, values, scale=1 / self.grad_divisor)
             self.rows_summed += values.shape[0]
 
     def _sum_partial_grads(self) -> None:

@@ -147,6 +147,7 @@ class ParallelAdamW:
         is_expert: Callable[[str], bool] | None = None,
         ep_group: dist.ProcessGroup | None = None,
         expert_dp_group: dist.ProcessGroup | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         if grads is not None and grads.reduce_scatter:
             raise ValueError(
@@ -181,6 +182,9 @@ class ParallelAdamW:
             for p in self.params
         ]
         self.tp_group, self.dp_group, self.scaler = tp_group, dp_group, loss_scaler
+        # The gradients' sums over dp_group are divided by this: its size (the DP mean), or
+        # under context parallelism (dp_group: DP x CP) the DP size, CP ranks' being shares.
+        self.grad_divisor = dist.get_world_size(dp_group) if grad_divisor is None else grad_divisor
         decay = [m for m in self.masters if m.dim() >= 2]
         no_decay = [m for m in self.masters if m.dim() < 2]
         self.adam = torch.optim.AdamW(
@@ -224,12 +228,10 @@ class ParallelAdamW:
             if p.grad is None:  # unused parameter: a zero gradient keeps ranks in step
                 p.grad = torch.zeros_like(p)
         dense = [p.grad for p, e in zip(self.params, self.expert) if not e]
-        average_data_parallel_grads(dense, self.dp_group)
+        average_data_parallel_grads(dense, self.dp_group, self.grad_divisor)
         # Expert weights: the sum over the ranks holding them is the sum over DP.
         experts = [p.grad for p, e in zip(self.params, self.expert) if e]
-        average_data_parallel_grads(
-            experts, self.expert_dp_group, divisor=dist.get_world_size(self.dp_group)
-        )
+        average_data_parallel_grads(experts, self.expert_dp_group, self.grad_divisor)
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float() if m is not p else p.grad
 

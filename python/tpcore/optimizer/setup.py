@@ -89,10 +89,13 @@ def make_optimizer(
     eps: float,
     loss_scaler: LossScaler | None,
     embedding_group: dist.ProcessGroup | None = None,
+    grad_divisor: int | None = None,
 ) -> tuple[ParallelAdamW | DistributedAdamW, DataParallelGrads | None]:
     """(optimizer, gradient buffers or None) for this rank's GPT `chunks`. With buffers, each
     step is `grads.start_step(m)`, the backward passes, `grads.finish_grad_sync()` (in place
-    of `finalize_model_grads`), then `optimizer.step(...)`."""
+    of `finalize_model_grads`), then `optimizer.step(...)`. Gradients are summed over
+    `dp_group` and divided by `grad_divisor` (default its size); with context parallelism
+    pass the data-and-context group and the DP size."""
     chunks = list(chunks)
     specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     # Expert weights split over EP > 1 ranks have their own reduction group and norm; at EP 1
@@ -114,7 +117,12 @@ def make_optimizer(
     )
     if not options.contiguous_buffers:
         return ParallelAdamW(
-            chunks, dp_group=dp_group, is_expert=experts.__contains__, **expert_groups, **common
+            chunks,
+            dp_group=dp_group,
+            is_expert=experts.__contains__,
+            grad_divisor=grad_divisor,
+            **expert_groups,
+            **common,
         ), None
     tied = tied_embedding_copies(chunks)
     if tied and embedding_group is None and get_parallel_state().embedding_group is not None:
@@ -133,6 +141,7 @@ def make_optimizer(
         head_first=head_only_tied_weights(chunks),
         lookup_only=lookup_only_weights(chunks),
         expert_dp_group=state.expert_data_group,
+        grad_divisor=grad_divisor,
     )
     if options.use_distributed_optimizer:
         return DistributedAdamW(
@@ -147,6 +156,7 @@ def make_optimizer(
         dp_group=dp_group,
         grads=grads,
         is_expert=experts.__contains__,
+        grad_divisor=grad_divisor,
         **expert_groups,
         **common,
     ), grads

@@ -155,7 +155,17 @@ class TrainArgs:
     tensor_parallel_size: int = _arg(
         1, "tensor-parallel ranks (the rest of the world is data parallel)"
     )
-    pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x DP x PP)")
+    pipeline_model_parallel_size: int = _arg(1, "pipeline stages (world = TP x CP x DP x PP)")
+    context_parallel_size: int = _arg(
+        1,
+        "context-parallel ranks: each holds seq-length / CP tokens of every sequence "
+        "(two load-balanced chunks; seq-length divisible by 2 x CP)",
+    )
+    cp_comm_type: str = _arg(
+        "p2p",
+        "how attention crosses the context-parallel ranks: p2p (ring), a2a (Ulysses), allgather",
+        ("p2p", "a2a", "allgather"),
+    )
     expert_model_parallel_size: int = _arg(
         1, "expert-parallel ranks: each holds experts / EP of every MoE layer (divides TP x DP)"
     )
@@ -305,6 +315,12 @@ class TrainArgs:
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
         for name, (kind, low, high) in _RANGES.items():
             _check_range(name, getattr(self, name), kind, low, high, need)
+        cp = self.context_parallel_size
+        need(
+            not isinstance(cp, int) or cp < 1 or self.seq_length % (2 * cp) == 0,
+            f"--seq-length {self.seq_length} is not divisible by 2 x --context-parallel-size "
+            f"({2 * cp}): each context-parallel rank holds two equal chunks of every sequence",
+        )
         need(
             self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
             f"--max-position-embeddings {self.max_position_embeddings} is shorter than "
@@ -363,6 +379,11 @@ class TrainArgs:
         self._check_pipeline(need)
         self._check_lora(need)
         check_moe_flags(self, need)
+        if self.context_parallel_size > 1:  # attention dropout, a2a's head split
+            try:
+                self.model_config().check_cp(self.context_parallel_size, self.tensor_parallel_size)
+            except ValueError as e:
+                need(False, f"--context-parallel-size: {str(e).removeprefix('tpcore: ')}")
 
     def _check_lora(self, need) -> None:
         if self.lora_rank is None:
@@ -486,6 +507,7 @@ class TrainArgs:
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
             fused_lm_head_loss=self.fused_lm_head_loss,
+            cp_comm_type=self.cp_comm_type,
             **self.moe_options(),
         )
 
@@ -528,6 +550,7 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "num_experts": ("int", 1, None),
     "moe_router_topk": ("int", 1, None),
     "expert_model_parallel_size": ("int", 1, None),
+    "context_parallel_size": ("int", 1, None),
     "moe_ffn_hidden_size": ("int", 1, None),
     "moe_shared_expert_intermediate_size": ("int", 1, None),
     "moe_router_topk_scaling_factor": (">", 0.0, None),

@@ -192,6 +192,7 @@ def hf_model_config(args) -> GPTConfig:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         fused_lm_head_loss=args.fused_lm_head_loss,
+        cp_comm_type=args.cp_comm_type,
         **_moe_run_options(args),
     )
 

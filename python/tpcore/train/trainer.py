@@ -1,4 +1,5 @@
-"""GPT pretraining loop: tensor + pipeline + data parallel, micro-batches, eval, checkpoints."""
+"""GPT pretraining loop: tensor + context + pipeline + data parallel, micro-batches, eval,
+checkpoints."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..checkpoint.index import read_latest, read_metadata, require_checkpoint
 from ..checkpoint.integrity import random_id
 from ..checkpoint.load import find_checkpoint, load_checkpoint, save_checkpoint
 from ..comm_threads import prioritize_communication_threads
+from ..context_parallel import slice_sequence
 from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
 from ..data.indexed_dataset import stats_path
 from ..hf.gpt_bridge.config import read_hf_config
@@ -142,7 +144,9 @@ def _check_tokens(indexed: IndexedDataset, vocab_size: int, device: str) -> None
 
 
 class _Batches:
-    """This DP rank's micro batches `[micro, seq + 1]` of a GPTDataset."""
+    """This DP rank's micro batches `[micro, seq + 1]` of a GPTDataset, as (inputs, targets)
+    `[micro, seq]`; under context parallelism this CP rank's two chunks of each `[micro,
+    seq / cp]`."""
 
     def __init__(
         self,
@@ -152,8 +156,9 @@ class _Batches:
         dp_rank: int,
         dp_size: int,
         device,
+        cp: tuple[int, int] = (0, 1),
     ) -> None:
-        self.dataset, self.device = dataset, device
+        self.dataset, self.device, (self.cp_rank, self.cp_size) = dataset, device, cp
         self.layout = dict(
             global_batch_size=global_batch,
             micro_batch_size=args.micro_batch_size,
@@ -166,7 +171,10 @@ class _Batches:
         rows = torch.stack(
             [self.dataset[i] for i in micro_batch_indices(step, micro_step, **self.layout)]
         ).to(self.device)
-        return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
+        ids, target = rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
+        if self.cp_size == 1:
+            return ids, target
+        return tuple(slice_sequence(t, 1, self.cp_size, self.cp_rank) for t in (ids, target))
 
 
 def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
@@ -222,6 +230,7 @@ class _Training:
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=pp,
                 expert_model_parallel_size=args.expert_model_parallel_size,
+                context_parallel_size=args.context_parallel_size,
                 timeout=timeout,
             )
         self.tp_group, self.dp_group = (
@@ -229,6 +238,10 @@ class _Training:
             parallel_state.get_data_parallel_group(),
         )
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        # Weights are replicated over CP: gradients are summed over DP x CP (CP ranks hold
+        # shares of the same sequences) and divided by DP.
+        self.grad_group = parallel_state.get_data_context_parallel_group()
+        cp = (parallel_state.get_context_parallel_rank(), args.context_parallel_size)
         dp, dp_rank, self.rank0 = (
             dist.get_world_size(self.dp_group),
             dist.get_rank(self.dp_group),
@@ -254,6 +267,7 @@ class _Training:
         if args.load_hf:
             check_tokenizer_fits(self.tokenizer, config, args.load_hf)
         config.check_tp(dist.get_world_size(self.tp_group))
+        config.check_cp(args.context_parallel_size, dist.get_world_size(self.tp_group))
         indexed = IndexedDataset(args.data_path)
         _check_tokens(indexed, self.tokenizer.vocab_size, device)
         common = dict(
@@ -269,9 +283,11 @@ class _Training:
             if args.eval_iters
             else None
         )
-        self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device)
+        self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device, cp)
         self.valid_batches = (
-            _Batches(valid_data, args, global_batch, dp_rank, dp, device) if valid_data else None
+            _Batches(valid_data, args, global_batch, dp_rank, dp, device, cp)
+            if valid_data
+            else None
         )
 
         self.dtype, self.autocast_dtype = precision(args)
@@ -317,8 +333,9 @@ class _Training:
             self.chunks,
             args.data_parallel_options(),
             tp_group=self.tp_group,
-            dp_group=self.dp_group,
+            dp_group=self.grad_group,
             pp_group=self.pp_group,
+            grad_divisor=dp,
             lr=args.lr,
             weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2),
@@ -356,7 +373,10 @@ class _Training:
             error_type=TrainingError,
         )
         self.shape = activation_shape(
-            config, args.micro_batch_size, args.seq_length, dist.get_world_size(self.tp_group)
+            config,
+            args.micro_batch_size,
+            args.seq_length // args.context_parallel_size,
+            dist.get_world_size(self.tp_group),
         )
         self._banner(dp)
 
@@ -428,7 +448,13 @@ class _Training:
             )
         self.logger.print(
             f"tpcore: GPT {params / 1e6:.2f}M parameters | world {dist.get_world_size()} = TP "
-            f"{dist.get_world_size(self.tp_group)} x DP {dp}{dp_text}"
+            f"{dist.get_world_size(self.tp_group)}"
+            + (
+                f" x CP {args.context_parallel_size} ({args.cp_comm_type})"
+                if args.context_parallel_size > 1
+                else ""
+            )
+            + f" x DP {dp}{dp_text}"
             + (
                 f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | "
                 if pp > 1
@@ -572,7 +598,7 @@ class _Training:
             self.optimizer,
             consumed_samples=iteration * self.global_batch,
             tp_group=self.tp_group,
-            dp_group=self.dp_group,
+            dp_group=self.grad_group,
             pp_group=self.pp_group,
             run_id=self.run_id,
             ckpt_format=args.ckpt_format,
@@ -605,7 +631,7 @@ class _Training:
             )
         self.optimizer.finish_param_sync()  # the last step's parameter gathers
         if args.lora_rank is not None:  # adapters for PEFT, then merged for what follows
-            finish_lora(self.chunks, args, self.pp_group, self.dp_group, self.logger.print)
+            finish_lora(self.chunks, args, self.pp_group, self.grad_group, self.logger.print)
         if args.save_hf:
             with phase(
                 f"exporting the model to --save-hf {args.save_hf}", args.distributed_timeout_minutes
@@ -615,7 +641,7 @@ class _Training:
                     args,
                     self.tokenizer,
                     pp_group=self.pp_group,
-                    dp_group=self.dp_group,
+                    dp_group=self.grad_group,
                 )
                 self.logger.print(f"tpcore: exported the Hugging Face model {folder}")
         # With pipeline parallelism the first stage gathers the whole model (at its TP rank) and

@@ -355,7 +355,7 @@ def export_hf(
     its own). `dtype`: default the parameters'. Raises on every rank when writing failed on
     the writer. Returns `out_dir`."""
     from ...parallel_state import (
-        get_data_parallel_group,
+        get_data_context_parallel_group,
         get_pipeline_model_parallel_group,
         is_initialized,
     )
@@ -366,9 +366,9 @@ def export_hf(
     chunks = [model_or_chunks] if isinstance(model_or_chunks, nn.Module) else list(model_or_chunks)
     first = chunks[0]
     config, tp_group, tp_rank = first.config, first.group, first.tp_rank
-    if is_initialized():  # DP replicas hold the same weights: only replica 0 writes
+    if is_initialized():  # DP (and CP) replicas hold the same weights: only replica 0 writes
         pp_group = pp_group or get_pipeline_model_parallel_group()
-        dp_group = dp_group or get_data_parallel_group()
+        dp_group = dp_group or get_data_context_parallel_group()
     pp = 1 if pp_group is None else dist.get_world_size(pp_group)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group if pp > 1 else None)
     pp_rank = 0 if pp == 1 else dist.get_rank(pp_group)
