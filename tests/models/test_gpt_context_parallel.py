@@ -1,8 +1,9 @@
 """GPTModel with context parallelism against ReferenceGPT (plain PyTorch, whole sequences)
 computed in the same job: the loss (the same on every CP rank) and every parameter's
 gradient once summed over the data-and-context group, for each comm type at CP 4, CP 2 x
-DP 2, TP 2 x CP 2 with sequence parallelism, qk-norm, recompute, learned positions, the
-fused head + loss, MoE layers; per-token losses are each rank's slice. Bad configurations
+DP 2, TP 2 x CP 2 with sequence parallelism, GQA, 3 heads, qk-norm, recompute, learned
+positions, the fused head + loss, MoE layers (balancing and z losses, EP 2); per-token
+losses are each rank's slice; decoding; torch.compile. Bad configurations
 raise on every rank before any collective."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from checks import assert_close, expect_error
 from tpcore import parallel_state
 from tpcore.context_parallel import slice_sequence
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
+from tpcore.models.kv_cache import KVCache
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec
 
 BASE = GPTConfig(
@@ -108,6 +110,12 @@ CASES = [
         tp=1,
         cp=2,
         seq=12,
+        config=dict(cp_comm_type="allgather", num_attention_heads=3, num_kv_heads=1, kv_channels=8),
+    ),
+    dict(
+        tp=1,
+        cp=2,
+        seq=12,
         config=dict(
             cp_comm_type="p2p",
             position_embedding="learned",
@@ -155,6 +163,7 @@ def _bad_input(rank, world):
         GPTModel,
         dataclasses.replace(BASE, num_attention_heads=2, num_kv_heads=2, cp_comm_type="a2a"),
     )
+    torch.manual_seed(0)
     model = GPTModel(BASE)
     # 3 tokens per rank: the sequence (6) is not two chunks per CP rank
     expect_error(
@@ -166,13 +175,14 @@ def _bad_input(rank, world):
     expect_error(
         ValueError, "max_position_embeddings 32", model, torch.zeros(2, 20, dtype=torch.long)
     )
-    expect_error(
-        ValueError,
-        "not with context parallelism",
-        model.decode,
-        torch.zeros(1, 2, dtype=torch.long),
-        None,
-    )
+    # Decoding is not split: every CP rank decodes the whole prompt (the trainer's sample).
+    torch.manual_seed(0)
+    ref = ReferenceGPT(BASE)
+    prompt = torch.randint(0, BASE.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model.decode(prompt, KVCache(8))
+        want = ref(prompt)[:, -1]
+    assert_close(got, want.chunk(2, -1)[parallel_state.get_tensor_model_parallel_rank()], "decode")
     return model(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, 32)
 
 
@@ -183,3 +193,31 @@ def test_bad_input_raises_on_every_rank(cpu_ranks):
 def test_bad_comm_type_raises():
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):
         dataclasses.replace(BASE, cp_comm_type="ring")
+
+
+def _compiled(rank, world, comm):
+    """torch.compile (aot_eager; attention under CP is a graph break) gives eager's loss and
+    gradients at CP 2 x TP 2."""
+    parallel_state.destroy_model_parallel()
+    tpcore.initialize_model_parallel(2, context_parallel_size=2)
+    config = dataclasses.replace(BASE, cp_comm_type=comm, sequence_parallel=True)
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    ids, target = (
+        slice_sequence(t, 1, 2, parallel_state.get_context_parallel_rank()) for t in _batch(0, 8)
+    )
+    eager = model(ids, target)
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager")(ids, target)
+    compiled.backward()
+    assert_close(compiled.detach(), eager.detach(), f"{comm} compiled loss")
+    for n, p in model.named_parameters():
+        assert_close(p.grad, grads[n], f"{comm} compiled {n} grad")
+    return True
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_compiled_context_parallel_gpt_matches_eager(cpu_ranks, comm):
+    assert all(cpu_ranks.run(_compiled, comm))

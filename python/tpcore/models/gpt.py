@@ -572,17 +572,13 @@ class GPTModel(SharesProcessGroups, nn.Module):
         ones already seen (all of the prompt at first, then one per step). Appends their
         keys and values to `cache` and returns this rank's logits of the last one
         `[b, vocab_padded/tp]`. A collective over the TP group. The whole model only (not
-        a pipeline stage), without sequence parallelism (its layers expect sequence shards)."""
+        a pipeline stage), without sequence parallelism (its layers expect sequence shards).
+        Under context parallelism every CP rank decodes the whole sequence itself."""
         c = self.config
         if not (self.pre_process and self.post_process and len(self.layers) == c.num_layers):
             raise ValueError("tpcore: GPTModel.decode: this is one pipeline stage, not the model")
         if c.sequence_parallel:
             raise ValueError("tpcore: GPTModel.decode: not with sequence_parallel")
-        if self.context_group is not None:
-            raise ValueError(
-                "tpcore: GPTModel.decode: not with context parallelism (build the model "
-                "without a context group to generate)"
-            )
         start, s = cache.length, ids.shape[1]
         if start + s > cache.max_length:  # checked here, before any collective
             raise ValueError(
