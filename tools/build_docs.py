@@ -25,6 +25,8 @@ API_MODULES = [
     "tpcore.parallel_state",
     "tpcore.comm",
     "tpcore.tensor_parallel",
+    "tpcore.context_parallel",
+    "tpcore.moe",
     "tpcore.models",
     "tpcore.pipeline_parallel",
     "tpcore.distributed",
