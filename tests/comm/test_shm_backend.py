@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -387,6 +388,25 @@ def _p2p(rank, world):
             group=group,
             tag=9,
         )
+    # A send larger than the link returns at once (the rest is queued and written as the
+    # peer drains the link): rank 0 is not held up while rank 1 is busy elsewhere. Messages
+    # to one peer keep their order, the monitored barrier's own sends included.
+    big = torch.arange(50_000, dtype=torch.float32)
+    if rank == 0:
+        start = time.monotonic()
+        sent = dist.isend(big, 1, group=group, tag=11)
+        posted = time.monotonic() - start
+        dist.send(torch.full((3,), 3.0), 1, group=group, tag=13)
+    elif rank == 1:
+        time.sleep(1.0)
+        small, got = torch.zeros(3), torch.empty(50_000)
+        dist.recv(small, 0, group=group, tag=13)
+        dist.recv(got, 0, group=group, tag=11)
+        assert torch.equal(got, big) and small.tolist() == [3.0] * 3
+    dist.monitored_barrier(group=group)
+    if rank == 0:
+        sent.wait()
+        assert posted < 0.5, f"isend of 200 KB through a 2 KB link blocked {posted:.2f} s"
     # The links are still in step after the size error.
     x = torch.full((2,), float(rank))
     dist.all_reduce(x, group=group)

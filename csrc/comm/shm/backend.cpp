@@ -174,6 +174,46 @@ class RecvWork : public c10d::Work {
   bool done_ = false;
 };
 
+// A send whose message did not fit in the link at once: its rest is written as the peer
+// drains the link, at the latest in wait().
+class SendWork : public c10d::Work {
+ public:
+  SendWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, std::shared_ptr<Group::Send> sent,
+           at::Tensor user)
+      : c10d::Work(group->rank(), OpType::SEND),
+        owner_(std::move(owner)),
+        group_(group),
+        sent_(std::move(sent)),
+        user_(std::move(user)) {}
+
+  bool wait(std::chrono::milliseconds) override {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    if (!done_) {
+      group_->wait_send(sent_);
+      done_ = true;
+      finish();
+    }
+    return true;
+  }
+  bool isCompleted() override { return done_ || group_->push_sends(sent_.get()); }
+  std::vector<at::Tensor> result() override { return {user_}; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    wait(std::chrono::milliseconds(0));
+    auto fut =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    fut->markCompleted(c10::IValue(std::vector<at::Tensor>{user_}));
+    return fut;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> owner_;  // keeps the group mapped
+  Group* group_;
+  std::shared_ptr<Group::Send> sent_;
+  at::Tensor user_;
+  std::mutex wait_mu_;
+  bool done_ = false;
+};
+
 }  // namespace
 
 ShmBackend::ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -507,8 +547,11 @@ WorkPtr ShmBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::T
 
 WorkPtr ShmBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   if (tensors.size() != 1 || !movable(tensors)) return fallback().send(tensors, dst, tag);
-  group_->send(tensors[0].contiguous(), dst, tag);
-  return done(tensors, OpType::SEND);
+  auto sent = group_->isend(tensors[0].contiguous(), dst, tag);
+  if (sent->done) return done(tensors, OpType::SEND);
+  ++fast_ops_;
+  return c10::make_intrusive<SendWork>(c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this),
+                                       group_.get(), std::move(sent), tensors[0]);
 }
 
 WorkPtr ShmBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {

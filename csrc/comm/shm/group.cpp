@@ -104,6 +104,7 @@ Group::Group(int rank, int world, const Config& config,
   policy_.spin_iters = world <= usable_cpus() ? 2000 : 0;
   for (int r = 0; r < world; ++r) send_mu_.push_back(std::make_unique<std::mutex>());
   sent_cells_.assign(world, 0);
+  queued_.resize(world);
   incoming_.resize(world);
 }
 

@@ -100,11 +100,15 @@ class Group {
   // operations, whichever transport each takes, all get the mismatch error.
   void agree_on(const OpHeader& h);
 
-  // Point to point (p2p.cpp). send returns once the message is in the link (it drains
-  // incoming links while waiting for room, so two ranks sending to each other cannot
-  // deadlock). post_recv registers a receive; wait_recv completes it. A receive from
+  // Point to point (p2p.cpp). isend writes what fits of the message into the link and
+  // returns; the rest is queued and written as the peer drains the link, whenever this rank
+  // waits on anything point-to-point (wait_send, wait_recv), so a rank computing between
+  // posting and waiting does not hold its peer's send up. Messages to one peer keep their
+  // order. post_recv registers a receive; wait_recv completes it. A receive from
   // kAnySource takes the first message with its tag from whichever rank, and then names
   // that rank in `src`. Receives match arriving messages in the order they were posted.
+  // Waiting drains incoming links and pushes queued sends, so ranks that send to each
+  // other at once cannot deadlock.
   static constexpr int kAnySource = -1;
   struct Recv {
     int src;
@@ -116,7 +120,20 @@ class Group {
     bool done = false;
     std::string error;  // set when the message that arrived does not fit
   };
-  void send(const at::Tensor& t, int dst, int64_t tag);
+  struct Send {
+    at::Tensor keep;  // holds the bytes until they are all in the link
+    const char* data;
+    uint64_t total;
+    int dst;
+    int64_t tag, dtype;
+    uint64_t off = 0;      // bytes written so far
+    bool started = false;  // a first cell is written (a message of 0 bytes is one cell)
+    bool done = false;
+  };
+  std::shared_ptr<Send> isend(const at::Tensor& t, int dst, int64_t tag);
+  void wait_send(const std::shared_ptr<Send>& s);
+  // Writes what fits of the queued sends; whether `s` (if given) is done.
+  bool push_sends(const Send* s = nullptr);
   std::shared_ptr<Recv> post_recv(const at::Tensor& t, int src, int64_t tag);
   void wait_recv(const std::shared_ptr<Recv>& r);
 
@@ -166,7 +183,15 @@ class Group {
     std::deque<std::shared_ptr<Message>> unclaimed;  // messages nobody asked for yet
   };
   static void finish_recv(Recv& r, const Message& m);
+  // A blocking send of raw bytes (after the queued sends to `dst`).
   void send(const char* data, uint64_t bytes, int dst, int64_t tag, int64_t dtype = -1);
+  // Writes cells of `s` while the link to s.dst has room (caller holds send_mu_[s.dst]);
+  // true once all are written.
+  bool write_cells(Send& s);
+  // Waits until the link to `dst` has room or the peer drained some (caller holds
+  // send_mu_[dst]); `start` is when the wait began, for timeouts and errors.
+  void wait_for_room(int dst, Clock::time_point start, Clock::time_point& next_check,
+                     const std::string& what);
   std::shared_ptr<Recv> post_recv(char* data, uint64_t bytes, int src, int64_t tag,
                                   int64_t dtype = -1);
   // Waits for `r`; false once `deadline` has passed (a dead peer or an aborted group raise).
@@ -190,6 +215,7 @@ class Group {
   std::mutex p2p_mu_;  // incoming links' state
   std::vector<std::unique_ptr<std::mutex>> send_mu_;
   std::vector<uint32_t> sent_cells_;
+  std::vector<std::deque<std::shared_ptr<Send>>> queued_;  // by peer, under send_mu_[peer]
   std::vector<std::unique_ptr<Incoming>> incoming_;
   std::deque<std::shared_ptr<Recv>> any_posted_;  // receives from any source, not matched yet
   uint64_t posts_ = 0, arrivals_ = 0;

@@ -3,8 +3,10 @@
 // A message is one or more consecutive cells; the receiver matches messages to posted
 // receives by tag, in arrival order (receives with the same tag from the same rank match
 // in the order posted). A message that arrives before its receive is posted is kept in a
-// buffer of its own. A sender waiting for room drains its own incoming links, so ranks
-// that send to each other at once always make progress.
+// buffer of its own. A send writes what fits and queues the rest, written whenever the
+// rank waits on anything point-to-point; a rank waiting drains its own incoming links and
+// pushes its queued sends, so ranks that send to each other at once always make progress.
+// A receiver that frees room rings the sender's inbox, which a waiting sender sleeps on.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -44,6 +46,15 @@ void Group::finish_recv(Recv& r, const Message& m) {
 // as soon as that receive is complete, leaving later cells in the link for their own
 // receive to read straight into its buffer.
 void Group::drain(int src, const Recv* until) {
+  bool freed = false;  // room made in the link: wake the sender if it waits for some
+  struct RingSender {
+    Group* g;
+    int src;
+    bool& freed;
+    ~RingSender() {
+      if (freed) g->control(src)->inbox.bump();
+    }
+  } ring{this, src, freed};
   if (!incoming_[src]) incoming_[src] = std::make_unique<Incoming>();
   Incoming& in = *incoming_[src];
   Channel* link = layout_.channel(base(), src, rank_);
@@ -91,6 +102,7 @@ void Group::drain(int src, const Recv* until) {
     }
     m.received += cell->bytes;
     link->tail.publish(++in.consumed);
+    freed = true;
     if (m.received == m.total) {
       if (m.recv) {
         finish_recv(*m.recv, m);
@@ -109,54 +121,126 @@ void Group::progress_all() {
     if (r != rank_) drain(r, nullptr);
 }
 
-void Group::send(const at::Tensor& t, int dst, int64_t tag) {
+std::shared_ptr<Group::Send> Group::isend(const at::Tensor& t, int dst, int64_t tag) {
   check_usable();
   TORCH_CHECK_VALUE(dst >= 0 && dst < world_ && dst != rank_, "tpcore shm: send: peer ", dst,
                     " is not another rank of this group of ", world_);
-  send(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size(), dst, tag,
-       static_cast<int64_t>(t.scalar_type()));
+  auto s = std::make_shared<Send>();
+  s->keep = t;
+  s->data = static_cast<const char*>(t.data_ptr());
+  s->total = t.numel() * t.element_size();
+  s->dst = dst;
+  s->tag = tag;
+  s->dtype = static_cast<int64_t>(t.scalar_type());
+  std::lock_guard<std::mutex> lock(*send_mu_[dst]);
+  if (queued_[dst].empty() && write_cells(*s))
+    s->done = true;
+  else
+    queued_[dst].push_back(s);
+  return s;
+}
+
+bool Group::write_cells(Send& s) {
+  Channel* link = layout_.channel(base(), rank_, s.dst);
+  const uint32_t cells = static_cast<uint32_t>(layout_.cells());
+  uint32_t& head = sent_cells_[s.dst];
+  while (!s.started || s.off < s.total) {
+    if (head - link->tail.value.load(std::memory_order_acquire) >= cells) return false;
+    Cell* cell = layout_.cell(base(), rank_, s.dst, head);
+    const uint64_t bytes = std::min<uint64_t>(layout_.cell_bytes(), s.total - s.off);
+    cell->tag = s.tag;
+    cell->total = s.total;
+    cell->dtype = s.dtype;
+    cell->offset = s.off;
+    cell->bytes = bytes;
+    std::memcpy(layout_.cell_data(cell), s.data + s.off, bytes);
+    link->head.publish(++head);
+    control(s.dst)->inbox.bump();
+    s.off += bytes;
+    s.started = true;
+  }
+  return true;
+}
+
+bool Group::push_sends(const Send* s) {
+  for (int dst = 0; dst < world_; ++dst) {
+    if (dst == rank_) continue;
+    // Another thread holding it is sending to `dst` itself: it writes the queue first.
+    std::unique_lock<std::mutex> lock(*send_mu_[dst], std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    auto& queue = queued_[dst];
+    while (!queue.empty() && write_cells(*queue.front())) {
+      queue.front()->done = true;
+      queue.front()->keep = at::Tensor();
+      queue.pop_front();
+    }
+  }
+  return s != nullptr && s->done;
+}
+
+void Group::wait_for_room(int dst, Clock::time_point start, Clock::time_point& next_check,
+                          const std::string& what) {
+  Channel* link = layout_.channel(base(), rank_, dst);
+  const uint32_t cells = static_cast<uint32_t>(layout_.cells());
+  const uint32_t head = sent_cells_[dst];
+  progress_all();  // keep our own incoming links moving while the peer drains this one
+  const uint32_t seen = link->tail.value.load(std::memory_order_seq_cst);
+  if (head - seen < cells) return;
+  link->tail.sleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (head - link->tail.value.load(std::memory_order_seq_cst) >= cells)
+    futex_wait(&link->tail.value, seen, std::chrono::microseconds(200));
+  link->tail.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  const auto now = Clock::now();
+  if (now >= next_check) {
+    check_peer(dst, now - start, what);
+    next_check = now + policy_.check_every;
+  }
 }
 
 void Group::send(const char* data, uint64_t total, int dst, int64_t tag, int64_t dtype) {
   std::lock_guard<std::mutex> lock(*send_mu_[dst]);
-  Channel* link = layout_.channel(base(), rank_, dst);
-  const uint32_t cells = static_cast<uint32_t>(layout_.cells());
   const std::string what = "sending " + std::to_string(total) + " bytes with tag " +
                            std::to_string(tag) + " to rank " + std::to_string(dst);
-  uint64_t off = 0;
-  do {
-    uint32_t& head = sent_cells_[dst];
-    if (head - link->tail.value.load(std::memory_order_acquire) >= cells) {
-      // The link is full: keep our own incoming links moving while the peer drains it.
-      const auto start = Clock::now();
-      auto next_check = start + policy_.check_every;
-      while (head - link->tail.value.load(std::memory_order_acquire) >= cells) {
-        progress_all();
-        const uint32_t seen = link->tail.value.load(std::memory_order_seq_cst);
-        if (head - seen < cells) break;
-        link->tail.sleepers.fetch_add(1, std::memory_order_seq_cst);
-        if (head - link->tail.value.load(std::memory_order_seq_cst) >= cells)
-          futex_wait(&link->tail.value, seen, std::chrono::microseconds(200));
-        link->tail.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-        const auto now = Clock::now();
-        if (now >= next_check) {
-          check_peer(dst, now - start, what);
-          next_check = now + policy_.check_every;
-        }
-      }
+  const auto start = Clock::now();
+  auto next_check = start + policy_.check_every;
+  auto& queue = queued_[dst];
+  while (!queue.empty()) {  // what was posted before goes first
+    while (!write_cells(*queue.front())) wait_for_room(dst, start, next_check, what);
+    queue.front()->done = true;
+    queue.front()->keep = at::Tensor();
+    queue.pop_front();
+  }
+  Send s;
+  s.data = data;
+  s.total = total;
+  s.dst = dst;
+  s.tag = tag;
+  s.dtype = dtype;
+  while (!write_cells(s)) wait_for_room(dst, start, next_check, what);
+}
+
+void Group::wait_send(const std::shared_ptr<Send>& s) {
+  if (s->done || push_sends(s.get())) return;
+  const std::string what = "sending " + std::to_string(s->total) + " bytes with tag " +
+                           std::to_string(s->tag) + " to rank " + std::to_string(s->dst);
+  WaitWord& inbox = control(rank_)->inbox;
+  const auto start = Clock::now();
+  auto next_check = start + policy_.check_every;
+  while (true) {
+    // Rung by the peer when it drains our link (and by anyone sending to us).
+    const uint32_t seen = inbox.value.load(std::memory_order_seq_cst);
+    progress_all();  // our incoming links too: the peer may be waiting on our room
+    if (push_sends(s.get())) return;
+    inbox.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (inbox.value.load(std::memory_order_seq_cst) == seen)
+      futex_wait(&inbox.value, seen, std::chrono::microseconds(200));
+    inbox.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      check_peer(s->dst, now - start, what);
+      next_check = now + policy_.check_every;
     }
-    Cell* cell = layout_.cell(base(), rank_, dst, head);
-    const uint64_t bytes = std::min<uint64_t>(layout_.cell_bytes(), total - off);
-    cell->tag = tag;
-    cell->total = total;
-    cell->dtype = dtype;
-    cell->offset = off;
-    cell->bytes = bytes;
-    std::memcpy(layout_.cell_data(cell), data + off, bytes);
-    link->head.publish(++head);
-    control(dst)->inbox.bump();
-    off += bytes;
-  } while (off < total);
+  }
 }
 
 std::shared_ptr<Group::Recv> Group::post_recv(const at::Tensor& t, int src, int64_t tag) {
@@ -244,6 +328,7 @@ bool Group::wait_recv_until(const std::shared_ptr<Recv>& r, Clock::time_point de
   // full) may be what the awaited sender waits for, in a cycle of ranks (a ring of large
   // messages deadlocked without this). Messages with a posted receive go straight into it.
   auto poll = [&](uint32_t) {
+    push_sends();  // a peer may wait for our queued send before it sends what we await
     std::lock_guard<std::mutex> lock(p2p_mu_);
     if (!any) drain(r->src, r.get());
     for (int other = 0; other < world_ && !r->done; ++other)
