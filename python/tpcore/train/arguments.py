@@ -259,6 +259,16 @@ class TrainArgs:
     save_interval: int | None = _arg(
         None, "checkpoint every this many steps (always at the end with --save)"
     )
+    save_interval_minutes: float | None = _arg(
+        None,
+        "also checkpoint when this many minutes have passed since the last save (rank 0's "
+        "clock, agreed at a step boundary)",
+    )
+    exit_signal_handler: bool = _arg(
+        False,
+        "on SIGTERM (what schedulers send before taking the nodes back) every rank finishes "
+        "the step, a checkpoint is saved (with --save) and the run exits 0",
+    )
     load: str | None = _arg(
         None, "resume from (or reshard) the latest checkpoint in this directory"
     )
@@ -551,6 +561,7 @@ _RANGES: dict[str, tuple[str, float | None, float | None]] = {
     "moe_router_topk": ("int", 1, None),
     "expert_model_parallel_size": ("int", 1, None),
     "context_parallel_size": ("int", 1, None),
+    "save_interval_minutes": (">", 0.0, None),
     "moe_ffn_hidden_size": ("int", 1, None),
     "moe_shared_expert_intermediate_size": ("int", 1, None),
     "moe_router_topk_scaling_factor": (">", 0.0, None),

@@ -7,12 +7,13 @@ import dataclasses
 import datetime
 import math
 import os
+import signal
 import socket
 
 import torch
 import torch.distributed as dist
 
-from .. import parallel_state
+from .. import parallel_state, shm
 from .._validation import check_cuda_device
 from ..agreement import all_or_none
 from ..checkpoint.errors import CheckpointError
@@ -55,6 +56,7 @@ from .moe_metrics import (
     set_aux_loss_scale,
     update_expert_biases,
 )
+from .preemption import StepAgreement
 from .same_arguments import check_same_arguments
 
 __all__ = ["pretrain", "init_distributed", "precision"]
@@ -76,9 +78,20 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         check_cuda_device("init_distributed", local_rank)
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    backend, timeout = "nccl" if device == "cuda" else "gloo", datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Workers restarted by torchrun --max-restarts meet in the agent's store, which
+        # keeps the killed workers' keys: without a prefix of their own, the new ranks read
+        # the old ranks' gloo addresses ("Connection refused") and never connect.
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout
+        )
+        store = dist.PrefixStore(f"tpcore/restart_{restart}", agent)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def _resume_point(args: TrainArgs) -> str | None:
@@ -183,6 +196,14 @@ def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
     forward under torch.autocast."""
     params = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     return params, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+
+
+def _transport(group) -> str:
+    """What carries `group`'s CPU collectives: tpcore's shared memory (ranks of one host),
+    or the group's backend (gloo across hosts, NCCL on GPUs)."""
+    if dist.get_world_size(group) == 1:
+        return "one rank"
+    return "shared memory" if shm.shm_backend_of(group) is not None else dist.get_backend(group)
 
 
 def _dp_mean(value: torch.Tensor, dp_group, device: str) -> float:
@@ -455,6 +476,7 @@ class _Training:
                 else ""
             )
             + f" x DP {dp}{dp_text}"
+            + f" (TP on {_transport(self.tp_group)}, DP on {_transport(self.grad_group)})"
             + (
                 f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | "
                 if pp > 1
@@ -613,8 +635,9 @@ class _Training:
         )
         self.logger.print(f"tpcore: saved checkpoint {path}")
 
-    def finish(self) -> None:
-        """Close the logs, plot the loss curve, sample when asked."""
+    def finish(self, preempted: bool = False) -> None:
+        """Close the logs, plot the loss curve; unless `preempted` (the nodes are being
+        taken back), export and sample when asked."""
         args = self.args
         self.logger.close()
         if (
@@ -630,6 +653,8 @@ class _Training:
                 else "tpcore: no loss-curve PNG (matplotlib is not installed)"
             )
         self.optimizer.finish_param_sync()  # the last step's parameter gathers
+        if preempted:
+            return
         if args.lora_rank is not None:  # adapters for PEFT, then merged for what follows
             finish_lora(self.chunks, args, self.pp_group, self.grad_group, self.logger.print)
         if args.save_hf:
@@ -665,37 +690,78 @@ class _Training:
 
 def pretrain(args: TrainArgs) -> dict:
     """Train a GPT as `args` say (call on every rank of a torchrun job). Returns the
-    final metrics {"iteration", "loss", "valid_loss"} (identical on every rank)."""
-    run = _Training(args)
+    final metrics {"iteration", "loss", "valid_loss", "preempted"} (identical on every
+    rank; "preempted": stopped by a signal under --exit-signal-handler)."""
+    # Before the set-up: a signal while it runs (loading a checkpoint) stops at step one.
+    agreement = StepAgreement(
+        exit_signal_handler=args.exit_signal_handler,
+        save_interval_minutes=args.save_interval_minutes,
+    )
+    try:
+        run = _Training(args)
+    except BaseException:
+        agreement.close()
+        raise
+    agreement.device = run.device
     for chunk in run.chunks:
         chunk.train()
     loss = valid_loss = float("nan")
     iteration = run.start
     minutes = args.distributed_timeout_minutes
     skips = SkippedStepGuard(args.max_skipped_steps, run.optimizer.scaler)
-    while iteration < args.train_iters:
-        with phase(
-            f"training step {iteration + 1} (forward, backward, gradient reductions, optimizer)",
-            minutes,
-        ):
-            metrics, skipped, explained = run.step(iteration, skips)
-        loss = metrics["loss"]
-        iteration += 1
-        stop = iteration == args.train_iters or (
-            args.exit_interval is not None and iteration - run.start >= args.exit_interval
-        )
-        if run.valid_batches and (iteration % args.eval_interval == 0 or stop):
-            with phase(f"evaluation after step {iteration}", minutes):
-                metrics["valid_loss"] = valid_loss = run.evaluate()
-            run.logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
-        run.logger.record(iteration, **metrics)
-        skips.update(
-            iteration, skipped, explained, loss
-        )  # raises on every rank alike, before any save of this step
-        if args.save and ((args.save_interval and iteration % args.save_interval == 0) or stop):
-            with phase(f"saving the checkpoint of step {iteration}", minutes):
-                run.save(iteration)
-        if stop:
-            break
-    run.finish()
-    return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
+    preempted = None
+    try:
+        while iteration < args.train_iters:
+            with phase(
+                f"training step {iteration + 1} (forward, backward, gradient reductions, "
+                "optimizer)",
+                minutes,
+            ):
+                metrics, skipped, explained = run.step(iteration, skips)
+            loss = metrics["loss"]
+            iteration += 1
+            stop = iteration == args.train_iters or (
+                args.exit_interval is not None and iteration - run.start >= args.exit_interval
+            )
+            with phase(f"agreeing on a stop signal or a save after step {iteration}", minutes):
+                preempted, save_due = agreement.decide()
+            if run.valid_batches and (
+                iteration % args.eval_interval == 0 or (stop and preempted is None)
+            ):
+                with phase(f"evaluation after step {iteration}", minutes):
+                    metrics["valid_loss"] = valid_loss = run.evaluate()
+                run.logger.print(f"tpcore: iteration {iteration}: validation loss {valid_loss:.4f}")
+            run.logger.record(iteration, **metrics)
+            skips.update(
+                iteration, skipped, explained, loss
+            )  # raises on every rank alike, before any save of this step
+            interval = args.save_interval and iteration % args.save_interval == 0
+            if args.save and (interval or stop or save_due or preempted is not None):
+                with phase(f"saving the checkpoint of step {iteration}", minutes):
+                    run.save(iteration)
+                agreement.saved()
+                if preempted is None:  # a signal during the save: this checkpoint is fresh
+                    with phase(f"agreeing on a stop signal after step {iteration}", minutes):
+                        preempted, _ = agreement.decide()
+            if preempted is not None:
+                run.logger.print(
+                    f"tpcore: {signal.Signals(preempted).name} received: stopped after step "
+                    f"{iteration}"
+                    + (
+                        f"; its checkpoint is in {args.save}, resume with --load {args.save}"
+                        if args.save
+                        else "; nothing saved (no --save)"
+                    )
+                )
+                break
+            if stop:
+                break
+    finally:
+        agreement.close()
+    run.finish(preempted=preempted is not None)
+    return {
+        "iteration": iteration,
+        "loss": loss,
+        "valid_loss": valid_loss,
+        "preempted": preempted is not None,
+    }
