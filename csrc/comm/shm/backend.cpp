@@ -132,30 +132,25 @@ class DoneWork : public c10d::Work {
   std::vector<at::Tensor> result_;
 };
 
-// A receive in flight: wait() reads it from the link (see Group::wait_recv).
-class RecvWork : public c10d::Work {
+// A send or receive in flight: wait() completes it once (`complete`); its result is `user`.
+class P2PWork : public c10d::Work {
  public:
-  RecvWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, std::shared_ptr<Group::Recv> recv,
-           at::Tensor user, at::Tensor buffer)
-      : c10d::Work(group->rank(), OpType::RECV),
+  P2PWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, OpType op, at::Tensor user)
+      : c10d::Work(group->rank(), op),
         owner_(std::move(owner)),
         group_(group),
-        recv_(std::move(recv)),
-        user_(std::move(user)),
-        buffer_(std::move(buffer)) {}
+        user_(std::move(user)) {}
 
   bool wait(std::chrono::milliseconds) override {
     std::lock_guard<std::mutex> lock(wait_mu_);
     if (!done_) {
-      group_->wait_recv(recv_);
-      if (!user_.is_same(buffer_)) user_.copy_(buffer_);
+      complete();
       done_ = true;
       finish();
     }
     return true;
   }
   bool isCompleted() override { return done_; }
-  int sourceRank() const override { return recv_->src; }
   std::vector<at::Tensor> result() override { return {user_}; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     wait(std::chrono::milliseconds(0));
@@ -165,53 +160,48 @@ class RecvWork : public c10d::Work {
     return fut;
   }
 
- private:
+ protected:
+  virtual void complete() = 0;
+
   c10::intrusive_ptr<c10d::Backend> owner_;  // keeps the group mapped
   Group* group_;
-  std::shared_ptr<Group::Recv> recv_;
-  at::Tensor user_, buffer_;
+  at::Tensor user_;
   std::mutex wait_mu_;
   bool done_ = false;
 };
 
+// A receive in flight: wait() reads it from the link (see Group::wait_recv) into the user's
+// tensor (through a contiguous buffer when it is not contiguous).
+class RecvWork : public P2PWork {
+ public:
+  RecvWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, std::shared_ptr<Group::Recv> recv,
+           at::Tensor user, at::Tensor buffer)
+      : P2PWork(std::move(owner), group, OpType::RECV, std::move(user)),
+        recv_(std::move(recv)),
+        buffer_(std::move(buffer)) {}
+  int sourceRank() const override { return recv_->src; }
+
+ private:
+  void complete() override {
+    group_->wait_recv(recv_);
+    if (!user_.is_same(buffer_)) user_.copy_(buffer_);
+  }
+  std::shared_ptr<Group::Recv> recv_;
+  at::Tensor buffer_;
+};
+
 // A send whose message did not fit in the link at once: its rest is written as the peer
 // drains the link, at the latest in wait().
-class SendWork : public c10d::Work {
+class SendWork : public P2PWork {
  public:
   SendWork(c10::intrusive_ptr<c10d::Backend> owner, Group* group, std::shared_ptr<Group::Send> sent,
            at::Tensor user)
-      : c10d::Work(group->rank(), OpType::SEND),
-        owner_(std::move(owner)),
-        group_(group),
-        sent_(std::move(sent)),
-        user_(std::move(user)) {}
-
-  bool wait(std::chrono::milliseconds) override {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    if (!done_) {
-      group_->wait_send(sent_);
-      done_ = true;
-      finish();
-    }
-    return true;
-  }
+      : P2PWork(std::move(owner), group, OpType::SEND, std::move(user)), sent_(std::move(sent)) {}
   bool isCompleted() override { return done_ || group_->push_sends(sent_.get()); }
-  std::vector<at::Tensor> result() override { return {user_}; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    wait(std::chrono::milliseconds(0));
-    auto fut =
-        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    fut->markCompleted(c10::IValue(std::vector<at::Tensor>{user_}));
-    return fut;
-  }
 
  private:
-  c10::intrusive_ptr<c10d::Backend> owner_;  // keeps the group mapped
-  Group* group_;
+  void complete() override { group_->wait_send(sent_); }
   std::shared_ptr<Group::Send> sent_;
-  at::Tensor user_;
-  std::mutex wait_mu_;
-  bool done_ = false;
 };
 
 }  // namespace
