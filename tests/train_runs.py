@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -102,6 +103,29 @@ def train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str]
         f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     return read_metrics(str(out / "metrics.csv")), proc.stdout
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """torchrun's workers under `launcher_pid`, by their RANK (from /proc/PID/environ)."""
+    out = {}
+    for pid in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it (a launcher and its workers)."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def descendants(pid: int) -> list[int]:

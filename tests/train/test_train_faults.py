@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from launch import torchrun
-from train_runs import FLAGS, RUN_TIMEOUT_S, SCRIPT, command, descendants, workdir  # noqa: F401 (workdir: the corpus fixture)
+from train_runs import (  # noqa: F401 (workdir: the corpus fixture)
+    FLAGS,
+    RUN_TIMEOUT_S,
+    SCRIPT,
+    command,
+    kill_tree,
+    rank_pids,
+    workdir,
+)
 
 SMALL = ["--tensor-parallel-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress"]
 
@@ -178,15 +186,6 @@ def test_diverged_fp32_run_stops_naming_the_step_and_saves_no_nan(workdir):
             assert all(t.isfinite().all() for t in state.values()), name
 
 
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    return int(env[b"RANK"]) if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env else None
-
-
 def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir, tmp_path):
     """SIGSTOP rank 1 mid-run: rank 0 fails within --distributed-timeout-minutes (0.1 = 6 s),
     naming the step it was in, instead of waiting 10 minutes."""
@@ -214,7 +213,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
                 break
             time.sleep(0.2)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        ranks = {_rank_of(pid): pid for pid in descendants(proc.pid)}
+        ranks = rank_pids(proc.pid)
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
         text = ""
@@ -223,11 +222,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
             text = (tmp_path / "stderr").read_text()
         waited = time.monotonic() - stopped
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
         proc.wait(timeout=30)
         err.close()
     assert (

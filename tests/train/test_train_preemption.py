@@ -24,7 +24,8 @@ from train_runs import (  # noqa: F401 (workdir: a fixture)
     SCRIPT,
     assert_same_curves,
     command,
-    descendants,
+    kill_tree,
+    rank_pids,
     train,
     workdir,
 )
@@ -35,20 +36,6 @@ RUN = ["--eval-iters", "0", "--log-interval", "1", "--no-progress", "--tensor-pa
 @pytest.fixture(scope="module")
 def uninterrupted(workdir):  # noqa: F811
     return train(workdir, "preempt_base", 2, *RUN)[0]
-
-
-def _rank_pids(proc: subprocess.Popen) -> dict[int, int]:
-    """torchrun's workers by rank (their RANK in /proc/PID/environ)."""
-    out = {}
-    for pid in descendants(proc.pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-            out[int(env[b"RANK"])] = pid
-    return out
 
 
 def _wait_for(predicate, proc, what: str, timeout: float = RUN_TIMEOUT_S) -> None:
@@ -71,11 +58,7 @@ def _finish(proc: subprocess.Popen, out) -> tuple[int, str]:
         out.seek(0)
         raise AssertionError(f"the run did not end:\n{out.read()[-4000:]}") from None
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
     out.seek(0)
     return proc.returncode, out.read()
 
@@ -93,7 +76,7 @@ def test_sigterm_on_one_rank_saves_and_the_resumed_curve_is_unchanged(
     out = open(tmp_path / "out", "w+")
     proc = subprocess.Popen(command(2, flags), stdout=out, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: _rows(log) >= 5, proc, "five steps")
-    os.kill(_rank_pids(proc)[1], signal.SIGTERM)
+    os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
     code, text = _finish(proc, out)
     assert code == 0, text[-3000:]
     stopped = _rows(log)
@@ -167,7 +150,7 @@ def test_rank_killed_under_max_restarts_resumes_the_curve(workdir, uninterrupted
     out = open(tmp_path / "out", "w+")
     proc = subprocess.Popen(launch + flags, stdout=out, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: (save / "iter_0000010").is_dir() and _rows(log) >= 12, proc, "step 12")
-    first = _rank_pids(proc)
+    first = rank_pids(proc.pid)
     os.kill(first[1], signal.SIGKILL)
     code, text = _finish(proc, out)
     assert code == 0, text[-3000:]

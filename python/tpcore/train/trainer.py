@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -613,6 +614,7 @@ class _Training:
 
     def save(self, iteration: int) -> None:
         args = self.args
+        start = time.perf_counter()
         path = save_checkpoint(
             args.save,
             iteration,
@@ -633,7 +635,7 @@ class _Training:
                 "lora": lora_settings(args, self.lora_base),
             },
         )
-        self.logger.print(f"tpcore: saved checkpoint {path}")
+        self.logger.print(f"tpcore: saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
 
     def finish(self, preempted: bool = False) -> None:
         """Close the logs, plot the loss curve; unless `preempted` (the nodes are being
