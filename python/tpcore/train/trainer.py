@@ -477,12 +477,12 @@ class _Training:
                 else ""
             )
             + f" x DP {dp}{dp_text}"
-            + f" (TP on {_transport(self.tp_group)}, DP on {_transport(self.grad_group)})"
             + (
                 f" x PP {pp} ({self.schedule}, {self.chunks_per_rank} chunk(s) per rank) | "
                 if pp > 1
                 else " | "
             )
+            + f"TP on {_transport(self.tp_group)}, DP on {_transport(self.grad_group)} | "
             + (
                 f"MoE {self.config.num_experts} experts, top-{self.config.moe_router_topk}, EP "
                 f"{args.expert_model_parallel_size} ({self.config.moe_token_dispatcher_type}) | "
