@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tpcore
+from rank_pool import IdleRank
 from tpcore.models import GPTConfig
 
 # Per-dtype tolerance, relative to the magnitude of the reference. fp32 differs from
@@ -87,9 +88,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
     )
 
 
-def setup_tp(tp: int) -> tuple[int, int]:
-    """Create groups for TP size `tp` on this rank; returns (tp_rank, tp_size)."""
+def setup_tp(tp: int, replicas: bool = False) -> tuple[int, int]:
+    """Create groups for TP size `tp` on this rank; returns (tp_rank, tp_size).
+
+    The other TP groups (data-parallel replicas) would check the same model on the same
+    inputs, so only the first group (ranks 0 .. tp-1) goes on: the others raise `IdleRank`
+    (unless `replicas`, for checks that use the data-parallel ranks, or every TP group)."""
     tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+    if not replicas and dist.get_rank() >= tp:
+        raise IdleRank
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     return dist.get_rank(group), dist.get_world_size(group)
 

@@ -45,6 +45,10 @@ PRELOAD = [
     "tpcore.hf.tensor_parallel.launcher",
     "tpcore.hf.tensor_parallel.verify",
     "tpcore.hf.gpt_bridge",
+    # the trainer's loss-curve plot (a second of CPU to import, on rank 0 of every run)
+    "matplotlib.pyplot",
+    # last: the garbage collector stops walking everything imported above
+    "frozen_heap",
 ]
 # torchrun ends the other workers this long after SIGTERM with SIGKILL.
 KILL_GRACE_S = 30.0

@@ -29,6 +29,16 @@ class RankFailure(AssertionError):
     """A job failed on at least one rank."""
 
 
+IDLE = "tpcore-test-idle-rank"  # a rank's answer after IdleRank (None to the caller)
+
+
+class IdleRank(Exception):
+    """Raised inside a job by a rank that has nothing to check (`checks.setup_tp` on the ranks
+    of a TP group that would only repeat another group's work); the job counts it as done,
+    with `None` for its value. On two cores, four ranks doing the work of two take twice as
+    long as two."""
+
+
 def _worker(
     rank: int, world: int, store_path: str, backend: str, group_timeout_s: float, tasks, results
 ) -> None:
@@ -57,6 +67,8 @@ def _worker(
         job_id, fn, args = job
         try:
             results.put((job_id, rank, True, fn(rank, world, *args)))
+        except IdleRank:
+            results.put((job_id, rank, True, IDLE))
         except BaseException:  # report everything, including assertion errors
             results.put((job_id, rank, False, traceback.format_exc()))
         finally:
@@ -109,7 +121,8 @@ class RankPool:
         self._procs = []
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
-        """Run `fn(rank, world, *args)` on every rank; return the per-rank results."""
+        """Run `fn(rank, world, *args)` on every rank; return the per-rank results (`None`
+        from a rank that raised `IdleRank`)."""
         if not self._procs:
             self._start()
         self._job_id += 1
@@ -132,7 +145,9 @@ class RankPool:
             if missing:
                 parts.append(f"rank(s) {missing} did not finish within the time allowed")
             raise RankFailure(f"{fn.__name__} failed:\n" + "\n".join(parts))
-        return [values[r] for r in range(self.world)]
+        if all(values[r] == IDLE for r in range(self.world)):
+            raise RankFailure(f"{fn.__name__}: every rank was idle, nothing was checked")
+        return [None if values[r] == IDLE else values[r] for r in range(self.world)]
 
 
 def run_fresh_processes(

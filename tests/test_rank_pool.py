@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rank_pool import RankFailure, RankPool
+from checks import setup_tp
+from rank_pool import IdleRank, RankFailure, RankPool
 
 
 def _rank1_dies(rank, world):
@@ -28,6 +29,15 @@ def _sum_of_ranks(rank, world):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return t.item()
+
+
+def _tp1_rank(rank, world):
+    tp_rank, tp = setup_tp(1)  # rank 1 raises IdleRank: it would repeat rank 0's check
+    return (rank, tp_rank, tp)
+
+
+def _all_idle(rank, world):
+    raise IdleRank
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +61,10 @@ def test_raising_rank_reports_its_traceback_fast(pair):
     with pytest.raises(RankFailure, match="boom on rank 0"):
         pair.run(_rank0_raises)
     assert time.monotonic() - start < 20
+
+
+def test_idle_ranks_answer_none_and_a_job_with_no_working_rank_fails(pair):
+    assert pair.run(_tp1_rank) == [(0, 0, 1), None]
+    with pytest.raises(RankFailure, match="every rank was idle"):
+        pair.run(_all_idle)
+    assert pair.run(_sum_of_ranks) == [1.0, 1.0]

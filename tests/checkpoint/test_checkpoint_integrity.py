@@ -89,7 +89,7 @@ def _middle_of_largest_tensor(path: str) -> int:
 def _damaged_shards(rank, world, root):
     """World 4 = TP 2 x DP 2: a 4 KiB patch of random bytes inside a shard, swapped shards,
     a shard of another save; every rank raises naming the file before training on it."""
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, _ = tp_dp_groups()
     model, opt = _make(0)
     good = _save(model, opt, os.path.join(root, "run_a"), 5)
@@ -199,7 +199,7 @@ def _save_failures(rank, world, root):
     """A full disk while rank 1 writes its shard, then non-finite weights on rank 2: every
     rank raises naming the cause and the file; iter_N.tmp is removed; the previous
     checkpoint and `latest` are untouched (compared by content)."""
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     model, opt = _make(0)
     save = os.path.join(root, "save")
     _save(model, opt, save, 1)

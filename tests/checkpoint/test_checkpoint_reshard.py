@@ -60,7 +60,7 @@ def _make(variant: str, seed: int):
 
 
 def _save(rank, world, root, variant, tp):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     model, opt = _make(variant, 0)
     g = torch.Generator().manual_seed(1)
     for step in range(2):
@@ -88,7 +88,7 @@ def saved(cpu_ranks, tmp_path_factory):
 
 
 def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
-    tp_rank, tp = setup_tp(tp)
+    tp_rank, tp = setup_tp(tp, replicas=True)
     directory = os.path.join(root, f"{variant}-tp{saved_tp}", "iter_0000002")
     files = [
         torch.load(os.path.join(directory, f"model_tp{r:02d}_pp00.pt"), weights_only=True)
@@ -192,7 +192,7 @@ def test_load_dense_state_dict_equals_the_merge(saved, saved_tp):
 
 
 def _bad_piece(rank, world, path):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     model, opt = _make("llama", 0)
     expect_error(
         CheckpointError,
@@ -262,7 +262,7 @@ def _as_format_1(directory: str, out: str) -> str:
 
 
 def _load_formats(rank, world, v1, v2, tp):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     group = parallel_state.get_tensor_model_parallel_group()
     (a, opt_a), (b, opt_b) = _make("llama", 5), _make("llama", 6)
     rng = []

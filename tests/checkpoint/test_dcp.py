@@ -137,7 +137,7 @@ def _save(rank, world, root, checkpointable=True):
 
 
 def _save_as_presented(rank, world, root):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     torch.manual_seed(0)
     user = UserModel()
     user_opt = torch.optim.AdamW(user.parameters(), lr=1e-2)
@@ -183,7 +183,7 @@ def _load(rank, world, root, tp, checkpointable=True):
 
 
 def _load_as_presented(rank, world, root, tp):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     saved = torch.load(os.path.join(root, "saved.pt"), weights_only=True)
     torch.manual_seed(1)  # other weights than the saved ones
     user = UserModel()
@@ -272,7 +272,7 @@ def _unsupported_optimizers_refused(rank, world):
     from checks import expect_error
     from tpcore.optimizer import DataParallelOptions, make_optimizer
 
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     model, _ = _make_gpt(0)
     options = DataParallelOptions(contiguous_buffers=True, use_distributed_optimizer=True)
     group = parallel_state.get_tensor_model_parallel_group()

@@ -55,7 +55,7 @@ def _barrier_after(rank, fn):
 
 
 def _ckpt_save_and_errors(rank, world, root):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     config = CKPT_CONFIG
     save = os.path.join(root, "save")
@@ -213,7 +213,7 @@ def test_checkpoint_round_trip_and_errors(tp2_checkpoint):
 
 
 def _ckpt_reshard(rank, world, root, tp):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     tp_group, _ = tp_dp_groups()
     config = CKPT_CONFIG
     model, opt = _make(config, 3)
@@ -256,7 +256,7 @@ def _torch_dist_round_trip(rank, world, root):
 
     from tpcore.hf.gpt_bridge.checkpoint import checkpoint_to_hf
 
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     config = GQA_VARIANTS["llama_kv1"]
     model, opt = _make(config, 0)
@@ -353,7 +353,7 @@ def test_torch_dist_round_trip_dense_and_damage(cpu_ranks, tmp_path):
 def _weights_only_checkpoint_restarts_the_optimizer(rank, world, root):
     """bf16 weights loaded from a checkpoint without optimizer state: the fp32 masters must
     follow them, or the next step writes the old masters back over the loaded weights."""
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     config = CKPT_CONFIG
     torch.manual_seed(0)
@@ -382,7 +382,7 @@ def test_weights_only_checkpoint_restarts_the_optimizer(cpu_ranks, tmp_path):
 
 
 def _save_failure_and_missing_rng_fail_every_rank(rank, world, root):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     model, opt = _make(CKPT_CONFIG, 0)
     # A save directory that cannot be made (a file stands there): rank 0 fails to prepare it.

@@ -210,7 +210,7 @@ def _family_job(rank, world, name, path, dtype):
     ref = dense_reference(dense, ids, mask, exact, generate=name not in ENCODERS)
     for tp in (1, 2, 4):
         tpcore.initialize_model_parallel(tensor_parallel_size=tp)
-        if tp == 1 and rank:  # TP=1: the other ranks would check the same model on the same input
+        if rank >= tp:  # the other TP groups would check the same model on the same input
             tpcore.destroy_model_parallel()
             continue
         what = f"{name} {dtype} TP={tp}"
@@ -264,6 +264,9 @@ def _backward_job(rank, world, name, path):
     labels = _labels(name, ids)
     for tp in (2, 4):
         tpcore.initialize_model_parallel(tensor_parallel_size=tp)
+        if rank >= tp:  # the other TP group would check the same model on the same input
+            tpcore.destroy_model_parallel()
+            continue
         dense = load_dense(path, cls, torch.float32)
         model = tpcore.hf.from_pretrained(path, tensor_parallel_size=tp, model_class=cls)
         if tp == 4:  # a deep copy's hooks sum its own KV copies and head norms (not the original's)

@@ -42,7 +42,7 @@ def _lora_weights(model) -> dict[str, torch.Tensor]:
 
 
 def _trains_like_peft(rank, world, family, tp, path, saved, peft_saved):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     cls = FAMILIES[family][0]
     torch.manual_seed(0)  # PEFT draws A and B (init_lora_weights=False: B too, so B A != 0)
     options = dict(r=4, lora_alpha=8, target_modules=TARGETS[family], init_lora_weights=False)
@@ -104,7 +104,7 @@ def test_split_peft_model_trains_like_peft_and_round_trips(cpu_ranks, tmp_path, 
 
 
 def _refusals(rank, world, path):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     cls = FAMILIES["llama"][0]
 
     def split(**options):
@@ -169,7 +169,7 @@ def test_peft_options_tpcore_does_not_carry_over_raise(cpu_ranks, tmp_path):
 
 
 def _saves_whole(rank, world, family, tp, path, out):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     cls = FAMILIES[family][0]
     dense = load_dense(path, cls, torch.float32)
     split = tpcore.hf.parallelize(copy.deepcopy(dense))

@@ -46,7 +46,7 @@ def _manual_greedy(dense: ReferenceGPT, prompt: torch.Tensor, n: int) -> torch.T
 
 
 def _matches_dense(rank, world, tp, variant, sequence_parallel):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     dense, model = _models(variant, sequence_parallel)
     # Length 3 grows through windows not divisible by TP (SP pads); 14 crosses 16 and is cropped.
     for length in (3, 14):
@@ -92,7 +92,7 @@ def _expected_with_eod(full: torch.Tensor, length: int, eod: int) -> torch.Tenso
 
 
 def _eod(rank, world):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     dense, model = _models("gpt2")
     prompt = _prompt(2, 4, seed=4)
     full = generate(model, prompt, 6, greedy=True)
@@ -123,7 +123,7 @@ def test_eod_and_training_mode(cpu_ranks):
 
 
 def _bad_inputs(rank, world):
-    setup_tp(4)
+    setup_tp(4, replicas=True)
     _, model = _models("gpt2")
     ok = _prompt(1, 4)
     cases = [
@@ -160,7 +160,7 @@ def _decode_matches_forward(rank, world, tp):
     """`GPTModel.decode` with its KV cache (a prompt, single tokens, then two at once) gives
     the logits a forward over the whole sequence gives at the same positions; the cache
     refuses tokens past its length and the model's positions."""
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     variants = {**VARIANTS, **{k: GQA_VARIANTS[k] for k in ("llama_kv1", "qwen3_kv2", "gemma")}}
     # MoE: a step's 2 tokens do not split over TP 4, so every TP rank routes both there.
     variants["moe"] = dataclasses.replace(

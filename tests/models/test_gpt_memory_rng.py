@@ -31,7 +31,8 @@ def _gather(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _rng(rank, world):
-    tp_rank, tp = setup_tp(2)  # world 4: TP groups {0,1}, {2,3}; DP replicas share a TP rank
+    # world 4: TP groups {0,1}, {2,3}; DP replicas share a TP rank
+    tp_rank, tp = setup_tp(2, replicas=True)
     tpcore.get_rng_tracker().reset()  # the pooled ranks keep earlier tests' seeds
     expect_error(
         RuntimeError,
@@ -72,7 +73,7 @@ def _loss_and_grads(config, ids, target):
 
 
 def _recompute_same_result(rank, world, sp):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     g = torch.Generator().manual_seed(0)
     ids, target = (
         torch.randint(0, 50, (2, 16), generator=g),
@@ -111,7 +112,7 @@ def _saved_bytes(config, ids, target) -> int:
 
 
 def _activation_memory(rank, world):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     config = dataclasses.replace(CONFIG, num_layers=4, hidden_size=64, max_position_embeddings=128)
     ids = torch.randint(0, 50, (2, 128), generator=torch.Generator().manual_seed(0))
     sizes = {}

@@ -129,7 +129,7 @@ def _train_and_save(rank, world, folder, save_dir, dense_file):
     from tpcore.train import save_checkpoint
     from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 
-    setup_tp(4)
+    setup_tp(4, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     config = config_from_hf(folder, make_vocab_size_divisible_by=2)
     model = GPTModel(config, _init=False)
@@ -182,7 +182,7 @@ def _load_at(rank, world, save_dir, dense_file, tp):
     from tpcore.train import load_checkpoint
     from train_checks import make_adamw, tp_dp_groups
 
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     tp_group, _ = tp_dp_groups()
     dense = torch.load(dense_file, weights_only=True)
     meta = json.load(open(os.path.join(save_dir, "iter_0000003", "metadata.json")))

@@ -32,7 +32,7 @@ from train_checks import BETAS, CLIP, EPS, LRS, WD, make_adamw, tp_dp_groups, tr
 
 
 def _norm_and_adamw(rank, world, tp, variant, sequence_parallel):
-    setup_tp(tp)
+    setup_tp(tp, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     config = dataclasses.replace(
@@ -131,7 +131,7 @@ def test_grad_norm_clipping_and_adamw_match_dense(cpu_ranks, tp, variant, sequen
 
 
 def _dp_average(rank, world):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     _, dp_group = tp_dp_groups()
     members = dist.get_process_group_ranks(dp_group)
     assert len(members) == 2 and rank in members
@@ -155,7 +155,7 @@ def test_average_data_parallel_grads(cpu_ranks):
 
 
 def _bf16_masters(rank, world):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     config = VARIANTS["gpt2"]
     torch.manual_seed(0)
     model = GPTModel(config, dtype=torch.bfloat16)
@@ -199,7 +199,7 @@ def test_bf16_model_has_fp32_masters(cpu_ranks):
 
 
 def _fp16_skip(rank, world, inf_param, inf_rank):
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     config = VARIANTS["gpt2"]
     torch.manual_seed(0)
     dense = ReferenceGPT(config)

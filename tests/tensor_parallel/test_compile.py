@@ -51,8 +51,6 @@ def _check(op, args, checks=STATIC_CHECKS) -> None:
 
 def _opcheck_every_op(rank, world, tp):
     tp_rank, tp = setup_tp(tp)
-    if rank >= tp:
-        return  # another data-parallel replica: the same checks on the same inputs
     g = tpcore.parallel_state.get_tensor_model_parallel_group().group_name
 
     def leaf(shape, seed, dtype=torch.float32):
@@ -208,8 +206,6 @@ def _eager_and_compiled_gpt(
     from torch._dynamo.testing import CompileCounterWithBackend
 
     setup_tp(tp)
-    if rank >= tp:
-        return  # the other data-parallel replicas would compile the same graphs again
     torch._dynamo.reset()
     config = dataclasses.replace(
         {**GPT_VARIANTS, **GQA_VARIANTS}[variant],
@@ -387,8 +383,6 @@ class _UserModel(torch.nn.Module):
 @_scalar_inductor()
 def _layers_in_user_model(rank, world, tp):
     setup_tp(tp)
-    if rank >= tp:
-        return  # another data-parallel replica would compile and compare the same
     torch._dynamo.reset()
     models = []
     for _ in range(2):
@@ -468,8 +462,6 @@ def test_layers_compile_inside_a_user_model(cpu_ranks, tp):
 
 def _export_and_dynamic(rank, world):
     setup_tp(1)
-    if rank:
-        return  # TP=1: every rank would export the same model
     torch.manual_seed(0)
     model = GPTModel(GPT_VARIANTS["llama"]).eval()
     ids = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -175,7 +175,7 @@ def test_tracked_dropout_inside_cuda_graph_capture_advances_between_replays():
 
 
 def _streams(rank, world):
-    tp_rank, tp = setup_tp(2)  # TP groups {0, 1}, {2, 3}
+    tp_rank, tp = setup_tp(2, replicas=True)  # TP groups {0, 1}, {2, 3}
     get_rng_tracker().reset()
     expect_error(
         RuntimeError, "model_parallel_manual_seed", tpcore.tracked_dropout, torch.ones(8), 0.5
@@ -235,7 +235,7 @@ def _checkpoint_resumes_streams(rank, world, root):
     from tpcore.train import load_checkpoint, save_checkpoint
     from train_checks import CLIP, LRS, make_adamw, tp_dp_groups, train_batch
 
-    setup_tp(2)
+    setup_tp(2, replicas=True)
     tp_group, dp_group = tp_dp_groups()
     config = dataclasses.replace(GPT_VARIANTS["gpt2"], dropout=0.2, attention_dropout=0.2)
     losses = []

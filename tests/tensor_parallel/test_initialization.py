@@ -137,7 +137,7 @@ IN, OUT, VOCAB, DIM = 48, 64, 37, 12
 def _at_tp(tp, build, seed=7):
     """Build after `torch.manual_seed(seed)` with TP size `tp`; returns (tp_rank, tp, module)."""
     tpcore.destroy_model_parallel()
-    tp_rank, tp = setup_tp(tp)
+    tp_rank, tp = setup_tp(tp, replicas=True)
     torch.manual_seed(seed)
     return tp_rank, tp, build()
 
@@ -199,7 +199,7 @@ def test_layer_shards_are_slices_of_the_tp1_layer(cpu_ranks, tp):
 
 
 def _no_full_weight(rank, world):
-    setup_tp(4)
+    setup_tp(4, replicas=True)
     big_in, big_out = 1024, 1024  # full weight 4 MiB, this rank's 1 MiB, a tile 256 KiB
     for cls in (
         tpcore.ColumnParallelLinear,

@@ -106,7 +106,7 @@ def _tracker_before_cuda_init(rank, world):
     """CUDA available but not initialised when seeding (a CPU rank, or a GPU rank that seeds
     before its first CUDA tensor): no CUDA state is read or set (that would create a context
     on GPU 0), and once CUDA is in use fork() swaps in each TP rank's own CUDA stream."""
-    tp_rank, tp = setup_tp(2)
+    tp_rank, tp = setup_tp(2, replicas=True)
     cuda = _FakeCuda(devices=1, initialized=False)
     with mock.patch.multiple(torch.cuda, **cuda.patches()):
         tpcore.model_parallel_manual_seed(123)
@@ -150,7 +150,7 @@ def test_rng_tracker_tracks_cuda_seeded_before_cuda_init(cpu_ranks):
 def _tracker_on_two_gpus(rank, world):
     """A process that drives two GPUs: seeding must leave every GPU's default generator with
     the common seed (the tracker's TP seed only inside fork(), on the current GPU)."""
-    tp_rank, tp = setup_tp(2)
+    tp_rank, tp = setup_tp(2, replicas=True)
     cuda = _FakeCuda(devices=2, initialized=True)
     with mock.patch.multiple(torch.cuda, **cuda.patches()):
         cuda.current = 1  # seeded while GPU 1 is current, then GPU 0 is used too
