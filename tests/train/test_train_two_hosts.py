@@ -2,8 +2,9 @@
 pair, each with its own IPC namespace and hostname (`two_hosts.py`), torchrun on each with
 c10d rendezvous at host 0. TP 2 inside each host runs on tpcore's shared memory, DP 2
 across the hosts on gloo over the veth; the loss curve is the one-host run's. A host whose
-ranks all freeze ends the other host's run within the group timeout, naming the phase.
-Skipped, naming the reason, where the machine does not allow namespaces."""
+ranks all freeze ends the other host's run within the group timeout, naming the phase. A
+host whose ranks all die under --max-restarts 1 restarts with the other, and the run resumes
+to the one-host curve. Skipped, naming the reason, where the machine does not allow namespaces."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from train_runs import (  # noqa: F401 (workdir: a fixture)
     assert_same_curves,
     descendants,
     kill_tree,
+    rank_pids,
     train,
     workdir,
 )
@@ -35,10 +37,12 @@ RUN = ["--tensor-parallel-size", "2", "--eval-iters", "0", "--log-interval", "1"
        "--no-progress", "--train-iters", "40"]  # fmt: skip
 
 
-def _launch(hosts, i: int, port: int, workdir, out, *extra: str) -> subprocess.Popen:
+def _launch(
+    hosts, i: int, port: int, workdir, out, *extra: str, restarts: int = 0
+) -> subprocess.Popen:
     """torchrun on host i (2 ranks; rendezvous at host 0), its output into `out`."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-            "2", "--rdzv-backend", "c10d",
+            "2", "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id", f"tpcore{port}",
             "--local-addr", hosts.address(i), SCRIPT, *FLAGS, "--data-path",
             str(workdir / "corpus"), *RUN, *extra]  # fmt: skip
@@ -106,3 +110,40 @@ def test_a_frozen_host_ends_the_other_within_the_timeout(workdir, tmp_path):  # 
     ]
     assert "tpcore: training step" in text, text[-3000:]
     assert waited < 60, waited  # the group timeout, not the 10-minute default
+
+
+def test_a_host_whose_ranks_die_restarts_with_the_other_and_resumes(
+    workdir,  # noqa: F811
+    one_host,
+    tmp_path,
+):
+    """--max-restarts 1 on both hosts, --save/--load one folder: SIGKILL every rank of host 1
+    after the checkpoint of step 10. Both hosts' workers are restarted, meet again, resume
+    from the newest checkpoint and end with the one-host curve."""
+    port = 29990 + os.getpid() % 9
+    log, save = tmp_path / "log", tmp_path / "ckpt"
+    outs = [open(tmp_path / f"host{i}", "w+") for i in range(2)]
+    with two_hosts() as hosts:
+        extra = ["--log-dir", str(log), "--save", str(save), "--load", str(save)]
+        extra += ["--save-interval", "10"]
+        procs = []
+        for i in range(2):
+            procs.append(_launch(hosts, i, port, workdir, outs[i], *extra, restarts=1))
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not ((save / "iter_0000010").is_dir() and (log / "metrics.csv").exists()
+                       and len((log / "metrics.csv").read_text().splitlines()) > 12):  # fmt: skip
+                assert all(p.poll() is None for p in procs), (tmp_path / "host0").read_text()
+                assert time.monotonic() < deadline, "no step 12"
+                time.sleep(0.1)
+            for pid in rank_pids(procs[1].pid).values():
+                os.kill(pid, signal.SIGKILL)
+            for proc in procs:
+                proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            for proc in procs:
+                kill_tree(proc.pid)
+    text = (tmp_path / "host0").read_text()
+    assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    assert "resumed from" in text, text[-3000:]
+    assert_same_curves(one_host, read_metrics(str(log / "metrics.csv")), exact=False)

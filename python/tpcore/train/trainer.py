@@ -43,6 +43,7 @@ from ..pipeline_parallel.gather import gather_model_on_first_stage
 from ..tensor_parallel.random import model_parallel_manual_seed
 from ..tensor_parallel.shard_spec import shard_spec
 from .arguments import TrainArgs
+from .attempt_store import attempt_store
 from .errors import TrainingError
 from .guards import SkippedStepGuard, check_output_folder, phase
 from .hf_flags import check_save_hf_folder, check_tokenizer_fits, load_initial_hf_weights, save_hf
@@ -80,16 +81,9 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
         check_cuda_device("init_distributed", local_rank)
         torch.cuda.set_device(local_rank)
     backend, timeout = "nccl" if device == "cuda" else "gloo", datetime.timedelta(seconds=timeout_s)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Workers restarted by torchrun --max-restarts meet in the agent's store, which
-        # keeps the killed workers' keys: without a prefix of their own, the new ranks read
-        # the old ranks' gloo addresses ("Connection refused") and never connect.
+    store = attempt_store(timeout)  # torchrun: a store of this attempt's own (see attempt_store.py)
+    if store is not None:
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        agent = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout
-        )
-        store = dist.PrefixStore(f"tpcore/restart_{restart}", agent)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return
     dist.init_process_group(backend, timeout=timeout)
