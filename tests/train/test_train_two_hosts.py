@@ -78,8 +78,8 @@ def test_two_hosts_train_the_one_host_curve(workdir, one_host, tmp_path):  # noq
 
 def test_a_frozen_host_ends_the_other_within_the_timeout(workdir, tmp_path):  # noqa: F811
     """SIGSTOP every rank of host 1 mid-run: host 0's ranks fail within
-    --distributed-timeout-minutes (0.1 = 6 s), naming the phase, instead of waiting for
-    ever; its torchrun exits with an error."""
+    --distributed-timeout-minutes (0.1 = 6 s), naming the phase and the silent ranks and
+    their host, instead of waiting for ever; its torchrun exits with an error."""
     port = 29900 + os.getpid() % 90
     log = tmp_path / "log"
     outs = [open(tmp_path / f"host{i}", "w+") for i in range(2)]
@@ -109,6 +109,9 @@ def test_a_frozen_host_ends_the_other_within_the_timeout(workdir, tmp_path):  # 
         -3000:
     ]
     assert "tpcore: training step" in text, text[-3000:]
+    # The error names the stopped ranks and their host (their heartbeats stopped)...
+    assert "rank(s) 2 (host1), 3 (host1) sent no heartbeat" in text, text[-3000:]
+    assert "(host0) sent no heartbeat" not in text  # ...and none of the live ones
     assert waited < 60, waited  # the group timeout, not the 10-minute default
 
 

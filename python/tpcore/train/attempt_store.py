@@ -30,9 +30,10 @@ KEY = "tpcore/attempt_store"
 CONNECT_TRY_S = 2.0
 
 
-def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """This attempt's own store, or None when the ranks were not launched by torchrun with
-    its agent's store (then `init_process_group`'s env:// rendezvous is used as it is).
+def attempt_store(timeout: datetime.timedelta) -> tuple[dist.Store, str] | None:
+    """This attempt's own store and its address ("host:port"), or None when the ranks were
+    not launched by torchrun with its agent's store (then `init_process_group`'s env://
+    rendezvous is used as it is).
     Raises after `timeout` if rank 0 never posts a reachable store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -43,13 +44,14 @@ def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 def meet(
     agent: dist.Store, host: str, world: int, rank: int, timeout: datetime.timedelta
-) -> dist.Store:
+) -> tuple[dist.Store, str]:
     """Rank 0: serve a new store on `host` and post its address in `agent`. Others: connect
-    to the posted address, reading it again while it names a server that is gone."""
+    to the posted address, reading it again while it names a server that is gone. Returns
+    the store and its address."""
     if rank == 0:
         own = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
         agent.set(KEY, f"{host}:{own.port}")
-        return own
+        return own, f"{host}:{own.port}"
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         posted = agent.get(KEY).decode()  # waits for the first attempt's rank 0
@@ -67,4 +69,4 @@ def meet(
             time.sleep(0.2)
             continue
         store.set_timeout(timeout)
-        return store
+        return store, posted

@@ -14,6 +14,7 @@ from ..agreement import all_or_none
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.integrity import describe_os_error
 from ..optimizer.parallel_adamw import LossScaler
+from . import heartbeat
 from .errors import TrainingError
 
 __all__ = ["phase", "SkippedStepGuard", "check_output_folder"]
@@ -34,10 +35,15 @@ def phase(what: str, timeout_minutes: float) -> Iterator[None]:
     except Exception as e:
         text = str(e).lower()
         if any(w in text for w in _TIMEOUT_WORDS):
+            silent = heartbeat.silent_ranks()
             hint = (
                 " (a collective got no answer within --distributed-timeout-minutes "
-                f"{timeout_minutes:g}: a peer rank is stopped, hung or much slower; the ranks "
-                "that report no error are the ones to look at)"
+                f"{timeout_minutes:g}: a peer rank is stopped, hung or much slower; "
+                + (
+                    f"{silent})"
+                    if silent
+                    else "the ranks that report no error are the ones to look at)"
+                )
             )
         elif any(w in text for w in _PEER_WORDS):
             hint = " (a peer rank left the job: its own error says why)"

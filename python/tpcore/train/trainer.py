@@ -42,6 +42,7 @@ from ..pipeline_parallel import (
 from ..pipeline_parallel.gather import gather_model_on_first_stage
 from ..tensor_parallel.random import model_parallel_manual_seed
 from ..tensor_parallel.shard_spec import shard_spec
+from . import heartbeat
 from .arguments import TrainArgs
 from .attempt_store import attempt_store
 from .errors import TrainingError
@@ -81,10 +82,11 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> None:
         check_cuda_device("init_distributed", local_rank)
         torch.cuda.set_device(local_rank)
     backend, timeout = "nccl" if device == "cuda" else "gloo", datetime.timedelta(seconds=timeout_s)
-    store = attempt_store(timeout)  # torchrun: a store of this attempt's own (see attempt_store.py)
-    if store is not None:
+    met = attempt_store(timeout)  # torchrun: a store of this attempt's own (see attempt_store.py)
+    if met is not None:
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=met[0], rank=rank, world_size=world, timeout=timeout)
+        heartbeat.start(met[1], rank, world)  # names silent ranks when a collective times out
         return
     dist.init_process_group(backend, timeout=timeout)
 
