@@ -35,15 +35,12 @@ def phase(what: str, timeout_minutes: float) -> Iterator[None]:
     except Exception as e:
         text = str(e).lower()
         if any(w in text for w in _TIMEOUT_WORDS):
-            silent = heartbeat.silent_ranks()
+            who = (
+                heartbeat.silent_ranks() or "the ranks that report no error are the ones to look at"
+            )
             hint = (
                 " (a collective got no answer within --distributed-timeout-minutes "
-                f"{timeout_minutes:g}: a peer rank is stopped, hung or much slower; "
-                + (
-                    f"{silent})"
-                    if silent
-                    else "the ranks that report no error are the ones to look at)"
-                )
+                f"{timeout_minutes:g}: a peer rank is stopped, hung or much slower; {who})"
             )
         elif any(w in text for w in _PEER_WORDS):
             hint = " (a peer rank left the job: its own error says why)"
