@@ -66,6 +66,12 @@ GQA_VARIANTS = {
     # Qwen3's shape: q / k norms over each head, heads wider than hidden / heads.
     "qwen3": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, kv_channels=16),
     "qwen3_kv2": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, num_kv_heads=2),
+    # OLMoE's attention: q / k norms over the whole projection, split over TP with the heads
+    # (with two KV heads at TP 4: a k-norm slice copied on two ranks).
+    "olmo": dataclasses.replace(GPT_VARIANTS["llama"], qk_norm=True, qk_norm_scope="projection"),
+    "olmo_kv2": dataclasses.replace(
+        GPT_VARIANTS["llama"], qk_norm=True, qk_norm_scope="projection", num_kv_heads=2
+    ),
     # Gemma's shape: (1 + weight) norms, GeGLU, scaled embeddings, tied head, one KV head of 16.
     "gemma": dataclasses.replace(
         GPT_VARIANTS["llama"],

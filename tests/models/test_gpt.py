@@ -84,7 +84,8 @@ KV_REPLICATED_CASES = [
 ]
 # Heads of another width than hidden / heads (kv_channels): 8 x 16 = 128 and 8 x 4 = 32 wide
 # attention in a 64-wide model; the QKV and output projections are not square. Qwen3's q / k
-# norms: replicated weights whose gradient each rank's heads give part of.
+# norms: replicated weights whose gradient each rank's heads give part of. OLMoE's: over the
+# whole projection, a mean of squares summed over TP.
 HEAD_SHAPE_CASES = [
     (1, "llama_wide_heads", False, False, "none"),
     (2, "llama_wide_heads", True, True, "selective"),
@@ -96,6 +97,10 @@ HEAD_SHAPE_CASES = [
     (4, "qwen3", True, False, "selective"),
     (2, "qwen3_kv2", False, False, "selective"),
     (4, "qwen3_kv2", True, True, "none"),  # k norms on replicated KV heads
+    (1, "olmo", False, False, "none"),
+    (2, "olmo", True, True, "selective"),
+    (4, "olmo", False, False, "full"),
+    (4, "olmo_kv2", True, False, "selective"),  # a k-norm slice on two ranks
     (1, "gemma", False, False, "none"),
     (2, "gemma", True, True, "selective"),
     (4, "gemma", False, False, "full"),
@@ -211,6 +216,9 @@ def test_bad_inputs_raise_on_every_rank(cpu_ranks):
         (dict(dropout=1.0), "dropout must be in [0, 1)"),
         (dict(num_layers=0), "num_layers must be a positive int"),
         (dict(hidden_size=36, num_attention_heads=4, position_embedding="rotary"), "even head dim"),
+        (dict(qk_norm_scope="heads"), "qk_norm_scope must be one of"),
+        (dict(qk_norm_scope="projection", norm="rmsnorm"), "needs qk_norm=True and norm='rmsnorm'"),
+        (dict(qk_norm_scope="projection", qk_norm=True), "got qk_norm=True, norm='layernorm'"),
     ],
 )
 def test_config_validation(kwargs, match):

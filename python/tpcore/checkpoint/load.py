@@ -88,6 +88,7 @@ _SHAPE_FIELDS = (
     "ffn_hidden_size",
     "kv_channels",
     "qk_norm",
+    "qk_norm_scope",
     "max_position_embeddings",
     "norm",
     "activation",

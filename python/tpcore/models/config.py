@@ -26,6 +26,7 @@ _CHOICES = {
     "moe_router_load_balancing_type": ("aux_loss", "none"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
     "cp_comm_type": ("p2p", "a2a", "allgather"),
+    "qk_norm_scope": ("head", "projection"),
 }
 
 
@@ -55,6 +56,12 @@ class GPTConfig:
     """Normalise each query and key head (over its kv_channels, with the model's norm) before
     the rotary embedding (Qwen3; Megatron's --qk-layernorm). The two norms' weights are
     shared by all heads and replicated over TP; backward sums their gradient over TP."""
+    qk_norm_scope: str = "head"
+    """What the q / k norms normalise: "head" (each head, as above) or "projection" (the whole
+    q or k projection, every head at once; OLMoE's, RMSNorm only). Projection norms have one
+    weight per feature, `[heads x kv_channels]` and `[kv_heads x kv_channels]`, split over
+    TP with the heads; each rank's mean of squares is summed over TP (one all-reduce of
+    `[s, b, 1]` per norm, forward and backward)."""
     max_position_embeddings: int = 1024
     """Longest sequence the model accepts."""
     dropout: float = 0.0
@@ -196,6 +203,11 @@ class GPTConfig:
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ValueError(
                 f"tpcore: GPTConfig: rotary embeddings need an even head dim, got {self.head_dim}"
+            )
+        if self.qk_norm_scope == "projection" and not (self.qk_norm and self.norm == "rmsnorm"):
+            raise ValueError(
+                "tpcore: GPTConfig: qk_norm_scope='projection' needs qk_norm=True and "
+                f"norm='rmsnorm', got qk_norm={self.qk_norm}, norm={self.norm!r}"
             )
         if self.sliding_window is not None:
             check_positive_ints("GPTConfig", sliding_window=self.sliding_window)

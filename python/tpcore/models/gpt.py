@@ -56,7 +56,8 @@ from ..tensor_parallel.random import MODEL_PARALLEL_RNG, REPLICATED_RNG, get_rng
 from ..tensor_parallel.recompute import checkpoint
 from ..tensor_parallel.scaled_embedding import ScaledVocabParallelEmbedding
 from ..tensor_parallel.shard_spec import set_shard_spec, shard, unshard
-from ..tensor_parallel.shared_grads import sum_partial_grads
+from ..tensor_parallel.shared_grads import sum_over_copies, sum_partial_grads
+from ..tensor_parallel.split_norm import SplitRMSNorm
 from .common import (
     apply_rotary,
     attention_core,
@@ -125,8 +126,13 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
             bias=c.proj_bias,
             **common,
         )
-        # replicated; not sequence-parallel: they see the whole sequence of this rank's heads
-        if c.qk_norm:
+        # Not sequence-parallel: they see the whole sequence of this rank's heads. Over each
+        # head: replicated weights. Over the projection: this rank's heads' slice of them.
+        if c.qk_norm and c.qk_norm_scope == "projection":
+            norm = dict(group=group, dtype=dtype, device="meta")
+            self.q_norm = SplitRMSNorm(self.heads * c.head_dim, c.norm_eps, **norm)
+            self.k_norm = SplitRMSNorm(self.kv_heads * c.head_dim, c.norm_eps, **norm)
+        elif c.qk_norm:
             self.q_norm = make_norm(c, dtype, "meta", c.head_dim)
             self.k_norm = make_norm(c, dtype, "meta", c.head_dim)
 
@@ -168,9 +174,12 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
     ) -> torch.Tensor:
         d, (s, b) = self.config.head_dim, qkv.shape[:2]
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        projection_norms = self.config.qk_norm and self.config.qk_norm_scope == "projection"
+        if projection_norms:
+            q, k = self._projection_norms(q, k)
         q = q.view(s, b, self.heads, d)
         k, v = (t.view(s, b, self.kv_heads, d) for t in (k, v))
-        if self.config.qk_norm:
+        if self.config.qk_norm and not projection_norms:
             q_params, k_params = self._summed_norm_parameters()
             q, k = (
                 torch.func.functional_call(self.q_norm, q_params, (q,)),
@@ -185,6 +194,18 @@ class ParallelAttention(SharesProcessGroups, nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         # This rank's heads: its own dropout masks, from the model-parallel stream.
         return attention_core(q, k, v, dropout, MODEL_PARALLEL_RNG)
+
+    def _projection_norms(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[s, b, h/tp x d]` and k `[s, b, kv/tp x d]` normalised over every rank's heads
+        (`SplitRMSNorm`). A KV head copied over several ranks has its k-norm slice copied too:
+        each copy's backward gives part of that slice's gradient, summed over the copies."""
+        k_weight = sum_over_copies(
+            self.k_norm.weight, self.group, kv_copies(self.config, self.tp_size)
+        )
+        k = torch.func.functional_call(self.k_norm, {"weight": k_weight}, (k,))
+        return self.q_norm(q), k
 
     def _summed_norm_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The q and k norms' parameters, for `functional_call`. The norms run over each head

@@ -7,7 +7,8 @@ Hugging Face export of a pipeline stage that does not hold the tensor, a folder'
 
 The fused QKV weight is `[Q; K; V]` (parts by head), SwiGLU's fc1 `[gate; up]`; the word
 embedding and an untied LM head are vocabulary splits; norms and positions are replicated
-(GPTModel marks those whose gradients are a share per rank under sequence parallelism).
+(GPTModel marks those whose gradients are a share per rank under sequence parallelism),
+except q / k norms over the whole projection, split by head as the projection is.
 An MoE layer's expert weights `[experts, ...]` split along the experts over the
 expert-parallel group (axis "expert"); its router and shared-expert gate are replicated, its
 shared expert splits like the dense MLP.
@@ -39,6 +40,9 @@ def gpt_shard_spec(name: str, config: GPTConfig, shape: tuple[int, ...]) -> Shar
     if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
         heads = (c.num_attention_heads, c.num_kv_heads, c.num_kv_heads)
         return ShardSpec(shape, 0, tuple(Part(n, h * c.head_dim, h) for n, h in zip("qkv", heads)))
+    if c.qk_norm_scope == "projection" and name.endswith(("q_norm.weight", "k_norm.weight")):
+        heads = c.num_attention_heads if name.endswith("q_norm.weight") else c.num_kv_heads
+        return ShardSpec(shape, 0, (Part("", heads * c.head_dim, heads),))
     if name.endswith(("mlp.experts.fc1.weight", "mlp.experts.fc2.weight")):
         return ShardSpec(shape, 0, axis="expert")
     if re.search(r"mlp\.(shared_expert\.)?fc1\.(weight|bias)$", name):

@@ -47,9 +47,11 @@ class DenseAttention(nn.Module):
             dtype=dtype,
             device=device,
         )
-        if c.qk_norm:
-            self.q_norm = make_norm(c, dtype, device, c.head_dim)
-            self.k_norm = make_norm(c, dtype, device, c.head_dim)
+        if c.qk_norm:  # over each head, or over the whole projection (OLMoE)
+            whole = c.qk_norm_scope == "projection"
+            q_width, k_width = (c.num_attention_heads, c.num_kv_heads) if whole else (1, 1)
+            self.q_norm = make_norm(c, dtype, device, q_width * c.head_dim)
+            self.k_norm = make_norm(c, dtype, device, k_width * c.head_dim)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
@@ -63,9 +65,11 @@ class DenseAttention(nn.Module):
             ],
             -1,
         )
+        if c.qk_norm and c.qk_norm_scope == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(s, b, c.num_attention_heads, c.head_dim)
         k, v = (t.view(s, b, c.num_kv_heads, c.head_dim) for t in (k, v))
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

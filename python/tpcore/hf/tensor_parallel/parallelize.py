@@ -29,6 +29,7 @@ from ...tensor_parallel import (
     VocabParallelEmbedding,
 )
 from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec
+from ...tensor_parallel.split_norm import SplitRMSNorm
 from .grads import install_gradient_sums
 from .lm_head import VocabParallelLMHead
 from .moe import install_moe_blocks
@@ -37,7 +38,6 @@ from .plan import Load, Plan, Replacement, make_plan
 from .policy import get_policy
 from .rank_config import RankConfig
 from .slices import spec_ranges
-from .split_norm import SplitRMSNorm
 from .weights import BLOCK_BYTES, DenseSource, SafetensorsSource
 
 __all__ = ["parallelize", "from_pretrained"]

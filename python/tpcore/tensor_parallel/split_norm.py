@@ -1,5 +1,6 @@
-"""An RMS norm over features that tensor parallelism splits: OLMo 2's and OLMo 3's q / k
-norms, which normalize the whole q (or k) projection, every head at once, not each head.
+"""An RMS norm over features that tensor parallelism splits: q / k norms over the whole q (or
+k) projection, every head at once, not each head (OLMoE, OLMo 2 and 3 in `tpcore.hf`;
+GPTModel with `qk_norm_scope="projection"`).
 
 Each rank holds its heads' features and the matching slice of the norm's weight. The mean
 of squares needs every feature: each rank sums its own squares, one all-reduce of those
@@ -14,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..._module_utils import SharesProcessGroups
-from ...models.common import RMSNorm
-from ...parallel_state import resolve_tensor_group
-from ...tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from .._module_utils import SharesProcessGroups
+from ..models.common import RMSNorm
+from ..parallel_state import resolve_tensor_group
+from .mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 __all__ = ["SplitRMSNorm"]
 
