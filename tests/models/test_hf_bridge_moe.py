@@ -2,9 +2,10 @@
 computed in this test.
 
 Tiny random Mixtral (every layer routed), Qwen3-MoE (q / k norms, layer 1 dense through
-`mlp_only_layers`, top-k weights left unnormalised) and Qwen2-MoE (q/k/v biases, a gated
-shared expert) are saved with `save_pretrained` (one tensor per expert) and as transformers 5
-holds them (fused `gate_up_proj` / `down_proj`), loaded into GPTModel at TP x EP = 1 x 1,
+`mlp_only_layers`, top-k weights left unnormalised), Qwen2-MoE (q/k/v biases, a gated
+shared expert) and OLMoE (q / k norms over the whole projection, split over TP) are saved
+with `save_pretrained` (one tensor per expert) and as transformers 5 holds them (fused
+`gate_up_proj` / `down_proj`), loaded into GPTModel at TP x EP = 1 x 1,
 2 x 1, 1 x 2 and 2 x 2 on 4 spawned ranks: the logits equal transformers' in fp32 (and
 Qwen3-MoE's balancing loss, its coefficient converted, equals transformers'). Exported back
 at each layout, the files hold bitwise the tensors `save_pretrained` wrote and transformers
@@ -26,6 +27,7 @@ import torch
 
 from checks import assert_close
 from tpcore.hf.gpt_bridge import config_from_hf, config_to_hf
+from tpcore.models import GPTConfig
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -54,6 +56,10 @@ def _hf_config(family: str):
             **_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2
         )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if family == "olmoe":  # experts intermediate_size wide, top-k weights unnormalised
+        return transformers.OlmoeConfig(
+            **_COMMON, intermediate_size=24, num_experts=4, num_experts_per_tok=2
+        )
     if family == "qwen3_moe":  # a dense layer 48 wide after the MoE one
         return transformers.Qwen3MoeConfig(
             **_COMMON, **moe, intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False
@@ -74,7 +80,7 @@ def _hf_model(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def moe_case(request, tmp_path_factory):
     """(family, save_pretrained folder, fused folder, ids, transformers' logits and
     unscaled balancing loss, the model's state dict)."""
@@ -169,6 +175,7 @@ def _copy_block(ours, theirs) -> None:
         ("mixtral", "mixtral.modeling_mixtral.MixtralSparseMoeBlock"),
         ("qwen3_moe", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"),
         ("qwen2_moe", "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock"),
+        ("olmoe", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock"),
     ],
 )
 def test_reference_moe_block_equals_transformers(family, block):
@@ -199,9 +206,9 @@ def test_reference_moe_block_equals_transformers(family, block):
 
 def test_moe_configs_round_trip_and_refusals():
     """config_to_hf(config_from_hf(x)) describes the same model; the balancing coefficient is
-    k times transformers' where transformers adds the loss, 0 where it does not; OLMoE, router
-    jitter and shapes no family has are refused naming the option."""
-    for family in ("mixtral", "qwen3_moe", "qwen2_moe"):
+    k times transformers' where transformers adds the loss, 0 where it does not; OLMoE's
+    clip_qkv, router jitter and shapes no family has are refused naming the option."""
+    for family in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         hf = _hf_config(family).to_dict()
         config = config_from_hf(hf)
         assert config.moe_aux_loss_coeff == pytest.approx(0.02 * 2)
@@ -221,9 +228,24 @@ def test_moe_configs_round_trip_and_refusals():
     }
     assert config_from_hf(sparse_step).moe_layer_freq == [0, 1]  # transformers' (i + 1) % step
 
-    olmoe = transformers.OlmoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="'olmoe' is not supported .*q / k norms over the whole"):
-        config_from_hf(olmoe)
+    olmoe = config_from_hf(_hf_config("olmoe"))
+    assert olmoe.qk_norm and olmoe.qk_norm_scope == "projection" and not olmoe.moe_norm_topk_prob
+    clipped = {**_hf_config("olmoe").to_dict(), "clip_qkv": 8.0}
+    with pytest.raises(ValueError, match="olmoe option clip_qkv=8.0"):
+        config_from_hf(clipped)
+    base = dataclasses.asdict(olmoe)
+    dense = {k: v for k, v in base.items() if not k.startswith("moe_")}
+    for fields, words in [
+        (
+            {**base, "moe_layer_freq": [1, 0]},
+            "olmoe (the MoE family of this shape): it has no dense",
+        ),
+        ({**base, "moe_shared_expert_intermediate_size": 8}, "no shared expert"),
+        ({**dense, "num_experts": None}, "no dense Hugging Face family GPTModel exports"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            config_to_hf(GPTConfig(**fields))
+        assert words in str(e.value), str(e.value)
     jitter = {**_hf_config("mixtral").to_dict(), "router_jitter_noise": 0.1}
     with pytest.raises(ValueError, match="mixtral option router_jitter_noise=0.1"):
         config_from_hf(jitter)

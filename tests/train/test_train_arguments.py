@@ -181,6 +181,9 @@ def test_kv_channels_and_qk_layernorm_reach_the_model():
     assert config.kv_channels == config.head_dim == 16 and config.qk_norm
     default = parse_args([]).model_config(50)
     assert default.kv_channels is None and not default.qk_norm
+    assert default.qk_norm_scope == "head"
+    olmoe = ["--qk-layernorm", "--norm", "rmsnorm", "--qk-norm-scope", "projection"]
+    assert parse_args(olmoe).model_config(50).qk_norm_scope == "projection"
     expect_error(
         ValueError,
         "even head dim, got 5",

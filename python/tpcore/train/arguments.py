@@ -49,6 +49,11 @@ class TrainArgs:
     ffn_hidden_size: int | None = _arg(None, "MLP width (default 4 * hidden)")
     kv_channels: int | None = _arg(None, "width of each attention head (default hidden / heads)")
     qk_layernorm: bool = _arg(False, "normalise each query and key head (Qwen3's q / k norms)")
+    qk_norm_scope: str = _arg(
+        "head",
+        "with --qk-layernorm: normalise each head, or the whole q / k projection (OLMoE's)",
+        ("head", "projection"),
+    )
     seq_length: int = _arg(128, "tokens per sample")
     max_position_embeddings: int | None = _arg(
         None, "longest sequence the model accepts (default seq-length)"
@@ -505,6 +510,7 @@ class TrainArgs:
             ffn_hidden_size=self.ffn_hidden_size,
             kv_channels=self.kv_channels,
             qk_norm=self.qk_layernorm,
+            qk_norm_scope=self.qk_norm_scope,
             max_position_embeddings=self.max_position_embeddings or self.seq_length,
             dropout=self.dropout,
             attention_dropout=self.attention_dropout,

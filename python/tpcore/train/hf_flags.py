@@ -48,6 +48,7 @@ _FLAGS: dict[str, Callable[[GPTConfig], object]] = {
         c.head_dim
     ),  # the width itself: --kv-channels 128 agrees with a head_dim of 128 = H / heads
     "qk_layernorm": lambda c: c.qk_norm,
+    "qk_norm_scope": lambda c: c.qk_norm_scope,
     "max_position_embeddings": lambda c: c.max_position_embeddings,
     "norm": lambda c: c.norm,
     "activation": lambda c: c.activation,

@@ -11,7 +11,9 @@ scaled by sqrt(hidden) and a tied head; head_dim other than hidden / heads is kv
 Mixture-of-experts families: `mixtral` (every layer's MLP routed, top-k renormalised, no
 biases), `qwen3_moe` (Qwen3's q / k norms; dense layers where `mlp_only_layers` or
 `decoder_sparse_step` say) and `qwen2_moe` (Qwen2's q/k/v biases and a shared expert gated by
-sigmoid(x . w) beside the routed ones). `router_aux_loss_coef` becomes `moe_aux_loss_coeff`
+sigmoid(x . w) beside the routed ones), `olmoe` (q / k norms over the whole projection,
+`qk_norm_scope="projection"`; every layer routed, top-k weights unnormalised by default).
+`router_aux_loss_coef` becomes `moe_aux_loss_coeff`
 times `num_experts_per_tok`: transformers' balancing loss (`load_balancing_loss_func`) counts
 the tokens each expert takes where Megatron (and tpcore) count the routes, k per token, so
 one layer's loss is then the same number. transformers adds that loss to the training loss
@@ -19,8 +21,8 @@ only with `output_router_logits`, so without it the coefficient is 0 (the export
 flag and the coefficient back). Two differences remain: transformers averages the counts
 and probabilities over the layers before multiplying, tpcore sums each layer's loss
 (Megatron's); and transformers computes the router's logits in the model's dtype, tpcore in
-float32 (the same in float32). OLMoE is refused (its q / k norms run over the whole
-projection, GPTModel's over each head), as is Mixtral's `router_jitter_noise`.
+float32 (the same in float32). Mixtral's `router_jitter_noise` and OLMoE's `clip_qkv` are
+refused.
 Both spellings of the rotary settings transformers has written are read (`rope_theta` +
 `rope_scaling` up to 4.x, `rope_parameters` from 5.x) and both are written, so either
 version loads the export. Anything GPTModel does not compute exactly (another rotary
@@ -47,10 +49,16 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "olmoe",
 )
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 # Parameter-name families of the MoE model types (`hf_family`).
-_MOE_FAMILIES = {"mixtral": "mixtral", "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe"}
+_MOE_FAMILIES = {
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen_moe",
+    "qwen3_moe": "qwen_moe",
+    "olmoe": "qwen_moe",  # the same tensor names (its q / k norms are wider)
+}
 _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
@@ -61,6 +69,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # Why the families transformers has and GPTModel lacks are refused (the first thing each needs).
 _MISSING = {
@@ -69,7 +78,6 @@ _MISSING = {
     "falcon": "Falcon's parallel attention / MLP",
     "phi": "Phi's parallel residual and partial rotary embeddings",
     "gemma2": "Gemma 2's logit soft-capping and extra norms around attention and MLP",
-    "olmoe": "OLMoE's q / k norms over the whole projection (qk_norm normalises each head)",
 }
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
 
@@ -202,8 +210,8 @@ def _moe(d: dict, model_type: str) -> dict:
         raise _unsupported(model_type, "router_jitter_noise", d["router_jitter_noise"])
     spellings = ("num_local_experts", "num_experts")
     experts = next((d[k] for k in (spellings if mixtral else spellings[::-1]) if k in d), None)
-    if experts is None:
-        experts = 8 if mixtral else 60 if model_type == "qwen2_moe" else 128  # configs' defaults
+    if experts is None:  # the configs' defaults
+        experts = {"mixtral": 8, "qwen2_moe": 60, "olmoe": 64}.get(model_type, 128)
     if not mixtral and experts == 0:
         return {}
     layers = d["num_hidden_layers"]
@@ -214,17 +222,20 @@ def _moe(d: dict, model_type: str) -> dict:
         dense, step = set(d.get("mlp_only_layers") or ()), d.get("decoder_sparse_step", 1)
         moe_layers = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     k = d.get("num_experts_per_tok", 2 if mixtral else 4 if model_type == "qwen2_moe" else 8)
+    # Mixtral's and OLMoE's experts are intermediate_size wide (they have no dense layer).
+    expert_width = (
+        "intermediate_size" if model_type in ("mixtral", "olmoe") else "moe_intermediate_size"
+    )
+    coeff = d.get("router_aux_loss_coef", 0.01 if model_type == "olmoe" else 0.001)
     fields = dict(
         num_experts=experts,
         moe_router_topk=k,
-        moe_ffn_hidden_size=d["intermediate_size" if mixtral else "moe_intermediate_size"],
+        moe_ffn_hidden_size=d[expert_width],
         moe_norm_topk_prob=mixtral or bool(d.get("norm_topk_prob", False)),
         moe_layer_freq=1 if all(moe_layers) else moe_layers,
         # The same balancing loss as transformers trains with (module doc): k times the
         # coefficient, and none where transformers adds none.
-        moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.001)) * k
-        if d.get("output_router_logits")
-        else 0.0,
+        moe_aux_loss_coeff=float(coeff) * k if d.get("output_router_logits") else 0.0,
     )
     if model_type == "qwen2_moe":
         shared = d.get("shared_expert_intermediate_size", 5632)
@@ -242,6 +253,11 @@ def _llama_like(d: dict, model_type: str) -> dict:
         "head_dim", {"qwen3": 128, "gemma": 256}.get(model_type)
     )  # Qwen3Config's, GemmaConfig's defaults
     base, scaling = _rotary(d, model_type)
+    if model_type == "olmoe":
+        if d.get("clip_qkv") is not None:
+            raise _unsupported(model_type, "clip_qkv", d["clip_qkv"])
+        if head_dim not in (None, hidden // heads):  # its q / k norms are hidden_size wide
+            raise _unsupported(model_type, "head_dim", head_dim)
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
     elif model_type == "qwen2_moe":
@@ -274,7 +290,8 @@ def _llama_like(d: dict, model_type: str) -> dict:
         proj_bias=proj_bias,
         mlp_bias=mlp_bias,
         init_std=d.get("initializer_range", 0.02),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_scope="projection" if model_type == "olmoe" else "head",
     )
     if model_type in _MOE_FAMILIES:
         fields.update(_moe(d, model_type))
@@ -344,7 +361,26 @@ def _pick_moe_type(c: GPTConfig, preferred: str | None) -> str:
         f"{c.moe_router_topk_scaling_factor} (only 1)": c.moe_router_topk_scaling_factor != 1,
         "MLP biases (mlp_bias)": c.mlp_bias,
     }
-    if c.moe_shared_expert_intermediate_size is not None:
+    if c.qk_norm_scope == "projection":
+        model_type = "olmoe"
+        wrong.update(
+            {
+                "shared expert (moe_shared_expert_intermediate_size)": (
+                    c.moe_shared_expert_intermediate_size is not None
+                ),
+                "q/k/v and output projection biases that differ (qkv_bias, proj_bias)": (
+                    c.qkv_bias != c.proj_bias
+                ),
+                f"dense layers (moe_layer_freq {c.moe_layer_freq})": not all(
+                    c.is_moe_layer(i) for i in range(c.num_layers)
+                ),
+                "head width other than hidden_size / num_attention_heads (kv_channels)": (
+                    c.kv_channels is not None
+                ),
+                "sliding_window": c.sliding_window is not None,
+            }
+        )
+    elif c.moe_shared_expert_intermediate_size is not None:
         model_type = "qwen2_moe"
         wrong.update(
             {
@@ -386,6 +422,11 @@ def _pick_model_type(c: GPTConfig, preferred: str | None) -> str:
     ValueError naming what fits none."""
     if c.num_experts is not None:
         return _pick_moe_type(c, preferred)
+    if c.qk_norm_scope == "projection":
+        raise ValueError(
+            "tpcore: GPTConfig -> no dense Hugging Face family GPTModel exports has q / k norms "
+            "over the whole projection (qk_norm_scope='projection'; OLMoE has them, with experts)"
+        )
     if c.norm == "gemma_rmsnorm" and c.activation == "geglu" and c.position_embedding == "rotary":
         wrong = {
             "embedding_scale (must be sqrt(hidden_size))": c.embedding_scale is None
@@ -572,6 +613,15 @@ def _moe_to_hf(c: GPTConfig, model_type: str, base: dict) -> dict:
             intermediate_size=c.moe_ffn_hidden_size,
             sliding_window=c.sliding_window,
             router_jitter_noise=0.0,
+        )
+        return out
+    if model_type == "olmoe":
+        out.update(
+            num_experts=c.num_experts,
+            intermediate_size=c.moe_ffn_hidden_size,
+            norm_topk_prob=c.moe_norm_topk_prob,
+            attention_bias=c.qkv_bias,
+            clip_qkv=None,
         )
         return out
     window = c.sliding_window is not None

@@ -57,6 +57,7 @@ ARCHITECTURE_FIELDS = (
     "ffn_hidden_size",
     "kv_channels",
     "qk_norm",
+    "qk_norm_scope",
     "norm",
     "norm_eps",
     "activation",
@@ -85,7 +86,7 @@ _LLAMA_LAYER = {
     "input_norm": ["input_layernorm"],
     "attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
     "attention.proj": ["self_attn.o_proj"],
-    "attention.q_norm": ["self_attn.q_norm"],  # Qwen3
+    "attention.q_norm": ["self_attn.q_norm"],  # Qwen3, OLMoE
     "attention.k_norm": ["self_attn.k_norm"],
     "post_attention_norm": ["post_attention_layernorm"],
     "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
