@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -147,6 +148,26 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def metrics_rows(log_dir) -> int:
+    """Steps logged so far to `log_dir`/metrics.csv (0 before the file exists)."""
+    path = os.path.join(log_dir, "metrics.csv")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return len(f.read().splitlines()) - 1
+
+
+def wait_for(predicate, procs, what: str, output=lambda: "", timeout: float = RUN_TIMEOUT_S):
+    """Poll `predicate` until it holds; fail naming `what` when one of the launchers `procs`
+    ends first (showing the tail of `output()`), or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        ended = any(p.poll() is not None for p in procs)
+        assert not ended, f"the run ended before {what}:\n{output()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
 
 
 def assert_same_curves(a: list[dict], b: list[dict], exact: bool) -> None:

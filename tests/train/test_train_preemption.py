@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,8 +24,10 @@ from train_runs import (  # noqa: F401 (workdir: a fixture)
     assert_same_curves,
     command,
     kill_tree,
+    metrics_rows,
     rank_pids,
     train,
+    wait_for,
     workdir,
 )
 
@@ -36,19 +37,6 @@ RUN = ["--eval-iters", "0", "--log-interval", "1", "--no-progress", "--tensor-pa
 @pytest.fixture(scope="module")
 def uninterrupted(workdir):  # noqa: F811
     return train(workdir, "preempt_base", 2, *RUN)[0]
-
-
-def _wait_for(predicate, proc, what: str, timeout: float = RUN_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
-
-
-def _rows(log) -> int:
-    path = log / "metrics.csv"
-    return len(path.read_text().splitlines()) - 1 if path.exists() else 0
 
 
 def _finish(proc: subprocess.Popen, out) -> tuple[int, str]:
@@ -75,11 +63,11 @@ def test_sigterm_on_one_rank_saves_and_the_resumed_curve_is_unchanged(
     flags += ["--save", str(save), "--exit-signal-handler"]
     out = open(tmp_path / "out", "w+")
     proc = subprocess.Popen(command(2, flags), stdout=out, stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: _rows(log) >= 5, proc, "five steps")
+    wait_for(lambda: metrics_rows(log) >= 5, [proc], "five steps")
     os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
     code, text = _finish(proc, out)
     assert code == 0, text[-3000:]
-    stopped = _rows(log)
+    stopped = metrics_rows(log)
     assert 5 <= stopped < int(FLAGS[FLAGS.index("--train-iters") + 1]), stopped
     assert f"SIGTERM received: stopped after step {stopped}; its checkpoint is in" in text
     assert (save / f"iter_{stopped:07d}").is_dir()
@@ -149,7 +137,9 @@ def test_rank_killed_under_max_restarts_resumes_the_curve(workdir, uninterrupted
               "2", "--max-restarts", "1", "--monitor-interval", "0.2", SCRIPT]  # fmt: skip
     out = open(tmp_path / "out", "w+")
     proc = subprocess.Popen(launch + flags, stdout=out, stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: (save / "iter_0000010").is_dir() and _rows(log) >= 12, proc, "step 12")
+    wait_for(
+        lambda: (save / "iter_0000010").is_dir() and metrics_rows(log) >= 12, [proc], "step 12"
+    )
     first = rank_pids(proc.pid)
     os.kill(first[1], signal.SIGKILL)
     code, text = _finish(proc, out)
