@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import init_ranks, run_on_ranks  # noqa: E402
 
 import tpcore  # noqa: E402
-from tpcore.checkpoint import load as checkpoint
+from tpcore.checkpoint import shard_reading
 from tpcore.checkpoint.load import read_metadata  # noqa: E402
 from tpcore.models import GPTConfig, GPTModel, ReferenceGPT  # noqa: E402
 from tpcore.tensor_parallel.shard_spec import merge, shard  # noqa: E402
@@ -128,7 +128,7 @@ def _case(
 def _measure(rank, world, store, config, kind, path, directory, warmup, remap_mib, results):
     torch.set_num_threads(2)
     if remap_mib is not None:
-        checkpoint._MappedFile.REMAP_BYTES = remap_mib << 20
+        shard_reading.MappedFile.REMAP_BYTES = remap_mib << 20
     init_ranks(rank, world, store, "cpu")
     group = tpcore.parallel_state.get_tensor_model_parallel_group()
     alone = [dist.new_group([r]) for r in range(world)][rank]  # each rank loads on its own

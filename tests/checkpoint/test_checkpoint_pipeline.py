@@ -25,7 +25,7 @@ from checks import (
     slice_piece,
 )
 from tpcore import parallel_state
-from tpcore.checkpoint import load as checkpoint
+from tpcore.checkpoint import shard_reading
 from tpcore.pipeline_parallel import (
     activation_shape,
     build_gpt_stages,
@@ -163,8 +163,8 @@ def _load(rank, world, root, variant, layout, tp, pp, v):
     files = _saved_files(directory)
     assert len(files) == saved_tp * saved_pp
     weights, moments, owner = _dense_merge(files, config)
-    opened, load = [], checkpoint._load
-    checkpoint._load = lambda path, mmap=False: (
+    opened, load = [], shard_reading.load_file
+    shard_reading.load_file = lambda path, mmap=False: (
         opened.append(os.path.basename(path)) or load(path, mmap)
     )
     torch.manual_seed(77)
@@ -175,7 +175,7 @@ def _load(rank, world, root, variant, layout, tp, pp, v):
                 directory, chunks, opt, tp_group=s.tensor_group, pp_group=s.pipeline_group
             )
     finally:
-        checkpoint._load = load
+        shard_reading.load_file = load
     assert (
         meta["tensor_parallel_size"],
         meta["pipeline_parallel_size"],

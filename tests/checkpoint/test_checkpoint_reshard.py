@@ -23,7 +23,7 @@ from checks import (
     slice_piece,
 )
 from tpcore import parallel_state
-from tpcore.checkpoint import load as checkpoint
+from tpcore.checkpoint import shard_reading
 from tpcore.models import GPTModel
 from tpcore.train import (
     CheckpointError,
@@ -37,7 +37,7 @@ from tpcore.train import (
 # llama_kv2: 2 KV heads, copied on 2 ranks at TP 4 (read from the first copy's file only).
 CASES = {"llama": torch.float32, "gpt2": torch.bfloat16, "llama_kv2": torch.float32}
 VARIANTS = {**GPT_VARIANTS, **GQA_VARIANTS}
-REMAP_BYTES = checkpoint._MappedFile.REMAP_BYTES
+REMAP_BYTES = shard_reading.MappedFile.REMAP_BYTES
 
 
 def _make(variant: str, seed: int):
@@ -96,17 +96,17 @@ def _reshard(rank, world, root, variant, saved_tp, tp, remap_bytes=None):
     ]
     model, opt = _make(variant, 9)
     config = model.config
-    opened, load = [], checkpoint._load
-    checkpoint._load = lambda path, mmap=False: opened.append(path) or load(path, mmap)
+    opened, load = [], shard_reading.load_file
+    shard_reading.load_file = lambda path, mmap=False: opened.append(path) or load(path, mmap)
     if remap_bytes is not None:  # map the files afresh after every piece
-        checkpoint._MappedFile.REMAP_BYTES = remap_bytes
+        shard_reading.MappedFile.REMAP_BYTES = remap_bytes
     try:
         with LargestAllocation() as seen:
             meta = load_checkpoint(
                 directory, model, opt, tp_group=parallel_state.get_tensor_model_parallel_group()
             )
     finally:
-        checkpoint._load, checkpoint._MappedFile.REMAP_BYTES = load, REMAP_BYTES
+        shard_reading.load_file, shard_reading.MappedFile.REMAP_BYTES = load, REMAP_BYTES
     assert meta["tensor_parallel_size"] == saved_tp
     what = f"{variant} TP {saved_tp} -> {tp}"
     # Only the files holding a piece this rank shares are opened (again after each remap).

@@ -129,28 +129,6 @@ def test_experts_not_divisible_by_ep_raise_on_every_rank(cpu_ranks):
     assert all(cpu_ranks.run(_experts_not_divisible))
 
 
-def _torch_format_refuses(rank, world, tmp):
-    from tpcore.checkpoint import save_checkpoint
-
-    tpcore.initialize_model_parallel(2, expert_model_parallel_size=2)
-    model = GPTModel(MOE)
-    ps = parallel_state
-    groups = dict(
-        tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group()
-    )
-    expect_error(
-        NotImplementedError,
-        "torch format (use ckpt_format='torch_dist') does not handle mixture-of-experts weights "
-        "yet (layers.1.mlp.experts",
-        lambda: save_checkpoint(tmp, 1, model, None, consumed_samples=0, **groups),
-    )
-    return True
-
-
-def test_torch_checkpoint_format_refuses_experts(cpu_ranks, tmp_path):
-    assert all(cpu_ranks.run(_torch_format_refuses, str(tmp_path)))
-
-
 def _generate_stops_together(rank, world):
     """Greedy generation at EP 2 with an end-of-document id that ends rank 0's sequence after
     one token: the EP peers keep stepping together (no rank waits in an all-to-all for one

@@ -2,7 +2,7 @@
 distributed optimizer, overlapped), at TP 2 x EP 2 with sequence parallelism, and at PP 2 x
 EP 2 equals EP 1's (same global batch), with the
 balancing and z losses and the expert loads in metrics.csv; MoE flags the run cannot honour
-raise before training; a checkpoint saved at EP 2 resumes at EP 1."""
+raise before training; a checkpoint saved at EP 2 resumes at EP 1 (either format)."""
 
 from __future__ import annotations
 
@@ -94,27 +94,44 @@ def test_expert_parallel_curves_equal_ep1(workdir, ep1_run, name, nproc, flags):
     assert "MoE 4 experts, top-2, EP 2" in out
 
 
-def test_checkpoint_at_ep2_resumes_at_ep1(workdir, ep1_run):  # noqa: F811
-    """Saved (torch_dist) halfway at EP 2 with the distributed optimizer (its slices of the
-    3-D expert weights), resumed at EP 1 without it: the curve of the uninterrupted EP 1 run.
-    A model with another number of experts refuses the checkpoint, naming both."""
-    save = str(workdir / "moe_ckpt")
-    ckpt = ["--save", save, "--save-interval", "15", "--ckpt-format", "torch_dist"]
+@pytest.mark.parametrize(
+    "ckpt_format,saved_with,resumed_with",
+    [
+        ("torch_dist", ["--use-distributed-optimizer"], []),
+        ("torch", [], ["--use-distributed-optimizer"]),
+    ],
+)
+def test_checkpoint_at_ep2_resumes_at_ep1(
+    workdir,  # noqa: F811
+    ep1_run,
+    ckpt_format,
+    saved_with,
+    resumed_with,
+):
+    """Saved halfway at EP 2, resumed at EP 1: the curve of the uninterrupted EP 1 run. In
+    torch_dist with the distributed optimizer (its slices of the 3-D expert weights), resumed
+    without it; in tpcore's torch format (the experts' own files) with the plain optimizer,
+    resumed with the distributed one. A model with another number of experts refuses the
+    checkpoint, naming both."""
+    save = str(workdir / f"moe_ckpt_{ckpt_format}")
+    ckpt = ["--save", save, "--save-interval", "15", "--ckpt-format", ckpt_format]
     train(
         workdir,
-        "moe_resume",
+        f"moe_resume_{ckpt_format}",
         2,
         *MOE,
         *ckpt,
         "--expert-model-parallel-size",
         "2",
-        "--use-distributed-optimizer",
+        *saved_with,
         "--exit-interval",
         "15",
     )
-    rows, out = train(workdir, "moe_resume", 2, *MOE, "--load", save)
+    rows, out = train(workdir, f"moe_resume_{ckpt_format}", 2, *MOE, "--load", save, *resumed_with)
     assert "resumed from" in out
     assert_same_curves(ep1_run[0], rows, exact=False)
+    if ckpt_format == "torch":
+        return
     other = [f if f != "4" else "8" for f in MOE]  # --num-experts 8
     proc = torchrun(
         [SCRIPT, *FLAGS, *other, "--data-path", str(workdir / "corpus"), "--load", save],
@@ -142,7 +159,10 @@ def test_checkpoint_at_ep2_resumes_at_ep1(workdir, ep1_run):  # noqa: F811
             "moe_router_topk (5) exceeds num_experts",
         ),
         (["--num-experts", "4", "--moe-layer-freq", "[1]*1000000000"], "--moe-layer-freq must be"),
-        (["--num-experts", "4", "--save", "/tmp/x"], "use --ckpt-format torch_dist"),
+        (
+            ["--num-experts", "4", "--save", "/tmp/x", "--use-distributed-optimizer"],
+            "use --ckpt-format torch_dist",
+        ),
         (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     ],
 )

@@ -158,11 +158,19 @@ def random_id(device: torch.device | str, group: dist.ProcessGroup | None = None
     return f"{int(value.item()):016x}"
 
 
-def shard_identity(meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> dict:
+def shard_identity(
+    meta: dict,
+    tp_rank: int | None,
+    pp_rank: int,
+    dp_rank: int | None = None,
+    ep_rank: int | None = None,
+) -> dict:
     """What a shard records about itself: the ids and iteration of the save it belongs to,
     its (TP, PP) rank and the layout; a distributed-optimizer file (`dp_rank` given) also
-    its DP rank and the DP size. `meta` is (at least) the identity part of the checkpoint's
-    metadata (with "data_parallel_size" for optimizer files)."""
+    its DP rank and the DP size; an expert file (`ep_rank` given, `tp_rank` None) its EP
+    rank and the EP size. `meta` is (at least) the identity part of the checkpoint's
+    metadata (with "data_parallel_size" for optimizer files, "expert_model_parallel_size"
+    for expert files)."""
     keys = (
         "run_id",
         "save_id",
@@ -178,16 +186,27 @@ def shard_identity(meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None =
     }
     if dp_rank is not None:
         identity.update(data_parallel_rank=dp_rank, data_parallel_size=meta["data_parallel_size"])
+    if ep_rank is not None:
+        identity.update(
+            expert_parallel_rank=ep_rank,
+            expert_model_parallel_size=meta["expert_model_parallel_size"],
+        )
     return identity
 
 
 def check_identity(
-    path: str, state: dict, meta: dict, tp_rank: int, pp_rank: int, dp_rank: int | None = None
+    path: str,
+    state: dict,
+    meta: dict,
+    tp_rank: int | None,
+    pp_rank: int,
+    dp_rank: int | None = None,
+    ep_rank: int | None = None,
 ) -> None:
     """Raise CheckpointError naming `path` and both values when the shard's recorded
     identity is not the one this checkpoint's metadata expects of the file at (TP rank,
-    PP rank[, DP rank])."""
-    want = shard_identity(meta, tp_rank, pp_rank, dp_rank)
+    PP rank[, DP rank]), or of the expert file at (EP rank, PP rank)."""
+    want = shard_identity(meta, tp_rank, pp_rank, dp_rank, ep_rank)
     got = state.get("identity") if isinstance(state, dict) else None
     if not isinstance(got, dict):
         raise CheckpointError(
@@ -201,7 +220,8 @@ def check_identity(
     ]
     if diff:
         raise CheckpointError(
-            f"tpcore: {path} is not the shard this checkpoint expects at TP rank {tp_rank}, PP "
+            f"tpcore: {path} is not the shard this checkpoint expects at "
+            f"{f'TP rank {tp_rank}' if ep_rank is None else f'EP rank {ep_rank}'}, PP "
             f"rank {pp_rank}{'' if dp_rank is None else f', DP rank {dp_rank}'} (a file of "
             f"another rank, save or run?): {'; '.join(diff)}"
         )

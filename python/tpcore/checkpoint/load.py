@@ -10,6 +10,8 @@ Layout of a save directory (a shared file system when ranks span machines):
                               its model chunks, full-model names), "optimizer": their AdamW state}
       optim_tp00_pp00_dp000.pt  with the distributed optimizer: the AdamW state slices of
                               DP rank 0 (each DP rank writes its own; `optimizer_slices`)
+      experts_pp00_ep000.pt   with mixture-of-experts layers: expert-parallel rank 0's expert
+                              weights on pipeline rank 0, and their AdamW state (`expert_files`)
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
 A tied word embedding is stored once, in the first stage's files; the last stage's copy is
@@ -50,19 +52,33 @@ from ..tensor_parallel.lora import weight_delta
 from ..tensor_parallel.random import get_rng_tracker, set_device_rng_states
 from ..tensor_parallel.shard_spec import (
     ShardSpec,
-    copy_overlap,
-    refuse_expert_weights,
     shard_spec,
     shares_indices,
 )
 from . import torch_dist
 from .errors import CheckpointError
+from .expert_files import (
+    expert_files,
+    expert_names,
+    expert_opener,
+    plan_experts,
+    read_dense_experts,
+    read_experts,
+)
 from .index import find_checkpoint, read_metadata, require_checkpoint
 from .index import model_file as _model_file
 from .index import rng_file as _rng_file
 from .integrity import check_identity, verify_file
 from .optimizer_slices import SavedSlices
 from .save import save_checkpoint
+from .shard_reading import (
+    MappedFile,
+    add_optimizer_targets,
+    copy_from,
+    load_file,
+    model_pieces,
+    optimizer_pieces,
+)
 
 _ = save_checkpoint  # re-exported: tpcore.checkpoint.load.save_checkpoint
 
@@ -109,16 +125,6 @@ _SHAPE_FIELDS = (
 )
 
 
-def _load(path: str, mmap: bool = False) -> dict:
-    """A saved file; with `mmap` its tensors are read from disk only where they are used."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"tpcore: checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:
-        raise CheckpointError(f"tpcore: checkpoint file {path} is corrupt: {e}") from e
-
-
 def _check_config(meta: dict, config: GPTConfig, directory: str) -> None:
     saved = dataclasses.asdict(
         GPTConfig(**meta["model_config"])
@@ -140,9 +146,11 @@ def is_adapter_name(name: str) -> bool:
 
 
 def _checkpoint_names(config: GPTConfig, stored: dict[str, ShardSpec]) -> list[str]:
-    """Every parameter name of the whole model a checkpoint holds, in order: the GPT's, then
-    its LoRA adapters' (those the checkpoint's specs name)."""
-    names = list(ReferenceGPT(config, device="meta").state_dict())
+    """Every parameter name of the whole model the (TP, PP) model files hold, in order: the
+    GPT's, then its LoRA adapters' (those the checkpoint's specs name); not the expert
+    weights, which are in the expert files."""
+    experts = expert_names(stored)
+    names = [n for n in ReferenceGPT(config, device="meta").state_dict() if n not in experts]
     return names + [name for name in stored if is_adapter_name(name)]
 
 
@@ -177,124 +185,20 @@ def shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
     return files
 
 
-class _MappedFile:
-    """A saved shard file, memory-mapped and read piece by piece. The pages a mapping has
-    touched stay in the process's resident set until it is unmapped, so the file is mapped
-    afresh after every `REMAP_BYTES` read through it: whatever the file's size, at most
-    about that much of it is resident at once."""
-
-    REMAP_BYTES = 64 << 20
-
-    def __init__(self, path: str) -> None:
-        self.path, self._state, self._read = path, None, 0
-
-    @property
-    def state(self) -> dict:
-        if self._state is None:
-            self._state, self._read = _load(self.path, mmap=True), 0
-        return self._state
-
-    def count(self, nbytes: int) -> None:
-        self._read += nbytes
-        if self._read >= self.REMAP_BYTES:
-            self._state = None  # unmapped once the last piece taken from it is dropped
-
-    def check_names(self, stored: list[str], trained: list[str] | None = None) -> None:
-        """The file holds exactly the parameters of `stored`, and the optimizer state of
-        `trained` (default: all of them; a LoRA run trains its adapters only)."""
-        sections = [("model parameters", self.state["model"], stored)]
-        if self.state["optimizer"] is not None and not self.state["optimizer"].get(
-            "data_parallel_size"
-        ):  # DP-sharded: SavedSlices checks
-            names = stored if trained is None else trained
-            sections.append(("optimizer state", self.state["optimizer"]["params"], names))
-        for what, pieces, stored in sections:
-            missing, extra = sorted(set(stored) - set(pieces)), sorted(set(pieces) - set(stored))
-            if missing or extra:
-                raise CheckpointError(
-                    f"tpcore: {self.path}: {what} do not fit the model (missing {missing[:5]}, "
-                    f"unexpected {extra[:5]})"
-                )
-
-
-def _model_pieces(state: dict) -> dict[str, torch.Tensor]:
-    return state["model"]
-
-
-def _optimizer_pieces(state: dict) -> dict[str, torch.Tensor]:
-    return {
-        f"{n}/{k}": v
-        for n, entry in state["optimizer"]["params"].items()
-        for k, v in entry.items()
-        if k != "step"
-    }
-
-
-def _copy_from(
-    file: _MappedFile,
-    section,
-    targets: dict[str, torch.Tensor],
-    specs: dict[str, ShardSpec],
-    saved: dict[str, ShardSpec],
-    saved_rank: int,
-    saved_tp: int,
-    what: str,
-) -> None:
-    """Copy into `targets` (this rank's pieces by parameter name, "name/key" for optimizer
-    state, which `specs` describe by parameter name) what they share with the pieces
-    `section(state)` of one saved file (TP rank `saved_rank` of `saved_tp`, their logical
-    specs `saved`)."""
-    mapping, pieces = file.state, section(file.state)
-    for name, target in targets.items():
-        if file.state is not mapping:  # re-mapped
-            mapping, pieces = file.state, section(file.state)
-        piece, param = pieces[name], name.split("/")[0]
-        try:
-            if copy_overlap(target, specs[param], piece, saved[param].at(saved_tp, saved_rank)):
-                file.count(piece.numel() * piece.element_size())
-        except ValueError as e:
-            raise CheckpointError(
-                f"tpcore: {file.path}: {what} {name}: {str(e).removeprefix('tpcore: ')}"
-            ) from e
-
-
-def _add_optimizer_targets(
-    state: dict,
-    flat: dict[str, torch.Tensor],
-    saved: dict,
-    names: list[str],
-    params: dict[str, torch.Tensor],
-) -> None:
-    """Add to the optimizer state to fill (the saved layout, this rank's shapes) the entries
-    of `names` not there yet, and their tensors to `flat` by "name/key" (the AdamW step is
-    taken as it is)."""
-    for name in names:
-        if name in state["params"]:
-            continue
-        entry = state["params"][name] = {}
-        for key, value in saved["params"][name].items():
-            if key == "step":
-                entry[key] = value.clone()
-            else:
-                flat[f"{name}/{key}"] = entry[key] = torch.empty(
-                    params[name].shape, dtype=value.dtype, device=params[name].device
-                )
-
-
 def shard_opener(
     meta: dict, files: dict[tuple[int, int], str], verify: bool
-) -> Callable[[tuple[int, int]], "_MappedFile"]:
+) -> Callable[[tuple[int, int]], "MappedFile"]:
     """Opens the saved shard at (TP rank, PP rank): its size and CRC-32 checked against the
     metadata first (format 3, unless `verify` is False: a damaged file is named before any
     of it is parsed), then the identity it records (rank, layout, run and save ids)."""
 
     checked: set[tuple[int, int]] = set()  # each file is checked once, however often it is opened
 
-    def open_shard(key: tuple[int, int]) -> _MappedFile:
+    def open_shard(key: tuple[int, int]) -> MappedFile:
         path = files[key]
         if meta["version"] >= 3 and verify and key not in checked:
             verify_file(path, meta["files"])
-        file = _MappedFile(path)
+        file = MappedFile(path)
         if meta["version"] >= 3 and key not in checked:
             check_identity(path, file.state, meta, *key)
         checked.add(key)
@@ -342,7 +246,7 @@ def _plan(
 
 
 def _read_shards(
-    open_shard: Callable[[tuple[int, int]], "_MappedFile"],
+    open_shard: Callable[[tuple[int, int]], "MappedFile"],
     needed: dict[tuple[int, int], list[str]],
     saved: ParallelLayout,
     params: dict[str, torch.Tensor],
@@ -368,9 +272,9 @@ def _read_shards(
         stored_trained = [name for name in stored if name in trained]
         file.check_names(stored, stored_trained)
         targets = {name: params[name] for name in wanted}
-        _copy_from(
+        copy_from(
             file,
-            _model_pieces,
+            model_pieces,
             targets,
             specs,
             stored_specs,
@@ -380,7 +284,7 @@ def _read_shards(
         )
         saved_opt = file.state["optimizer"]
         if with_optimizer and saved_opt is not None:
-            section = _optimizer_pieces
+            section = optimizer_pieces
             wanted = [name for name in wanted if name in trained]
             if saved_opt.get("data_parallel_size"):
                 slices = open_slices((saved_rank, pp_rank))
@@ -392,14 +296,14 @@ def _read_shards(
                 section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
             if state is None:
                 state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
-            _add_optimizer_targets(state, flat, saved_opt, wanted, params)
+            add_optimizer_targets(state, flat, saved_opt, wanted, params)
             pieces = {
                 f"{name}/{key}": flat[f"{name}/{key}"]
                 for name in wanted
                 for key in state["params"][name]
                 if key != "step"
             }
-            _copy_from(
+            copy_from(
                 file,
                 section,
                 pieces,
@@ -446,13 +350,14 @@ def load_checkpoint(
         return _load_torch_dist(
             directory, meta, chunks, optimizer, tp_group, pp_group, load_rng, load_group, verify
         )
-    refuse_expert_weights(chunks, "load_checkpoint's torch format (ckpt_format='torch_dist' does)")
     files = shard_files(directory, meta)
     saved = ParallelLayout.from_metadata(meta)
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     params = {name: p.detach() for chunk in chunks for name, p in chunk.named_parameters()}
     specs = {name: shard_spec(p) for chunk in chunks for name, p in chunk.named_parameters()}
     stored_specs = saved_specs(meta)
+    # Expert weights come from the expert files (`expert_files`), the rest from the model files.
+    experts = {name: params.pop(name) for name in sorted(expert_names(specs))}
     # RNG streams belong to ranks: restore them only when the rank layout is unchanged.
     same_layout = meta["world_size"] == dist.get_world_size() and saved == layout
     loaded: dict = {"state": None, "rng": None}
@@ -464,7 +369,7 @@ def load_checkpoint(
 
     def open_slices(key: tuple[int, int]) -> SavedSlices:
         if key not in slices:
-            slices[key] = SavedSlices(directory, meta, *key, verify, _load)
+            slices[key] = SavedSlices(directory, meta, *key, verify, load_file)
         return slices[key]
 
     def check() -> None:  # every file this rank reads, before any is copied from
@@ -474,10 +379,24 @@ def load_checkpoint(
             open_shard(key)
             if optimizer is not None and meta.get("distributed_optimizer"):
                 open_slices(key)
+        if experts:
+            if optimizer is not None and meta.get("distributed_optimizer"):
+                raise CheckpointError(
+                    f"tpcore: checkpoint {directory} holds a distributed optimizer's state; "
+                    "tpcore's torch format holds no such state of mixture-of-experts weights "
+                    "(a checkpoint of another model?)"
+                )
+            loaded["open_experts"] = open_experts = expert_opener(
+                meta, expert_files(directory, meta), verify
+            )
+            saved_ep = meta["expert_model_parallel_size"]
+            loaded["expert_plan"] = plan_experts(saved, saved_ep, experts, specs, stored_specs)
+            for key in sorted(loaded["expert_plan"]):
+                open_experts(key)
         if rng_path is not None:
             if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
                 verify_file(rng_path, meta["files"])
-            loaded["rng"] = _load(rng_path)  # a missing file is named here
+            loaded["rng"] = load_file(rng_path)  # a missing file is named here
 
     def read() -> None:
         loaded["state"] = _read_shards(
@@ -493,6 +412,17 @@ def load_checkpoint(
             meta.get("lora") is not None,
         )
         slices.clear()  # unmapped
+        if experts:
+            read_experts(
+                loaded["open_experts"],
+                loaded["expert_plan"],
+                saved,
+                meta["expert_model_parallel_size"],
+                experts,
+                specs,
+                stored_specs,
+                loaded["state"],
+            )
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
     # a damaged or foreign file fails every rank before any rank's model is written to.
@@ -547,7 +477,7 @@ def _load_torch_dist(
         def read_rng() -> dict:
             if verify:
                 verify_file(rng_path, meta["files"])
-            return _load(rng_path)
+            return load_file(rng_path)
 
         _restore_rng(
             all_or_none(read_rng, f"loading {rng_path}", device, load_group, CheckpointError)
@@ -573,20 +503,21 @@ def load_dense_state_dict(
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
     shapes = {name: spec.global_shape for name, spec in specs.items()}
+    in_model_files = [name for name in shapes if name not in expert_names(specs)]
     lora = meta.get("lora") is not None
     dense: dict[str, torch.Tensor] = {}
     for saved_rank, pp_rank in sorted(files, key=lambda key: (key[1], key[0])):
         file = open_shard((saved_rank, pp_rank))
-        stored = saved.names_on(pp_rank, list(shapes))
+        stored = saved.names_on(pp_rank, in_model_files)
         # A LoRA run's optimizer holds its adapters only.
         file.check_names(stored, [n for n in stored if is_adapter_name(n)] if lora else None)
         if not dense:
             dtype = next(iter(file.state["model"].values())).dtype
             dense = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
         targets = {name: dense[name] for name in stored}
-        _copy_from(
+        copy_from(
             file,
-            _model_pieces,
+            model_pieces,
             targets,
             specs,
             specs,
@@ -595,6 +526,7 @@ def load_dense_state_dict(
             "model parameter",
         )
         del file
+    read_dense_experts(directory, meta, saved, specs, dense, verify)
     return config, _merge_adapters(dense, specs, meta)
 
 

@@ -1,7 +1,8 @@
 """Saving a GPT checkpoint (see `load` for the layout): in the "torch" format each (TP, PP)
-rank's model shard written by its DP rank 0, the distributed optimizer's slices by every DP
-rank (`optimizer_slices`); in "torch_dist" DCP's files (`torch_dist`); then each rank's RNG
-states, the metadata and `latest`, atomically."""
+rank's model shard written by its DP rank 0, mixture-of-experts weights by the first rank of
+each expert-data-parallel group (`expert_files`), the distributed optimizer's slices by every
+DP rank (`optimizer_slices`); in "torch_dist" DCP's files (`torch_dist`); then each rank's
+RNG states, the metadata and `latest`, atomically."""
 
 from __future__ import annotations
 
@@ -20,9 +21,16 @@ from ..agreement import all_or_none
 from ..pipeline_parallel import duplicate_parameter_names
 from ..pipeline_parallel.layout import current_layout, model_chunks
 from ..tensor_parallel.random import device_rng_states, get_rng_tracker
-from ..tensor_parallel.shard_spec import refuse_expert_weights, shard_spec
+from ..tensor_parallel.shard_spec import shard_spec
 from . import torch_dist
 from .errors import CheckpointError
+from .expert_files import (
+    expert_file,
+    expert_names,
+    expert_parallel_of,
+    expert_state,
+    writes_experts,
+)
 from .index import FORMAT, TORCH_DIST_VERSION, VERSION, model_file, rng_file
 from .integrity import (
     describe_os_error,
@@ -61,6 +69,51 @@ def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
             "params": {name: entry for name, entry in state["params"].items() if name not in skip},
         }
     return {"model": model, "optimizer": state}
+
+
+def _write_torch_shards(
+    tmp: str,
+    chunks: list[nn.Module],
+    optimizer,
+    tp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
+    identity: dict,
+    records: dict[str, dict],
+) -> None:
+    """The "torch" format's model files: this (TP, PP) rank's shard when this rank is DP rank
+    0 (DP replicas hold identical shards: one writes), and its experts' file when it is the
+    first rank of its expert-data-parallel group (`expert_files`)."""
+    tp_rank, pp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group)
+    writes_model, writes_own_experts = (
+        dist.get_rank(dp_group) == 0,
+        writes_experts(chunks, tp_group, dp_group),
+    )
+    if not (writes_model or writes_own_experts):
+        return
+    state = _shard_state(chunks, optimizer)
+    experts = expert_names({n: shard_spec(p) for c in chunks for n, p in c.named_parameters()})
+    if writes_model:
+        dense = {"model": {n: t for n, t in state["model"].items() if n not in experts}}
+        dense["optimizer"] = state["optimizer"]
+        if experts and state["optimizer"] is not None:
+            params = state["optimizer"]["params"]
+            dense["optimizer"] = {
+                **state["optimizer"],
+                "params": {n: e for n, e in params.items() if n not in experts},
+            }
+        path = model_file(tmp, tp_rank, pp_rank)
+        records[os.path.basename(path)] = save_checked(
+            {**dense, "identity": shard_identity(identity, tp_rank, pp_rank)}, path
+        )
+    if writes_own_experts:
+        ep_rank = expert_parallel_of(chunks)[0]
+        path = expert_file(tmp, pp_rank, ep_rank)
+        payload = expert_state(state["model"], state["optimizer"], experts)
+        records[os.path.basename(path)] = save_checked(
+            {**payload, "identity": shard_identity(identity, None, pp_rank, ep_rank=ep_rank)},
+            path,
+        )
 
 
 def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
@@ -105,9 +158,11 @@ def save_checkpoint(
             f"{ckpt_format!r}"
         )
     chunks = model_chunks(model)
-    if ckpt_format == "torch":
-        refuse_expert_weights(
-            chunks, "save_checkpoint's torch format (use ckpt_format='torch_dist')"
+    experts = expert_parallel_of(chunks)  # (EP rank, EP size); None without experts
+    if ckpt_format == "torch" and experts is not None and is_sharded(optimizer):
+        raise NotImplementedError(
+            "tpcore: save_checkpoint's torch format does not hold the distributed optimizer's "
+            "slices of mixture-of-experts weights yet (use ckpt_format='torch_dist')"
         )
     if optimizer is not None:
         # parameter all-gathers still in flight (--overlap-param-gather)
@@ -124,6 +179,7 @@ def save_checkpoint(
         "iteration": iteration,
         **layout.to_metadata(),
         "data_parallel_size": dp_size,
+        **({} if experts is None else {"expert_model_parallel_size": experts[1]}),
     }
     records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 
@@ -155,15 +211,9 @@ def save_checkpoint(
     def write_files() -> None:
         if ckpt_format == torch_dist.FORMAT_NAME:  # a collective; DCP fails every rank alike
             records.update(torch_dist.write(tmp, to_save.pop("dcp")))
-        elif dist.get_rank(dp_group) == 0:  # DP replicas hold identical shards: one writes
-            tp_rank, pp_rank = (
-                dist.get_rank(tp_group),
-                0 if pp_group is None else dist.get_rank(pp_group),
-            )
-            path = model_file(tmp, tp_rank, pp_rank)
-            state = _shard_state(chunks, optimizer)
-            records[os.path.basename(path)] = save_checked(
-                {**state, "identity": shard_identity(identity, tp_rank, pp_rank)}, path
+        else:
+            _write_torch_shards(
+                tmp, chunks, optimizer, tp_group, dp_group, pp_group, identity, records
             )
         if sharded and ckpt_format == "torch":  # every DP rank its own slices: no gather
             tp_rank, pp_rank, dp_rank = (

@@ -55,7 +55,6 @@ __all__ = [
     "copy_overlap",
     "shares_indices",
     "part_chunks",
-    "refuse_expert_weights",
     "as_rows",
 ]
 
@@ -414,19 +413,6 @@ def shares_indices(spec: ShardSpec, piece_spec: ShardSpec) -> bool:
     _, mine = spec.ranges()
     _, theirs = piece_spec.ranges(owned=True)
     return any(max(start, s) < min(start + n, s + m) for _, start, n in mine for _, s, m in theirs)
-
-
-def refuse_expert_weights(modules: Sequence[torch.nn.Module], what: str) -> None:
-    """Raise NotImplementedError naming `what` and the first expert weight (axis "expert")
-    among `modules`' parameters: what does not handle mixture-of-experts weights yet (the
-    "torch" checkpoint format) refuses them instead of mishandling them. Raised on every rank
-    alike (every rank holds the same layers' kinds), before any collective."""
-    for module in modules:
-        for name, p in module.named_parameters():
-            if shard_spec(p).axis == "expert":
-                raise NotImplementedError(
-                    f"tpcore: {what} does not handle mixture-of-experts weights yet ({name})"
-                )
 
 
 def as_rows(spec: ShardSpec) -> ShardSpec:

@@ -1,4 +1,4 @@
-"""A tpcore checkpoint (any TP x PP x virtual layout, formats 1-3) to a Hugging Face folder.
+"""A tpcore checkpoint (any TP x PP x virtual x EP layout, formats 1-5) to a Hugging Face folder.
 
     tpcore-convert --load checkpoints/gpt --to-hf out/ [--dtype bfloat16]
 
@@ -6,19 +6,22 @@ One process, no process group. Every shard file is checked first (size and CRC-3
 the metadata, the shard's identity), then each parameter's TP pieces are taken as views
 of the memory-mapped files of its pipeline stage, and its Hugging Face tensors are
 written from them block by block (`export.write_hf_folder`): no full tensor is
-built. Peak host memory is the mapped pages touched: about the largest tensor, plus at
-most 16 MiB of earlier ones per TP file (a file is re-mapped past that), not the model.
+built (but for expert weights: each is concatenated from the expert-parallel ranks' files
+into one tensor). Peak host memory is the mapped pages touched: about the largest tensor, plus
+at most 16 MiB of earlier ones per TP file (a file is re-mapped past that), not the model.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
 from ..._paths import same_folder
 from ...checkpoint import torch_dist
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.expert_files import expert_files, expert_names, expert_opener
 from ...checkpoint.index import read_metadata, require_checkpoint
 from ...checkpoint.load import saved_specs, shard_files, shard_opener
 from ...data.tokenizer import load_tokenizer
@@ -108,21 +111,19 @@ def checkpoint_to_hf(
             specs,
             max_shard_size,
         )
-    experts = [name for name, spec in specs.items() if spec.axis == "expert"]
-    if experts:  # their pieces are per expert-parallel rank, which the loop below does not read
-        raise NotImplementedError(
-            f"tpcore: checkpoint_to_hf does not read mixture-of-experts weights from tpcore's "
-            f"checkpoint format yet ({experts[0]}); export the running model with export_hf"
-        )
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
-    names = list(ReferenceGPT(config, device="meta").state_dict())
+    experts = expert_names(specs)
+    names = [n for n in ReferenceGPT(config, device="meta").state_dict() if n not in experts]
     for key in sorted(files, key=lambda k: (k[1], k[0])):  # every file checked before any is used
         open_shard(key).check_names(saved.names_on(key[1], names))
+    expert_pieces = _expert_fetcher(directory, meta, saved, sorted(experts), verify)
     tp = saved.tensor_parallel_size
     opened: dict[tuple[int, int], object] = {}
 
     def fetch(name: str) -> list[torch.Tensor]:
+        if name in experts:
+            return expert_pieces(name)
         pp_rank = saved.pipeline_rank_of(name)
         for key in [
             k for k in opened if k[1] != pp_rank
@@ -153,6 +154,26 @@ def checkpoint_to_hf(
     return _write(
         out_dir, config, fetch, dtype or stored_dtype, meta, tokenizer, eod, specs, max_shard_size
     )
+
+
+def _expert_fetcher(
+    directory: str, meta: dict, saved: ParallelLayout, experts: list[str], verify: bool
+) -> Callable[[str], list[torch.Tensor]]:
+    """`fetch` of an expert weight: its pieces of every expert-parallel rank concatenated
+    along the experts (one full tensor, as the torch_dist path gives). Every expert file is
+    checked before any is used."""
+    files = expert_files(directory, meta)
+    open_file = expert_opener(meta, files, verify)
+    for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
+        open_file((ep_rank, pp_rank)).check_names(saved.names_on(pp_rank, experts))
+    ep = meta.get("expert_model_parallel_size", 1)
+
+    def fetch(name: str) -> list[torch.Tensor]:
+        pp_rank = saved.pipeline_rank_of(name)
+        pieces = [open_file((r, pp_rank)).state["model"][name] for r in range(ep)]
+        return [torch.cat(pieces)]
+
+    return fetch
 
 
 def _write(out_dir, config, fetch, dtype, meta, tokenizer, eod, specs, max_shard_size) -> str:

@@ -1,0 +1,207 @@
+"""Mixture-of-experts weights in tpcore's "torch" checkpoint format: one file per pipeline
+stage and expert-parallel rank.
+
+An MoE layer's expert weights `[experts, ...]` split over the expert-parallel group (shard
+spec axis "expert"), which is laid across the TP x DP ranks of a stage: the (TP, PP) model
+files, written by DP rank 0, would hold only the experts of the EP ranks that happen to be
+DP rank 0. So expert weights go into files of their own:
+
+    experts_pp00_ep000.pt   {"model": EP rank 0's expert weights on stage 0 (full-model
+                            names), "optimizer": their AdamW state, "identity": ...}
+
+each written by the first rank of its expert-data-parallel group (the ranks that hold the
+same experts); at EP 1 (every rank holds every expert) by the writer of `model_tp00_ppSS`.
+Loading at any EP, TP, PP and DP size copies from each file the experts this rank holds
+(`copy_overlap` along the experts, as the model files are read along TP). The distributed
+optimizer's DP slices of expert weights are not written in this format (torch_dist holds
+them): saving them is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel_state import get_expert_data_parallel_group
+from ..pipeline_parallel.layout import ParallelLayout
+from ..tensor_parallel.shard_spec import ShardSpec, shard_spec, shares_indices
+from .errors import CheckpointError
+from .integrity import check_identity, verify_file
+from .shard_reading import (
+    MappedFile,
+    add_optimizer_targets,
+    copy_from,
+    model_pieces,
+    optimizer_pieces,
+)
+
+__all__ = [
+    "expert_file",
+    "expert_names",
+    "expert_parallel_of",
+    "writes_experts",
+    "expert_state",
+    "expert_files",
+    "expert_opener",
+    "plan_experts",
+    "read_experts",
+    "read_dense_experts",
+]
+
+
+def expert_file(directory: str, pp_rank: int, ep_rank: int) -> str:
+    return os.path.join(directory, f"experts_pp{pp_rank:02d}_ep{ep_rank:03d}.pt")
+
+
+def expert_names(specs: dict[str, ShardSpec]) -> set[str]:
+    """The names among `specs` of expert weights (split along the experts)."""
+    return {name for name, spec in specs.items() if spec.axis == "expert"}
+
+
+def expert_parallel_of(chunks: Sequence[nn.Module]) -> tuple[int, int] | None:
+    """(EP rank, EP size) of this rank's expert weights; None for a model without experts."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            spec = shard_spec(p)
+            if spec.axis == "expert":
+                return spec.tp_rank, spec.tp_size
+    return None
+
+
+def writes_experts(
+    chunks: Sequence[nn.Module], tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup
+) -> bool:
+    """Whether this rank writes its stage's file of its EP rank: the first rank of its
+    expert-data-parallel group, or at EP 1 the writer of the stage's TP rank 0 model file."""
+    ep = expert_parallel_of(chunks)
+    if ep is None:
+        return False
+    if ep[1] == 1:
+        return dist.get_rank(tp_group) == 0 and dist.get_rank(dp_group) == 0
+    return dist.get_rank(get_expert_data_parallel_group()) == 0
+
+
+def expert_state(model: dict, optimizer_state: dict | None, experts: set[str]) -> dict:
+    """The expert file's payload: the expert entries of a (TP, PP) shard's `model` tensors
+    and of its optimizer state (None without an optimizer)."""
+    state = {"model": {name: t for name, t in model.items() if name in experts}}
+    if optimizer_state is None:
+        state["optimizer"] = None
+    else:
+        params = optimizer_state["params"]
+        state["optimizer"] = {"params": {n: e for n, e in params.items() if n in experts}}
+    return state
+
+
+def expert_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
+    """Every expert file of the checkpoint by (EP rank, PP rank) ({} when its model has no
+    experts); raises, alike on every rank, when one is missing."""
+    ep = meta.get("expert_model_parallel_size")
+    if ep is None:
+        return {}
+    files = {
+        (e, p): expert_file(directory, p, e)
+        for p in range(meta.get("pipeline_parallel_size", 1))
+        for e in range(ep)
+    }
+    missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointError(
+            f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
+        )
+    return files
+
+
+def expert_opener(
+    meta: dict, files: dict[tuple[int, int], str], verify: bool
+) -> Callable[[tuple[int, int]], MappedFile]:
+    """Opens the expert file at (EP rank, PP rank): its size and CRC-32 checked against the
+    metadata first (unless `verify` is False), then the identity it records."""
+    checked: set[tuple[int, int]] = set()
+
+    def open_file(key: tuple[int, int]) -> MappedFile:
+        path = files[key]
+        if verify and key not in checked:
+            verify_file(path, meta["files"])
+        file = MappedFile(path)
+        if key not in checked:
+            check_identity(path, file.state, meta, None, key[1], ep_rank=key[0])
+        checked.add(key)
+        return file
+
+    return open_file
+
+
+def plan_experts(
+    saved: ParallelLayout,
+    saved_ep: int,
+    params: dict[str, torch.Tensor],
+    specs: dict[str, ShardSpec],
+    stored: dict[str, ShardSpec],
+) -> dict[tuple[int, int], list[str]]:
+    """(saved EP rank, PP rank) -> the expert weights of `params` (this rank's pieces,
+    described by `specs`) to read from that file: the files holding experts they hold."""
+    needed: dict[tuple[int, int], list[str]] = {}
+    for name in params:
+        sources = [
+            r for r in range(saved_ep) if shares_indices(specs[name], stored[name].at(saved_ep, r))
+        ]
+        for r in sources:
+            needed.setdefault((r, saved.pipeline_rank_of(name)), []).append(name)
+    return needed
+
+
+def read_experts(
+    open_file: Callable[[tuple[int, int]], MappedFile],
+    needed: dict[tuple[int, int], list[str]],
+    saved: ParallelLayout,
+    saved_ep: int,
+    params: dict[str, torch.Tensor],
+    specs: dict[str, ShardSpec],
+    stored: dict[str, ShardSpec],
+    state: dict | None,
+) -> None:
+    """Fill `params` (this rank's expert weights) from the expert files `needed` names
+    (`plan_experts`), and, when `state` (the optimizer state being assembled from the model
+    files) is given, add their AdamW state to it."""
+    experts = sorted(expert_names(stored))
+    flat: dict[str, torch.Tensor] = {}
+    for (ep_rank, pp_rank), wanted in sorted(needed.items(), key=lambda kv: kv[0][::-1]):
+        file = open_file((ep_rank, pp_rank))  # one file mapped at a time
+        file.check_names(saved.names_on(pp_rank, experts))
+        targets = {name: params[name] for name in wanted}
+        copy_from(file, model_pieces, targets, specs, stored, ep_rank, saved_ep, "expert weight")
+        if state is None:
+            continue
+        if file.state["optimizer"] is None:
+            raise CheckpointError(f"tpcore: {file.path} holds no optimizer state")
+        add_optimizer_targets(state, flat, file.state["optimizer"], wanted, params)
+        pieces = {key: t for key, t in flat.items() if key.split("/")[0] in targets}
+        copy_from(file, optimizer_pieces, pieces, specs, stored, ep_rank, saved_ep, "optimizer")
+        del file
+
+
+def read_dense_experts(
+    directory: str,
+    meta: dict,
+    saved: ParallelLayout,
+    specs: dict[str, ShardSpec],
+    dense: dict[str, torch.Tensor],
+    verify: bool,
+) -> None:
+    """Fill the full expert weights of `dense` from every expert file (`load_dense_state_dict`)."""
+    files = expert_files(directory, meta)
+    if not files:
+        return
+    open_file, saved_ep = expert_opener(meta, files, verify), meta["expert_model_parallel_size"]
+    experts = sorted(expert_names(specs))
+    for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
+        stored = saved.names_on(pp_rank, experts)
+        file = open_file((ep_rank, pp_rank))
+        file.check_names(stored)
+        targets = {name: dense[name] for name in stored}
+        copy_from(file, model_pieces, targets, specs, specs, ep_rank, saved_ep, "expert weight")
