@@ -95,30 +95,32 @@ def test_expert_parallel_curves_equal_ep1(workdir, ep1_run, name, nproc, flags):
 
 
 @pytest.mark.parametrize(
-    "ckpt_format,saved_with,resumed_with",
+    "ckpt_format,nproc,saved_with,resumed_with",
     [
-        ("torch_dist", ["--use-distributed-optimizer"], []),
-        ("torch", [], ["--use-distributed-optimizer"]),
+        ("torch_dist", 2, ["--use-distributed-optimizer"], []),
+        ("torch", 4, ["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"]),
     ],
 )
 def test_checkpoint_at_ep2_resumes_at_ep1(
     workdir,  # noqa: F811
     ep1_run,
     ckpt_format,
+    nproc,
     saved_with,
     resumed_with,
 ):
-    """Saved halfway at EP 2, resumed at EP 1: the curve of the uninterrupted EP 1 run. In
-    torch_dist with the distributed optimizer (its slices of the 3-D expert weights), resumed
-    without it; in tpcore's torch format (the experts' own files) with the plain optimizer,
-    resumed with the distributed one. A model with another number of experts refuses the
-    checkpoint, naming both."""
+    """Saved halfway at EP 2, resumed at EP 1 on 2 ranks: the curve of the uninterrupted EP 1
+    run. In torch_dist with the distributed optimizer (its slices of the 3-D expert weights),
+    resumed without it; in tpcore's torch format (the experts' own files, those of the stage
+    holding the MoE layer) saved at PP 2 x EP 2 with the plain optimizer, resumed at PP 1 with
+    the distributed one. A model with another number of experts refuses the checkpoint,
+    naming both."""
     save = str(workdir / f"moe_ckpt_{ckpt_format}")
     ckpt = ["--save", save, "--save-interval", "15", "--ckpt-format", ckpt_format]
     train(
         workdir,
         f"moe_resume_{ckpt_format}",
-        2,
+        nproc,
         *MOE,
         *ckpt,
         "--expert-model-parallel-size",

@@ -26,7 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel_state import get_expert_data_parallel_group
+from ..parallel_state import (
+    get_expert_data_parallel_group,
+    get_expert_model_parallel_world_size,
+    is_initialized,
+)
 from ..pipeline_parallel.layout import ParallelLayout
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec, shares_indices
 from .errors import CheckpointError
@@ -43,6 +47,7 @@ __all__ = [
     "expert_file",
     "expert_names",
     "expert_parallel_of",
+    "expert_parallel_size",
     "writes_experts",
     "expert_state",
     "expert_files",
@@ -72,6 +77,17 @@ def expert_parallel_of(chunks: Sequence[nn.Module]) -> tuple[int, int] | None:
     return None
 
 
+def expert_parallel_size(chunks: Sequence[nn.Module]) -> int | None:
+    """The model's EP size, None without experts; the same on every rank: from this rank's
+    expert weights, or on a pipeline stage without MoE layers from the expert-parallel group."""
+    if getattr(chunks[0].config, "num_experts", None) is None:
+        return None
+    mine = expert_parallel_of(chunks)
+    if mine is not None:
+        return mine[1]
+    return get_expert_model_parallel_world_size() if is_initialized() else 1
+
+
 def writes_experts(
     chunks: Sequence[nn.Module], tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup
 ) -> bool:
@@ -97,17 +113,16 @@ def expert_state(model: dict, optimizer_state: dict | None, experts: set[str]) -
     return state
 
 
-def expert_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
-    """Every expert file of the checkpoint by (EP rank, PP rank) ({} when its model has no
-    experts); raises, alike on every rank, when one is missing."""
-    ep = meta.get("expert_model_parallel_size")
-    if ep is None:
-        return {}
-    files = {
-        (e, p): expert_file(directory, p, e)
-        for p in range(meta.get("pipeline_parallel_size", 1))
-        for e in range(ep)
-    }
+def expert_files(
+    directory: str, meta: dict, specs: dict[str, ShardSpec]
+) -> dict[tuple[int, int], str]:
+    """Every expert file of the checkpoint by (EP rank, PP rank): those of the stages holding
+    expert weights (`specs`: the checkpoint's; {} without experts). Raises, alike on every
+    rank, when one is missing."""
+    layout = ParallelLayout.from_metadata(meta)
+    stages = sorted({layout.pipeline_rank_of(name) for name in expert_names(specs)})
+    ep = meta.get("expert_model_parallel_size", 1)
+    files = {(e, p): expert_file(directory, p, e) for p in stages for e in range(ep)}
     missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
     if missing:
         raise CheckpointError(
@@ -194,7 +209,7 @@ def read_dense_experts(
     verify: bool,
 ) -> None:
     """Fill the full expert weights of `dense` from every expert file (`load_dense_state_dict`)."""
-    files = expert_files(directory, meta)
+    files = expert_files(directory, meta, specs)
     if not files:
         return
     open_file, saved_ep = expert_opener(meta, files, verify), meta["expert_model_parallel_size"]

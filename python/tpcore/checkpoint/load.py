@@ -387,7 +387,7 @@ def load_checkpoint(
                     "(a checkpoint of another model?)"
                 )
             loaded["open_experts"] = open_experts = expert_opener(
-                meta, expert_files(directory, meta), verify
+                meta, expert_files(directory, meta, stored_specs), verify
             )
             saved_ep = meta["expert_model_parallel_size"]
             loaded["expert_plan"] = plan_experts(saved, saved_ep, experts, specs, stored_specs)

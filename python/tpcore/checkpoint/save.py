@@ -28,6 +28,7 @@ from .expert_files import (
     expert_file,
     expert_names,
     expert_parallel_of,
+    expert_parallel_size,
     expert_state,
     writes_experts,
 )
@@ -158,8 +159,8 @@ def save_checkpoint(
             f"{ckpt_format!r}"
         )
     chunks = model_chunks(model)
-    experts = expert_parallel_of(chunks)  # (EP rank, EP size); None without experts
-    if ckpt_format == "torch" and experts is not None and is_sharded(optimizer):
+    ep_size = expert_parallel_size(chunks)  # None without experts
+    if ckpt_format == "torch" and ep_size is not None and is_sharded(optimizer):
         raise NotImplementedError(
             "tpcore: save_checkpoint's torch format does not hold the distributed optimizer's "
             "slices of mixture-of-experts weights yet (use ckpt_format='torch_dist')"
@@ -179,7 +180,7 @@ def save_checkpoint(
         "iteration": iteration,
         **layout.to_metadata(),
         "data_parallel_size": dp_size,
-        **({} if experts is None else {"expert_model_parallel_size": experts[1]}),
+        **({} if ep_size is None else {"expert_model_parallel_size": ep_size}),
     }
     records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 

@@ -117,7 +117,7 @@ def checkpoint_to_hf(
     names = [n for n in ReferenceGPT(config, device="meta").state_dict() if n not in experts]
     for key in sorted(files, key=lambda k: (k[1], k[0])):  # every file checked before any is used
         open_shard(key).check_names(saved.names_on(key[1], names))
-    expert_pieces = _expert_fetcher(directory, meta, saved, sorted(experts), verify)
+    expert_pieces = _expert_fetcher(directory, meta, saved, specs, verify)
     tp = saved.tensor_parallel_size
     opened: dict[tuple[int, int], object] = {}
 
@@ -157,12 +157,13 @@ def checkpoint_to_hf(
 
 
 def _expert_fetcher(
-    directory: str, meta: dict, saved: ParallelLayout, experts: list[str], verify: bool
+    directory: str, meta: dict, saved: ParallelLayout, specs: dict, verify: bool
 ) -> Callable[[str], list[torch.Tensor]]:
     """`fetch` of an expert weight: its pieces of every expert-parallel rank concatenated
     along the experts (one full tensor, as the torch_dist path gives). Every expert file is
     checked before any is used."""
-    files = expert_files(directory, meta)
+    experts = sorted(expert_names(specs))
+    files = expert_files(directory, meta, specs)
     open_file = expert_opener(meta, files, verify)
     for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
         open_file((ep_rank, pp_rank)).check_names(saved.names_on(pp_rank, experts))
