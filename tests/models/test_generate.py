@@ -161,7 +161,8 @@ def _decode_matches_forward(rank, world, tp):
     the logits a forward over the whole sequence gives at the same positions; the cache
     refuses tokens past its length and the model's positions."""
     setup_tp(tp, replicas=True)
-    variants = {**VARIANTS, **{k: GQA_VARIANTS[k] for k in ("llama_kv1", "qwen3_kv2", "gemma")}}
+    names = ("llama_kv1", "qwen3_kv2", "olmo_kv2", "gemma")
+    variants = {**VARIANTS, **{k: GQA_VARIANTS[k] for k in names}}
     # MoE: a step's 2 tokens do not split over TP 4, so every TP rank routes both there.
     variants["moe"] = dataclasses.replace(
         VARIANTS["llama"], num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1]

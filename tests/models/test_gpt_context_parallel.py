@@ -128,7 +128,14 @@ CASES = [
             fused_lm_head_loss=True,
         ),
     ),
-    dict(tp=2, cp=2, seq=12, config=dict(cp_comm_type="p2p", sequence_parallel=True)),
+    dict(  # OLMoE's q / k norms over the whole projection, summed over TP
+        tp=2,
+        cp=2,
+        seq=12,
+        config=dict(
+            cp_comm_type="p2p", sequence_parallel=True, qk_norm=True, qk_norm_scope="projection"
+        ),
+    ),
     dict(
         tp=2,
         cp=2,
