@@ -54,6 +54,31 @@ GPT_VARIANTS = {
 }
 # Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4;
 # 1: at TP 2 and 4).
+# A GPT with a dense first layer, then an MoE layer: 4 experts, top-2, a gated shared expert,
+# balancing and z losses.
+MOE_GPT = GPTConfig(
+    vocab_size=64,
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    max_position_embeddings=16,
+    norm="rmsnorm",
+    activation="swiglu",
+    position_embedding="rotary",
+    bias=False,
+    make_vocab_size_divisible_by=1,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    moe_shared_expert_intermediate_size=16,
+    moe_shared_expert_gate=True,
+    moe_layer_freq=[0, 1],
+    moe_aux_loss_coeff=0.1,
+    moe_z_loss_coeff=0.01,
+)
+
 GQA_VARIANTS = {
     "llama_kv2": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2),
     "llama_kv1": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=1),

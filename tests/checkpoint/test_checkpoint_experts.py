@@ -21,36 +21,16 @@ import pytest
 import torch
 
 import tpcore
+from checks import MOE_GPT as MOE
 from checks import expect_error
 from tpcore import parallel_state
-from tpcore.models import GPTConfig, GPTModel
+from tpcore.models import GPTModel
 from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec
 from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
 
 safetensors = pytest.importorskip("safetensors.torch")
 
-MOE = GPTConfig(
-    vocab_size=64,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=48,
-    max_position_embeddings=16,
-    norm="rmsnorm",
-    activation="swiglu",
-    position_embedding="rotary",
-    bias=False,
-    tie_embeddings=False,
-    make_vocab_size_divisible_by=1,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=16,
-    moe_shared_expert_intermediate_size=16,
-    moe_shared_expert_gate=True,
-    moe_layer_freq=[0, 1],
-)
 SAVED = [(2, 2), (1, 4)]  # (TP, EP) on 4 ranks
 LOADED = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]
 

@@ -13,33 +13,11 @@ import torch
 import torch.distributed as dist
 
 import tpcore
+from checks import MOE_GPT as MOE
 from checks import assert_close, expect_error
 from tpcore import parallel_state
-from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
+from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec
-
-MOE = GPTConfig(
-    vocab_size=64,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=48,
-    max_position_embeddings=16,
-    norm="rmsnorm",
-    activation="swiglu",
-    position_embedding="rotary",
-    bias=False,
-    make_vocab_size_divisible_by=1,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=16,
-    moe_shared_expert_intermediate_size=16,
-    moe_shared_expert_gate=True,
-    moe_layer_freq=[0, 1],
-    moe_aux_loss_coeff=0.1,
-    moe_z_loss_coeff=0.01,
-)
 
 
 def _batch(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

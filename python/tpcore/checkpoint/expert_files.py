@@ -34,13 +34,13 @@ from ..parallel_state import (
 from ..pipeline_parallel.layout import ParallelLayout
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec, shares_indices
 from .errors import CheckpointError
-from .integrity import check_identity, verify_file
 from .shard_reading import (
     MappedFile,
     add_optimizer_targets,
     copy_from,
     model_pieces,
     optimizer_pieces,
+    shard_opener,
 )
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "writes_experts",
     "expert_state",
     "expert_files",
-    "expert_opener",
     "plan_experts",
     "read_experts",
     "read_dense_experts",
@@ -131,26 +130,6 @@ def expert_files(
     return files
 
 
-def expert_opener(
-    meta: dict, files: dict[tuple[int, int], str], verify: bool
-) -> Callable[[tuple[int, int]], MappedFile]:
-    """Opens the expert file at (EP rank, PP rank): its size and CRC-32 checked against the
-    metadata first (unless `verify` is False), then the identity it records."""
-    checked: set[tuple[int, int]] = set()
-
-    def open_file(key: tuple[int, int]) -> MappedFile:
-        path = files[key]
-        if verify and key not in checked:
-            verify_file(path, meta["files"])
-        file = MappedFile(path)
-        if key not in checked:
-            check_identity(path, file.state, meta, None, key[1], ep_rank=key[0])
-        checked.add(key)
-        return file
-
-    return open_file
-
-
 def plan_experts(
     saved: ParallelLayout,
     saved_ep: int,
@@ -212,7 +191,8 @@ def read_dense_experts(
     files = expert_files(directory, meta, specs)
     if not files:
         return
-    open_file, saved_ep = expert_opener(meta, files, verify), meta["expert_model_parallel_size"]
+    open_file = shard_opener(meta, files, verify, experts=True)
+    saved_ep = meta["expert_model_parallel_size"]
     experts = sorted(expert_names(specs))
     for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
         stored = saved.names_on(pp_rank, experts)

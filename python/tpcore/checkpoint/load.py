@@ -60,7 +60,6 @@ from .errors import CheckpointError
 from .expert_files import (
     expert_files,
     expert_names,
-    expert_opener,
     plan_experts,
     read_dense_experts,
     read_experts,
@@ -68,7 +67,7 @@ from .expert_files import (
 from .index import find_checkpoint, read_metadata, require_checkpoint
 from .index import model_file as _model_file
 from .index import rng_file as _rng_file
-from .integrity import check_identity, verify_file
+from .integrity import verify_file
 from .optimizer_slices import SavedSlices
 from .save import save_checkpoint
 from .shard_reading import (
@@ -78,6 +77,7 @@ from .shard_reading import (
     load_file,
     model_pieces,
     optimizer_pieces,
+    shard_opener,
 )
 
 _ = save_checkpoint  # re-exported: tpcore.checkpoint.load.save_checkpoint
@@ -183,28 +183,6 @@ def shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
             f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
         )
     return files
-
-
-def shard_opener(
-    meta: dict, files: dict[tuple[int, int], str], verify: bool
-) -> Callable[[tuple[int, int]], "MappedFile"]:
-    """Opens the saved shard at (TP rank, PP rank): its size and CRC-32 checked against the
-    metadata first (format 3, unless `verify` is False: a damaged file is named before any
-    of it is parsed), then the identity it records (rank, layout, run and save ids)."""
-
-    checked: set[tuple[int, int]] = set()  # each file is checked once, however often it is opened
-
-    def open_shard(key: tuple[int, int]) -> MappedFile:
-        path = files[key]
-        if meta["version"] >= 3 and verify and key not in checked:
-            verify_file(path, meta["files"])
-        file = MappedFile(path)
-        if meta["version"] >= 3 and key not in checked:
-            check_identity(path, file.state, meta, *key)
-        checked.add(key)
-        return file
-
-    return open_shard
 
 
 def _plan(
@@ -386,8 +364,8 @@ def load_checkpoint(
                     "tpcore's torch format holds no such state of mixture-of-experts weights "
                     "(a checkpoint of another model?)"
                 )
-            loaded["open_experts"] = open_experts = expert_opener(
-                meta, expert_files(directory, meta, stored_specs), verify
+            loaded["open_experts"] = open_experts = shard_opener(
+                meta, expert_files(directory, meta, stored_specs), verify, experts=True
             )
             saved_ep = meta["expert_model_parallel_size"]
             loaded["expert_plan"] = plan_experts(saved, saved_ep, experts, specs, stored_specs)

@@ -1,15 +1,18 @@
 """Reading pieces of saved shard files: memory-mapped a bounded amount at a time, each piece
 copied into the index ranges a rank's parameter (or optimizer state) shares with it. Used by
-the loaders of the (TP, PP) model files (`load`) and of the expert files (`expert_files`)."""
+the loaders of the (TP, PP) model files (`load`) and of the expert files (`expert_files`), and
+the Hugging Face export of a checkpoint."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
 from ..tensor_parallel.shard_spec import ShardSpec, copy_overlap
 from .errors import CheckpointError
+from .integrity import check_identity, verify_file
 
 __all__ = [
     "load_file",
@@ -18,6 +21,7 @@ __all__ = [
     "optimizer_pieces",
     "copy_from",
     "add_optimizer_targets",
+    "shard_opener",
 ]
 
 
@@ -133,3 +137,29 @@ def add_optimizer_targets(
                 flat[f"{name}/{key}"] = entry[key] = torch.empty(
                     params[name].shape, dtype=value.dtype, device=params[name].device
                 )
+
+
+def shard_opener(
+    meta: dict, files: dict[tuple[int, int], str], verify: bool, *, experts: bool = False
+) -> Callable[[tuple[int, int]], MappedFile]:
+    """Opens the saved shard at (TP rank, PP rank), or with `experts` the expert file at (EP
+    rank, PP rank): its size and CRC-32 checked against the metadata first (format 3, unless
+    `verify` is False: a damaged file is named before any of it is parsed), then the identity
+    it records (rank, layout, run and save ids)."""
+
+    checked: set[tuple[int, int]] = set()  # each file is checked once, however often it is opened
+
+    def open_shard(key: tuple[int, int]) -> MappedFile:
+        path = files[key]
+        if meta["version"] >= 3 and verify and key not in checked:
+            verify_file(path, meta["files"])
+        file = MappedFile(path)
+        if meta["version"] >= 3 and key not in checked:
+            if experts:
+                check_identity(path, file.state, meta, None, key[1], ep_rank=key[0])
+            else:
+                check_identity(path, file.state, meta, *key)
+        checked.add(key)
+        return file
+
+    return open_shard

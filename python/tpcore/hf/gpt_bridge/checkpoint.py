@@ -21,7 +21,7 @@ import torch
 from ..._paths import same_folder
 from ...checkpoint import torch_dist
 from ...checkpoint.errors import CheckpointError
-from ...checkpoint.expert_files import expert_files, expert_names, expert_opener
+from ...checkpoint.expert_files import expert_files, expert_names
 from ...checkpoint.index import read_metadata, require_checkpoint
 from ...checkpoint.load import saved_specs, shard_files, shard_opener
 from ...data.tokenizer import load_tokenizer
@@ -164,7 +164,7 @@ def _expert_fetcher(
     checked before any is used."""
     experts = sorted(expert_names(specs))
     files = expert_files(directory, meta, specs)
-    open_file = expert_opener(meta, files, verify)
+    open_file = shard_opener(meta, files, verify, experts=True)
     for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
         open_file((ep_rank, pp_rank)).check_names(saved.names_on(pp_rank, experts))
     ep = meta.get("expert_model_parallel_size", 1)
