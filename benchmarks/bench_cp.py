@@ -20,6 +20,9 @@ Reported per rank (the larger of the two ranks):
   process are before it; the gradients' own few MB are counted);
 - saved: the bytes of the distinct tensors autograd saved for backward (saved-tensor
   hooks): the activations proper, no temporaries;
+- alloc: the peak of the bytes of torch's live CPU allocations during a second forward +
+  backward (torch.profiler's memory events, summed in time order): activations and
+  temporaries, without what the C allocator keeps of freed memory (which the RSS counts);
 - step: median forward + backward time of `--steps` steps after that first one.
 Ratios are against `cp1` (memory) and `cp1x2` (time) of the same run.
 - exposed communication (`p2p`): the time the compute thread spends posting and waiting
@@ -49,6 +52,20 @@ def _status_mib(field: str) -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def _allocation_peak(step) -> int:
+    """The most bytes of torch CPU allocations live at once while `step()` runs, counted from
+    its start (each op's own allocations minus frees, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
 
 
 def _config(args, seq: int, comm: str):
@@ -121,6 +138,9 @@ def _case(rank, world, store, args, seq, comm, threads, results):
     loss.backward()
     peak = _status_mib("VmHWM") - before
     first_loss = loss.item()
+    del loss
+    model.zero_grad(set_to_none=True)
+    alloc = _allocation_peak(lambda: model(ids, target).backward())
     times, shares = [], []
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
@@ -137,6 +157,7 @@ def _case(rank, world, store, args, seq, comm, threads, results):
             dict(
                 peak_mib=peak,
                 saved_mib=sum(saved.values()) / 2**20,
+                alloc_mib=alloc / 2**20,
                 step_s=statistics.median(times),
                 exposed=statistics.median(shares),
                 loss=first_loss,
@@ -202,6 +223,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="sequences 1k and 2k, 2 steps")
     args = p.parse_args()
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines, not ours
     if args.quick:
         args.seqs, args.steps = [1024, 2048], 2
     import torch
@@ -218,21 +240,25 @@ def main() -> None:
             comm = name if world == 2 else "p2p"
             got = run_on_ranks(_case, world, args, seq, comm, threads)
             rows[name] = {
-                key: max(r[key] for r in got) for key in ("peak_mib", "saved_mib", "step_s")
+                key: max(r[key] for r in got)
+                for key in ("peak_mib", "saved_mib", "alloc_mib", "step_s")
             }
             rows[name]["exposed"] = max(r["exposed"] for r in got)
             rows[name]["loss"] = got[0]["loss"]
         print(f"\nsequence {seq}")
         print(f"  {'contender':<10} {'RSS MiB':>8} {'x cp1':>6} {'saved':>7} {'x cp1':>6}"
-              f" {'step s':>8} {'cp1x2/it':>9} {'exposed':>8} {'loss':>8}")  # fmt: skip
+              f" {'alloc':>7} {'x cp1':>6} {'step s':>8} {'cp1x2/it':>9} {'exposed':>8}"
+              f" {'loss':>8}")  # fmt: skip
         base, fair = rows.get("cp1"), rows.get("cp1x2")
         for name, r in rows.items():
             mem = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "-"
             kept = f"{r['saved_mib'] / base['saved_mib']:.2f}" if base else "-"
+            live = f"{r['alloc_mib'] / base['alloc_mib']:.2f}" if base else "-"
             speed = f"{fair['step_s'] / r['step_s']:.2f}" if fair else "-"
             exposed = f"{100 * r['exposed']:.1f}%" if name == "p2p" else ""
             print(f"  {name:<10} {r['peak_mib']:>8.1f} {mem:>6} {r['saved_mib']:>7.1f} {kept:>6}"
-                  f" {r['step_s']:>8.3f} {speed:>9} {exposed:>8} {r['loss']:>8.4f}")  # fmt: skip
+                  f" {r['alloc_mib']:>7.1f} {live:>6} {r['step_s']:>8.3f} {speed:>9}"
+                  f" {exposed:>8} {r['loss']:>8.4f}")  # fmt: skip
         if "torch_cp" in args.contenders:
             got = run_on_ranks(_torch_cp, 2, args, seq)
             r = got[0]
