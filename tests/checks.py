@@ -207,6 +207,9 @@ def gpt_rule(name: str, config: GPTConfig) -> tuple:
     if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
         sizes = [c.ffn_hidden_size] * (2 if c.gated_mlp else 1)
         return ("parts", 0, sizes, sizes)
+    if name.endswith(("q_norm.weight", "k_norm.weight")) and c.qk_norm_scope == "projection":
+        heads = c.num_attention_heads if "q_norm" in name else c.num_kv_heads
+        return ("parts", 0, [heads * c.head_dim], [heads])
     if name.endswith("attention.proj.weight"):
         return ("parts", 1, [c.num_attention_heads * c.head_dim], [c.num_attention_heads])
     if name.endswith("mlp.fc2.weight"):

@@ -361,7 +361,7 @@ def _split_norm_job(rank, world):
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
     import tpcore
-    from tpcore.hf.tensor_parallel.split_norm import SplitRMSNorm
+    from tpcore.models.split_norm import SplitRMSNorm
     from tpcore.parallel_state import get_tensor_model_parallel_rank
 
     tpcore.initialize_model_parallel(tensor_parallel_size=2)

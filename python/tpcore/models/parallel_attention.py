@@ -28,11 +28,11 @@ from ..tensor_parallel.mappings import copy_to_tensor_parallel
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG
 from ..tensor_parallel.recompute import checkpoint
 from ..tensor_parallel.shared_grads import sum_over_copies
-from ..tensor_parallel.split_norm import SplitRMSNorm
 from .common import apply_rotary, attention_core, make_norm
 from .config import GPTConfig
 from .gqa import kv_copies, replicated_kv_grad
 from .kv_cache import KVCache
+from .split_norm import SplitRMSNorm
 
 __all__ = ["ParallelAttention"]
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ... import comm
 from ..._module_utils import SharesProcessGroups
+from ...models.split_norm import SplitRMSNorm
 from ...parallel_state import resolve_tensor_group
 from ...tensor_parallel import (
     ColumnParallelLinear,
@@ -29,7 +30,6 @@ from ...tensor_parallel import (
     VocabParallelEmbedding,
 )
 from ...tensor_parallel.shard_spec import ShardSpec, set_shard_spec
-from ...tensor_parallel.split_norm import SplitRMSNorm
 from .grads import install_gradient_sums
 from .lm_head import VocabParallelLMHead
 from .moe import install_moe_blocks

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .._module_utils import SharesProcessGroups
-from ..models.common import RMSNorm
 from ..parallel_state import resolve_tensor_group
-from .mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from ..tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from .common import RMSNorm
 
 __all__ = ["SplitRMSNorm"]
 
