@@ -40,6 +40,7 @@ from .shard_reading import (
     copy_from,
     model_pieces,
     optimizer_pieces,
+    require_files,
     shard_opener,
 )
 
@@ -122,12 +123,7 @@ def expert_files(
     stages = sorted({layout.pipeline_rank_of(name) for name in expert_names(specs)})
     ep = meta.get("expert_model_parallel_size", 1)
     files = {(e, p): expert_file(directory, p, e) for p in stages for e in range(ep)}
-    missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
-    if missing:
-        raise CheckpointError(
-            f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
-        )
-    return files
+    return require_files(directory, files)
 
 
 def plan_experts(
@@ -176,7 +172,6 @@ def read_experts(
         add_optimizer_targets(state, flat, file.state["optimizer"], wanted, params)
         pieces = {key: t for key, t in flat.items() if key.split("/")[0] in targets}
         copy_from(file, optimizer_pieces, pieces, specs, stored, ep_rank, saved_ep, "optimizer")
-        del file
 
 
 def read_dense_experts(

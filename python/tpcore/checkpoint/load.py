@@ -77,6 +77,7 @@ from .shard_reading import (
     load_file,
     model_pieces,
     optimizer_pieces,
+    require_files,
     shard_opener,
 )
 
@@ -177,12 +178,7 @@ def shard_files(directory: str, meta: dict) -> dict[tuple[int, int], str]:
         for p in range(layout.pipeline_parallel_size)
         for t in range(layout.tensor_parallel_size)
     }
-    missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
-    if missing:
-        raise CheckpointError(
-            f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
-        )
-    return files
+    return require_files(directory, files)
 
 
 def _plan(

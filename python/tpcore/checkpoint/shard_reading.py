@@ -15,6 +15,7 @@ from .errors import CheckpointError
 from .integrity import check_identity, verify_file
 
 __all__ = [
+    "require_files",
     "load_file",
     "MappedFile",
     "model_pieces",
@@ -23,6 +24,17 @@ __all__ = [
     "add_optimizer_targets",
     "shard_opener",
 ]
+
+
+def require_files(directory: str, files: dict) -> dict:
+    """`files` (key -> path in checkpoint `directory`), once every one of them exists; else a
+    CheckpointError naming the missing ones (alike on every rank)."""
+    missing = [os.path.basename(f) for f in files.values() if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointError(
+            f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing"
+        )
+    return files
 
 
 def load_file(path: str, mmap: bool = False) -> dict:
