@@ -52,23 +52,26 @@ GPT_VARIANTS = {
         make_vocab_size_divisible_by=4,
     ),
 }
-# Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4;
-# 1: at TP 2 and 4).
-# A GPT with a dense first layer, then an MoE layer: 4 experts, top-2, a gated shared expert,
-# balancing and z losses.
-MOE_GPT = GPTConfig(
+# Llama's shape at its smallest: RMSNorm, SwiGLU, rotary, 2 KV heads of 8, no biases.
+TINY_LLAMA = GPTConfig(
     vocab_size=64,
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,
     num_kv_heads=2,
     ffn_hidden_size=48,
-    max_position_embeddings=16,
+    max_position_embeddings=32,
     norm="rmsnorm",
     activation="swiglu",
     position_embedding="rotary",
     bias=False,
     make_vocab_size_divisible_by=1,
+)
+# It with a dense first layer, then an MoE layer: 4 experts, top-2, a gated shared expert,
+# balancing and z losses.
+MOE_GPT = dataclasses.replace(
+    TINY_LLAMA,
+    max_position_embeddings=16,
     num_experts=4,
     moe_router_topk=2,
     moe_ffn_hidden_size=16,
@@ -78,7 +81,8 @@ MOE_GPT = GPTConfig(
     moe_aux_loss_coeff=0.1,
     moe_z_loss_coeff=0.01,
 )
-
+# Llama style with fewer KV heads than TP ranks up to 4 (2 heads: replicated at TP 4;
+# 1: at TP 2 and 4).
 GQA_VARIANTS = {
     "llama_kv2": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=2),
     "llama_kv1": dataclasses.replace(GPT_VARIANTS["llama"], num_kv_heads=1),

@@ -16,28 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcore
+from checks import TINY_LLAMA as BASE
 from checks import assert_close, expect_error
 from tpcore import parallel_state
 from tpcore.context_parallel import slice_sequence
-from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
+from tpcore.models import GPTModel, ReferenceGPT
 from tpcore.models.kv_cache import KVCache
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec
-
-BASE = GPTConfig(
-    vocab_size=64,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=48,
-    max_position_embeddings=32,
-    norm="rmsnorm",
-    activation="swiglu",
-    position_embedding="rotary",
-    bias=False,
-    make_vocab_size_divisible_by=1,
-)
-
 
 # balancing and z losses count the tokens of all TP x CP ranks
 MOE = dict(
