@@ -365,6 +365,8 @@ def unshard(
     if spec.kind == "replicated":
         return local
     group = group if group is not None else spec.group
+    if group is None and spec.tp_size == 1:  # the whole tensor is here (expert weights at EP 1)
+        return merge([local], spec)
     if group is None:
         raise ValueError("tpcore: unshard: the spec names no group; pass group=")
     dim = spec.dim
