@@ -12,9 +12,18 @@ DP rank 0. So expert weights go into files of their own:
 each written by the first rank of its expert-data-parallel group (the ranks that hold the
 same experts); at EP 1 (every rank holds every expert) by the writer of `model_tp00_ppSS`.
 Loading at any EP, TP, PP and DP size copies from each file the experts this rank holds
-(`copy_overlap` along the experts, as the model files are read along TP). The distributed
-optimizer's DP slices of expert weights are not written in this format (torch_dist holds
-them): saving them is refused before anything is written.
+(`copy_overlap` along the experts, as the model files are read along TP).
+
+The distributed optimizer slices expert weights over the ranks holding the same experts (at
+EP 1 over DP), not over DP as the rest; each of those ranks writes its slices:
+
+    experts_optim_pp00_ep000_edp001.pt   {"shards": {name: {"lo", "hi", ...}}, "identity"}
+
+(the layout of `optimizer_slices`; `lo`/`hi` index the flattened `[experts/EP, ...]` piece
+of the expert file of the same EP rank; "expert_data_parallel_size" in the metadata says how
+many slice files each EP rank has), and the expert file's optimizer entry says so instead of
+holding the state. Loaders put the slices back together one tensor at a time
+(`SavedSlices`), with or without the distributed optimizer, at any layout.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from ..parallel_state import (
 from ..pipeline_parallel.layout import ParallelLayout
 from ..tensor_parallel.shard_spec import ShardSpec, shard_spec, shares_indices
 from .errors import CheckpointError
+from .integrity import check_identity
+from .optimizer_slices import SavedSlices
 from .shard_reading import (
     MappedFile,
     add_optimizer_targets,
@@ -46,6 +57,9 @@ from .shard_reading import (
 
 __all__ = [
     "expert_file",
+    "expert_slice_file",
+    "expert_slicing",
+    "expert_slices",
     "expert_names",
     "expert_parallel_of",
     "expert_parallel_size",
@@ -60,6 +74,12 @@ __all__ = [
 
 def expert_file(directory: str, pp_rank: int, ep_rank: int) -> str:
     return os.path.join(directory, f"experts_pp{pp_rank:02d}_ep{ep_rank:03d}.pt")
+
+
+def expert_slice_file(directory: str, pp_rank: int, ep_rank: int, slice_rank: int) -> str:
+    return os.path.join(
+        directory, f"experts_optim_pp{pp_rank:02d}_ep{ep_rank:03d}_edp{slice_rank:03d}.pt"
+    )
 
 
 def expert_names(specs: dict[str, ShardSpec]) -> set[str]:
@@ -101,16 +121,48 @@ def writes_experts(
     return dist.get_rank(get_expert_data_parallel_group()) == 0
 
 
-def expert_state(model: dict, optimizer_state: dict | None, experts: set[str]) -> dict:
+def expert_slicing(
+    ep_size: int, tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup
+) -> tuple[int | None, int]:
+    """How the distributed optimizer slices expert weights: (this rank's slice, the number
+    of slices). At EP > 1 over the expert-data-parallel group; at EP 1 (expert weights are
+    then in the dense buffers) over `dp_group`, the TP ranks holding copies, of which TP
+    rank 0 writes (slice None on the others). The count is the same on every rank."""
+    if ep_size > 1:
+        group = get_expert_data_parallel_group()
+        return dist.get_rank(group), dist.get_world_size(group)
+    writes = dist.get_rank(tp_group) == 0
+    return (dist.get_rank(dp_group) if writes else None), dist.get_world_size(dp_group)
+
+
+def expert_state(
+    model: dict, optimizer_state: dict | None, experts: set[str], slices: int | None = None
+) -> dict:
     """The expert file's payload: the expert entries of a (TP, PP) shard's `model` tensors
-    and of its optimizer state (None without an optimizer)."""
+    and of its optimizer state (None without an optimizer); with a distributed optimizer
+    (`slices`: the number of expert slice files) that number in place of the state."""
     state = {"model": {name: t for name, t in model.items() if name in experts}}
     if optimizer_state is None:
         state["optimizer"] = None
+    elif slices is not None:
+        state["optimizer"] = {"params": {}, "data_parallel_size": slices}
     else:
         params = optimizer_state["params"]
         state["optimizer"] = {"params": {n: e for n, e in params.items() if n in experts}}
     return state
+
+
+def expert_slices(
+    directory: str, meta: dict, ep_rank: int, pp_rank: int, verify: bool, load: Callable
+) -> SavedSlices:
+    """The distributed optimizer's slice files of saved (EP rank, PP rank)'s experts."""
+    count = meta["expert_data_parallel_size"]
+    paths = [expert_slice_file(directory, pp_rank, ep_rank, d) for d in range(count)]
+
+    def check(path: str, state: dict, slice_rank: int) -> None:
+        check_identity(path, state, meta, None, pp_rank, dp_rank=slice_rank, ep_rank=ep_rank)
+
+    return SavedSlices(paths, meta, verify, load, check)
 
 
 def expert_files(
@@ -154,24 +206,34 @@ def read_experts(
     specs: dict[str, ShardSpec],
     stored: dict[str, ShardSpec],
     state: dict | None,
+    open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None,
 ) -> None:
     """Fill `params` (this rank's expert weights) from the expert files `needed` names
     (`plan_experts`), and, when `state` (the optimizer state being assembled from the model
-    files) is given, add their AdamW state to it."""
+    files) is given, add their AdamW state to it: from the expert file, or from the slice
+    files `open_slices` opens at (EP rank, PP rank) when a distributed optimizer saved it."""
     experts = sorted(expert_names(stored))
     flat: dict[str, torch.Tensor] = {}
     for (ep_rank, pp_rank), wanted in sorted(needed.items(), key=lambda kv: kv[0][::-1]):
         file = open_file((ep_rank, pp_rank))  # one file mapped at a time
-        file.check_names(saved.names_on(pp_rank, experts))
+        names = saved.names_on(pp_rank, experts)
+        file.check_names(names)
         targets = {name: params[name] for name in wanted}
         copy_from(file, model_pieces, targets, specs, stored, ep_rank, saved_ep, "expert weight")
         if state is None:
             continue
-        if file.state["optimizer"] is None:
+        saved_opt, section = file.state["optimizer"], optimizer_pieces
+        if saved_opt is None:
             raise CheckpointError(f"tpcore: {file.path} holds no optimizer state")
-        add_optimizer_targets(state, flat, file.state["optimizer"], wanted, params)
+        if saved_opt.get("data_parallel_size"):
+            slices = open_slices((ep_rank, pp_rank))
+            shapes = {name: file.state["model"][name].shape for name in names}
+            slices.check_names(names, {name: shape.numel() for name, shape in shapes.items()})
+            saved_opt = {"params": {name: slices.template(name) for name in wanted}}
+            section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
+        add_optimizer_targets(state, flat, saved_opt, wanted, params)
         pieces = {key: t for key, t in flat.items() if key.split("/")[0] in targets}
-        copy_from(file, optimizer_pieces, pieces, specs, stored, ep_rank, saved_ep, "optimizer")
+        copy_from(file, section, pieces, specs, stored, ep_rank, saved_ep, "optimizer")
 
 
 def read_dense_experts(

@@ -168,9 +168,11 @@ def shard_identity(
     """What a shard records about itself: the ids and iteration of the save it belongs to,
     its (TP, PP) rank and the layout; a distributed-optimizer file (`dp_rank` given) also
     its DP rank and the DP size; an expert file (`ep_rank` given, `tp_rank` None) its EP
-    rank and the EP size. `meta` is (at least) the identity part of the checkpoint's
-    metadata (with "data_parallel_size" for optimizer files, "expert_model_parallel_size"
-    for expert files)."""
+    rank and the EP size; an expert slice file (both given) its EP rank and its rank among the
+    ranks slicing those experts' optimizer state. `meta` is (at least) the identity part of
+    the checkpoint's metadata (with "data_parallel_size" for optimizer files,
+    "expert_model_parallel_size" for expert files, "expert_data_parallel_size" for expert
+    slice files)."""
     keys = (
         "run_id",
         "save_id",
@@ -185,7 +187,9 @@ def shard_identity(
         "pipeline_parallel_rank": pp_rank,
     }
     if dp_rank is not None:
-        identity.update(data_parallel_rank=dp_rank, data_parallel_size=meta["data_parallel_size"])
+        # an expert slice file's rank is among the ranks holding the same experts
+        size = meta["expert_data_parallel_size" if ep_rank is not None else "data_parallel_size"]
+        identity.update(data_parallel_rank=dp_rank, data_parallel_size=size)
     if ep_rank is not None:
         identity.update(
             expert_parallel_rank=ep_rank,

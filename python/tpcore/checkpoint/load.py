@@ -12,6 +12,8 @@ Layout of a save directory (a shared file system when ranks span machines):
                               DP rank 0 (each DP rank writes its own; `optimizer_slices`)
       experts_pp00_ep000.pt   with mixture-of-experts layers: expert-parallel rank 0's expert
                               weights on pipeline rank 0, and their AdamW state (`expert_files`)
+      experts_optim_pp00_ep000_edp000.pt  with the distributed optimizer: the AdamW state
+                              slices of those experts' weights, one file per rank slicing them
       rng_rank00000.pt        global rank 0's CPU/CUDA generators and model-parallel tracker
 
 A tied word embedding is stored once, in the first stage's files; the last stage's copy is
@@ -60,6 +62,7 @@ from .errors import CheckpointError
 from .expert_files import (
     expert_files,
     expert_names,
+    expert_slices,
     plan_experts,
     read_dense_experts,
     read_experts,
@@ -68,7 +71,7 @@ from .index import find_checkpoint, read_metadata, require_checkpoint
 from .index import model_file as _model_file
 from .index import rng_file as _rng_file
 from .integrity import verify_file
-from .optimizer_slices import SavedSlices
+from .optimizer_slices import SavedSlices, shard_slices
 from .save import save_checkpoint
 from .shard_reading import (
     MappedFile,
@@ -339,27 +342,27 @@ def load_checkpoint(
     open_shard = shard_opener(meta, files, verify)
     rng_path = _rng_file(directory, dist.get_rank()) if load_rng and same_layout else None
 
-    slices: dict[tuple[int, int], SavedSlices] = {}
+    slices: dict[tuple, SavedSlices] = {}  # the distributed optimizer's, by (TP, PP) rank
+    with_slices = optimizer is not None and meta.get("distributed_optimizer")
 
     def open_slices(key: tuple[int, int]) -> SavedSlices:
         if key not in slices:
-            slices[key] = SavedSlices(directory, meta, *key, verify, load_file)
+            slices[key] = shard_slices(directory, meta, *key, verify, load_file)
         return slices[key]
+
+    def open_expert_slices(key: tuple[int, int]) -> SavedSlices:  # by (EP, PP) rank
+        if ("experts", key) not in slices:
+            slices["experts", key] = expert_slices(directory, meta, *key, verify, load_file)
+        return slices["experts", key]
 
     def check() -> None:  # every file this rank reads, before any is copied from
         _check_specs(specs, stored_specs, directory)
         loaded["plan"] = _plan(saved, params, specs, stored_specs, config)
         for key in sorted(loaded["plan"]):
             open_shard(key)
-            if optimizer is not None and meta.get("distributed_optimizer"):
+            if with_slices:
                 open_slices(key)
         if experts:
-            if optimizer is not None and meta.get("distributed_optimizer"):
-                raise CheckpointError(
-                    f"tpcore: checkpoint {directory} holds a distributed optimizer's state; "
-                    "tpcore's torch format holds no such state of mixture-of-experts weights "
-                    "(a checkpoint of another model?)"
-                )
             loaded["open_experts"] = open_experts = shard_opener(
                 meta, expert_files(directory, meta, stored_specs), verify, experts=True
             )
@@ -367,6 +370,8 @@ def load_checkpoint(
             loaded["expert_plan"] = plan_experts(saved, saved_ep, experts, specs, stored_specs)
             for key in sorted(loaded["expert_plan"]):
                 open_experts(key)
+                if with_slices:
+                    open_expert_slices(key)
         if rng_path is not None:
             if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
                 verify_file(rng_path, meta["files"])
@@ -385,7 +390,6 @@ def load_checkpoint(
             open_slices,
             meta.get("lora") is not None,
         )
-        slices.clear()  # unmapped
         if experts:
             read_experts(
                 loaded["open_experts"],
@@ -396,7 +400,9 @@ def load_checkpoint(
                 specs,
                 stored_specs,
                 loaded["state"],
+                open_expert_slices,
             )
+        slices.clear()  # unmapped
 
     # Every rank raises when one fails, so that no rank goes on to hang in a collective; and
     # a damaged or foreign file fails every rank before any rank's model is written to.

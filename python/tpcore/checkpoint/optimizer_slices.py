@@ -9,7 +9,9 @@ it reads a plain checkpoint's optimizer state.
 
 `lo`/`hi` are the elements of the parameter's flattened TP piece (the tensor of the same
 name in `model_tpRR_ppSS.pt`) that the 1-D tensors hold; the files of the DP ranks of one
-(TP, PP) rank cover every element of every parameter exactly once.
+(TP, PP) rank cover every element of every parameter exactly once. Mixture-of-experts
+weights are sliced over the ranks holding the same experts instead, and their slices are in
+files of their own (`expert_files`), read by the same `SavedSlices`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from .errors import CheckpointError
 from .integrity import check_identity, verify_file
 
-__all__ = ["optimizer_file", "is_sharded", "sharded_payload", "SavedSlices"]
+__all__ = ["optimizer_file", "is_sharded", "sharded_payload", "SavedSlices", "shard_slices"]
 
 
 def optimizer_file(directory: str, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -34,11 +36,12 @@ def is_sharded(optimizer) -> bool:
     return optimizer is not None and hasattr(optimizer, "pieces") and hasattr(optimizer, "gather")
 
 
-def sharded_payload(optimizer, skip: set[str]) -> dict:
-    """What this DP rank's optimizer file holds (without the parameters in `skip`: the last
-    stage's copy of a tied embedding, stored with the first stage)."""
+def sharded_payload(optimizer, keep: Callable[[str], bool]) -> dict:
+    """What this rank's optimizer file holds: the slices of the parameters `keep` accepts
+    (not the last stage's copy of a tied embedding, stored with the first stage; the expert
+    weights in the expert slice files, the rest in the DP ranks' files)."""
     state = optimizer.state_dict()
-    return {"shards": {name: entry for name, entry in state["shards"].items() if name not in skip}}
+    return {"shards": {name: entry for name, entry in state["shards"].items() if keep(name)}}
 
 
 class _Assembled(Mapping):
@@ -62,35 +65,34 @@ class _Assembled(Mapping):
 
 
 class SavedSlices:
-    """The optimizer files of saved (TP rank, PP rank), all of its DP ranks, memory-mapped;
-    each checked first (size + CRC-32 against the metadata unless `verify` is False, and the
-    identity it records) like the model shards."""
+    """The optimizer slice files of one saved piece of the model (a (TP, PP) rank's
+    parameters: `shard_slices`; an (EP, PP) rank's experts: `expert_files.expert_slices`),
+    memory-mapped; each checked first (size + CRC-32 against the metadata unless `verify` is
+    False, then `check_identity(path, state, slice rank)`) like the model shards."""
 
     def __init__(
         self,
-        directory: str,
+        paths: list[str],
         meta: dict,
-        tp_rank: int,
-        pp_rank: int,
         verify: bool,
         load: Callable[..., dict],
+        check_identity: Callable[[str, dict, int], None],
     ) -> None:
-        dp = meta["data_parallel_size"]
-        self.paths = [optimizer_file(directory, tp_rank, pp_rank, d) for d in range(dp)]
+        self.paths = paths
         missing = [os.path.basename(p) for p in self.paths if not os.path.isfile(p)]
         if missing:
             raise CheckpointError(
-                f"tpcore: checkpoint {directory} is incomplete: {', '.join(missing)} missing "
-                "(distributed optimizer state)"
+                f"tpcore: checkpoint {os.path.dirname(paths[0])} is incomplete: "
+                f"{', '.join(missing)} missing (distributed optimizer state)"
             )
         self.states = []
         for d, path in enumerate(self.paths):
             if verify:
                 verify_file(path, meta["files"])
             state = load(path, mmap=True)
-            check_identity(path, state, meta, tp_rank, pp_rank, dp_rank=d)
+            check_identity(path, state, d)
             self.states.append(state)
-        self.where: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(DP rank, lo, hi)]
+        self.where: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(slice, lo, hi)]
         for d, state in enumerate(self.states):
             for name, entry in state["shards"].items():
                 self.where.setdefault(name, []).append((d, int(entry["lo"]), int(entry["hi"])))
@@ -104,7 +106,7 @@ class SavedSlices:
         )
         if missing or extra:
             raise CheckpointError(
-                f"tpcore: {self.paths[0]} (and its DP peers): optimizer state does not fit the "
+                f"tpcore: {self.paths[0]} (and its peer slices): optimizer state does not fit the "
                 f"model (missing {missing[:5]}, unexpected {extra[:5]})"
             )
         for name in stored:
@@ -112,8 +114,8 @@ class SavedSlices:
             ends = [0] + [hi for _, hi in spans]
             if [lo for lo, _ in spans] != ends[:-1] or ends[-1] != numels[name]:
                 raise CheckpointError(
-                    f"tpcore: {self.paths[0]} (and its DP peers): the slices of {name} ({spans}) "
-                    f"do not cover its {numels[name]} elements once each"
+                    f"tpcore: {self.paths[0]} (and its peer slices): the slices of {name} "
+                    f"({spans}) do not cover its {numels[name]} elements once each"
                 )
 
     def template(self, name: str) -> dict:
@@ -133,3 +135,17 @@ class SavedSlices:
 
     def pieces(self, shapes: dict[str, torch.Size]) -> Mapping[str, torch.Tensor]:
         return _Assembled(self, shapes)
+
+
+def shard_slices(
+    directory: str, meta: dict, tp_rank: int, pp_rank: int, verify: bool, load: Callable[..., dict]
+) -> SavedSlices:
+    """The DP ranks' optimizer files of saved (TP rank, PP rank)."""
+    paths = [
+        optimizer_file(directory, tp_rank, pp_rank, d) for d in range(meta["data_parallel_size"])
+    ]
+
+    def check(path: str, state: dict, dp_rank: int) -> None:
+        check_identity(path, state, meta, tp_rank, pp_rank, dp_rank=dp_rank)
+
+    return SavedSlices(paths, meta, verify, load, check)

@@ -1,8 +1,9 @@
 """Saving a GPT checkpoint (see `load` for the layout): in the "torch" format each (TP, PP)
 rank's model shard written by its DP rank 0, mixture-of-experts weights by the first rank of
 each expert-data-parallel group (`expert_files`), the distributed optimizer's slices by every
-DP rank (`optimizer_slices`); in "torch_dist" DCP's files (`torch_dist`); then each rank's
-RNG states, the metadata and `latest`, atomically."""
+DP rank (`optimizer_slices`; those of expert weights by every rank holding them,
+`expert_files`); in "torch_dist" DCP's files (`torch_dist`); then each rank's RNG states,
+the metadata and `latest`, atomically."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from .expert_files import (
     expert_names,
     expert_parallel_of,
     expert_parallel_size,
+    expert_slice_file,
+    expert_slicing,
     expert_state,
     writes_experts,
 )
@@ -110,11 +113,45 @@ def _write_torch_shards(
     if writes_own_experts:
         ep_rank = expert_parallel_of(chunks)[0]
         path = expert_file(tmp, pp_rank, ep_rank)
-        payload = expert_state(state["model"], state["optimizer"], experts)
+        slices = identity.get("expert_data_parallel_size")  # a distributed optimizer's
+        payload = expert_state(state["model"], state["optimizer"], experts, slices)
         records[os.path.basename(path)] = save_checked(
             {**payload, "identity": shard_identity(identity, None, pp_rank, ep_rank=ep_rank)},
             path,
         )
+
+
+def _write_optimizer_slices(
+    tmp: str,
+    chunks: list[nn.Module],
+    optimizer,
+    tp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
+    identity: dict,
+    records: dict[str, dict],
+    expert_slice: int | None,
+) -> None:
+    """The distributed optimizer's files of this rank: its DP slices of the (TP, PP) shard's
+    parameters, and of its experts' weights when it writes those (`expert_slice`)."""
+    tp_rank, pp_rank, dp_rank = (
+        dist.get_rank(tp_group),
+        0 if pp_group is None else dist.get_rank(pp_group),
+        dist.get_rank(dp_group),
+    )
+    skip = duplicate_parameter_names(chunks)
+    experts = expert_names({n: shard_spec(p) for c in chunks for n, p in c.named_parameters()})
+    path = optimizer_file(tmp, tp_rank, pp_rank, dp_rank)
+    payload = sharded_payload(optimizer, lambda name: name not in skip and name not in experts)
+    records[os.path.basename(path)] = save_checked(
+        {**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path
+    )
+    if experts and expert_slice is not None:
+        ep_rank = expert_parallel_of(chunks)[0]
+        path = expert_slice_file(tmp, pp_rank, ep_rank, expert_slice)
+        payload = sharded_payload(optimizer, lambda name: name in experts)
+        ident = shard_identity(identity, None, pp_rank, dp_rank=expert_slice, ep_rank=ep_rank)
+        records[os.path.basename(path)] = save_checked({**payload, "identity": ident}, path)
 
 
 def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
@@ -160,16 +197,15 @@ def save_checkpoint(
         )
     chunks = model_chunks(model)
     ep_size = expert_parallel_size(chunks)  # None without experts
-    if ckpt_format == "torch" and ep_size is not None and is_sharded(optimizer):
-        raise NotImplementedError(
-            "tpcore: save_checkpoint's torch format does not hold the distributed optimizer's "
-            "slices of mixture-of-experts weights yet (use ckpt_format='torch_dist')"
-        )
     if optimizer is not None:
         # parameter all-gathers still in flight (--overlap-param-gather)
         optimizer.finish_param_sync()
     layout = current_layout(chunks, tp_group=tp_group, pp_group=pp_group)
     sharded, dp_size = is_sharded(optimizer), dist.get_world_size(dp_group)
+    # the distributed optimizer's expert slices: this rank's (None: it writes none), how many
+    expert_slice, expert_slices = (None, None)
+    if sharded and ckpt_format == "torch" and ep_size is not None:
+        expert_slice, expert_slices = expert_slicing(ep_size, tp_group, dp_group)
     rank, name = dist.get_rank(), f"iter_{iteration:07d}"
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, name + ".tmp")
     device = next(chunks[0].parameters()).device
@@ -181,6 +217,7 @@ def save_checkpoint(
         **layout.to_metadata(),
         "data_parallel_size": dp_size,
         **({} if ep_size is None else {"expert_model_parallel_size": ep_size}),
+        **({} if expert_slices is None else {"expert_data_parallel_size": expert_slices}),
     }
     records: dict[str, dict] = {}  # file name -> {"bytes", "crc32"} of the files this rank wrote
 
@@ -217,15 +254,16 @@ def save_checkpoint(
                 tmp, chunks, optimizer, tp_group, dp_group, pp_group, identity, records
             )
         if sharded and ckpt_format == "torch":  # every DP rank its own slices: no gather
-            tp_rank, pp_rank, dp_rank = (
-                dist.get_rank(tp_group),
-                0 if pp_group is None else dist.get_rank(pp_group),
-                dist.get_rank(dp_group),
-            )
-            path = optimizer_file(tmp, tp_rank, pp_rank, dp_rank)
-            payload = sharded_payload(optimizer, duplicate_parameter_names(chunks))
-            records[os.path.basename(path)] = save_checked(
-                {**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path
+            _write_optimizer_slices(
+                tmp,
+                chunks,
+                optimizer,
+                tp_group,
+                dp_group,
+                pp_group,
+                identity,
+                records,
+                expert_slice,
             )
         cpu, cuda = device_rng_states()
         tracker = get_rng_tracker()

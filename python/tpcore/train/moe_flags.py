@@ -13,8 +13,7 @@ __all__ = ["check_moe_flags", "moe_config_fields", "moe_run_fields", "parse_moe_
 
 
 def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
-    """`need` that the expert-parallel size fits the experts, and that tpcore's torch
-    checkpoint format is not asked to hold the distributed optimizer's expert slices."""
+    """`need` that the expert-parallel size fits the experts."""
     need(
         args.num_experts is not None or args.expert_model_parallel_size == 1,
         f"--expert-model-parallel-size {args.expert_model_parallel_size} needs --num-experts",
@@ -24,12 +23,6 @@ def check_moe_flags(args, need: Callable[[bool, str], None]) -> None:
             args.num_experts % args.expert_model_parallel_size == 0,
             f"--num-experts {args.num_experts} is not divisible by "
             f"--expert-model-parallel-size {args.expert_model_parallel_size}",
-        )
-        need(
-            not (args.save and args.ckpt_format == "torch" and args.use_distributed_optimizer),
-            "--save with --use-distributed-optimizer: the torch checkpoint format does not "
-            "hold the optimizer's slices of mixture-of-experts weights yet; use --ckpt-format "
-            "torch_dist",
         )
 
 
