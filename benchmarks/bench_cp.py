@@ -17,7 +17,12 @@ Reported per rank (the larger of the two ranks):
 - activation memory: the resident-set high-water mark (VmHWM, reset through
   /proc/self/clear_refs) during the first forward + backward, minus the resident set
   before it: what the step's activations and temporaries took (parameters and the
-  process are before it; the gradients' own few MB are counted);
+  process are before it; the gradients' own few MB are counted). Every contender's ranks
+  run with glibc's mmap threshold held at 128 KiB (`--malloc-mmap-threshold`; 0 leaves
+  glibc's rule): by default glibc raises the threshold each time a big block is freed, after
+  which blocks up to 32 MiB come from the heap and stay resident once freed, so the RSS would
+  count the allocator's retention (about the same on every rank whatever its share of the
+  sequence) rather than what the step holds;
 - saved: the bytes of the distinct tensors autograd saved for backward (saved-tensor
   hooks): the activations proper, no temporaries;
 - alloc: the peak of the bytes of torch's live CPU allocations during a second forward +
@@ -222,7 +227,16 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="sequences 1k and 2k, 2 steps")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=128 << 10,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for every contender's ranks, in bytes (default "
+        "128 KiB, glibc's initial value, held fixed); 0: glibc's own rule",
+    )
     args = p.parse_args()
+    if args.malloc_mmap_threshold:  # read by glibc at each spawned rank's start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines, not ours
     if args.quick:
         args.seqs, args.steps = [1024, 2048], 2
@@ -231,7 +245,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {os.cpu_count()} cores; {args.layers} layer(s), hidden "
         f"{args.hidden}, {args.heads} heads x 32 (4 kv), vocab {args.vocab}, fp32, one "
-        f"sequence per step, median of {args.steps} steps"
+        f"sequence per step, median of {args.steps} steps; MALLOC_MMAP_THRESHOLD_="
+        f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}"
     )
     for seq in args.seqs:
         rows = {}

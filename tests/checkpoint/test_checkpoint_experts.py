@@ -16,7 +16,8 @@ weights' AdamW state are gathered at save time into the full tensors (from the o
 own `state_dict`, not the checkpoint); loaded at five layouts, with the plain and the
 distributed optimizer, this rank's state equals its slice of those.
 
-Bad input: a missing expert file, and a missing expert slice file, are named on every rank.
+Bad input: a missing expert file, a missing expert slice file and one of another rank in its
+place are named on every rank.
 """
 
 from __future__ import annotations
@@ -261,16 +262,17 @@ def _missing_expert_file(rank, world, root):
     return True
 
 
-def _missing_expert_slice_file(rank, world, root):
+def _bad_expert_slice_file(rank, world, root, error, verify=True):
     model, opt, _, groups = _setup(1, 2, 5, distributed=True)
     expect_error(
         CheckpointError,
-        "is incomplete: experts_optim_pp00_ep001_edp001.pt missing (distributed optimizer state)",
+        error,
         load_checkpoint,
         os.path.join(root, "iter_0000002"),
         model,
         opt,
         tp_group=groups["tp_group"],
+        verify=verify,
     )
     return True
 
@@ -284,5 +286,19 @@ def test_bad_input_fails_every_rank(cpu_ranks, saved, tmp_path):
     assert all(cpu_ranks.run(_missing_expert_file, str(copy)))
     copy = tmp_path / "copy_dist"
     shutil.copytree(_folder(saved, 2, 2, True), copy)
-    os.remove(copy / "iter_0000002" / "experts_optim_pp00_ep001_edp001.pt")
-    assert all(cpu_ranks.run(_missing_expert_slice_file, str(copy)))
+    slices = copy / "iter_0000002"
+    # a slice file of another rank in place of one: its identity names it (checksums off)
+    shutil.copyfile(
+        slices / "experts_optim_pp00_ep001_edp001.pt", slices / "experts_optim_pp00_ep001_edp000.pt"
+    )
+    wrong = (
+        "experts_optim_pp00_ep001_edp000.pt is not the shard this checkpoint expects at EP rank "
+        "1, PP rank 0, DP rank 0 (a file of another rank, save or run?): data_parallel_rank: "
+        "file 1, metadata 0"
+    )
+    assert all(cpu_ranks.run(_bad_expert_slice_file, str(copy), wrong, False))
+    os.remove(slices / "experts_optim_pp00_ep001_edp001.pt")
+    missing = (
+        "is incomplete: experts_optim_pp00_ep001_edp001.pt missing (distributed optimizer state)"
+    )
+    assert all(cpu_ranks.run(_bad_expert_slice_file, str(copy), missing))

@@ -59,16 +59,16 @@ def test_stale_or_missing_sidecar_is_not_trusted(tmp_path):
 
 
 def _check(rank, world, prefix, vocab_size, error):
-    from tpcore.train import trainer
+    from tpcore.train import training_data
 
     ds = IndexedDataset(prefix)
     scanned = []
     read = ds.token_range
     ds.token_range = lambda start=0, stop=None: scanned.append((start, stop)) or read(start, stop)
     if error is None:
-        trainer._check_tokens(ds, vocab_size, "cpu")
+        training_data.check_tokens(ds, vocab_size, "cpu")
     else:
-        expect_error(ValueError, error, trainer._check_tokens, ds, vocab_size, "cpu")
+        expect_error(ValueError, error, training_data.check_tokens, ds, vocab_size, "cpu")
     return scanned
 
 

@@ -118,8 +118,8 @@ def test_checkpoint_at_ep2_resumes_at_ep1(
     run. In torch_dist with the distributed optimizer (its slices of the 3-D expert weights),
     resumed without it; in tpcore's torch format (the experts' own files and their optimizer
     slice files, those of the stage holding the MoE layer) saved at PP 2 x EP 2 with the
-    distributed optimizer, resumed at PP 1 with it (slices over another group). A model with another number of experts refuses the checkpoint,
-    naming both."""
+    distributed optimizer, resumed at PP 1 with it (slices over another group). A model with
+    another number of experts refuses the checkpoint, naming both."""
     save = str(workdir / f"moe_ckpt_{ckpt_format}")
     ckpt = ["--save", save, "--save-interval", "15", "--ckpt-format", ckpt_format]
     train(

@@ -22,9 +22,7 @@ from ..checkpoint.index import read_latest, read_metadata, require_checkpoint
 from ..checkpoint.integrity import random_id
 from ..checkpoint.load import find_checkpoint, load_checkpoint, save_checkpoint
 from ..comm_threads import prioritize_communication_threads
-from ..context_parallel import slice_sequence
-from ..data import GPTDataset, IndexedDataset, load_tokenizer, micro_batch_indices
-from ..data.indexed_dataset import stats_path
+from ..data import load_tokenizer
 from ..hf.gpt_bridge.config import read_hf_config
 from ..models import ReferenceGPT
 from ..models.generate import generate
@@ -61,6 +59,7 @@ from .moe_metrics import (
 )
 from .preemption import StepAgreement
 from .same_arguments import check_same_arguments
+from .training_data import Batches, training_batches
 
 __all__ = ["pretrain", "init_distributed", "precision"]
 
@@ -115,76 +114,6 @@ def _resume_point(args: TrainArgs) -> str | None:
             "no iter_N folder)"
         )
     return found
-
-
-def _check_tokens(indexed: IndexedDataset, vocab_size: int, device: str) -> None:
-    """Raise on every rank, before training, when the data holds ids outside the vocabulary.
-
-    The range recorded at preprocessing (`PREFIX.stats.json`) is used when present and
-    current; otherwise each rank reads 1/world of `.bin`. One all-reduce(MAX) of
-    (largest, -smallest) runs either way, so every rank sees the same range and raises alike.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    recorded = indexed.recorded_token_range()
-    if recorded is None:
-        n = indexed.num_tokens
-        low, high = indexed.token_range(n * rank // world, n * (rank + 1) // world)
-    else:
-        low, high = recorded
-    none = -(2**62)  # what a rank without tokens contributes to the MAX
-    extremes = torch.tensor(
-        [high, -low] if high >= low else [none, none], dtype=torch.int64, device=device
-    )
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    if int(extremes[0]) == none:
-        return
-    high, low = int(extremes[0]), -int(extremes[1])
-    source = (
-        f"(recorded in {stats_path(indexed.prefix)})"
-        if recorded is not None
-        else "(read from the file)"
-    )
-    for bad in (high, low):
-        if not 0 <= bad < vocab_size:
-            raise ValueError(
-                f"tpcore: {indexed.prefix}.bin holds token id {bad} {source}, outside the "
-                f"tokenizer's vocabulary of {vocab_size}; was it preprocessed with "
-                "another tokenizer?"
-            )
-
-
-class _Batches:
-    """This DP rank's micro batches `[micro, seq + 1]` of a GPTDataset, as (inputs, targets)
-    `[micro, seq]`; under context parallelism this CP rank's two chunks of each `[micro,
-    seq / cp]`."""
-
-    def __init__(
-        self,
-        dataset: GPTDataset,
-        args: TrainArgs,
-        global_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        device,
-        cp: tuple[int, int] = (0, 1),
-    ) -> None:
-        self.dataset, self.device, (self.cp_rank, self.cp_size) = dataset, device, cp
-        self.layout = dict(
-            global_batch_size=global_batch,
-            micro_batch_size=args.micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-        )
-        self.accumulation = global_batch // (args.micro_batch_size * dp_size)
-
-    def __call__(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.stack(
-            [self.dataset[i] for i in micro_batch_indices(step, micro_step, **self.layout)]
-        ).to(self.device)
-        ids, target = rows[:, :-1], rows[:, 1:]  # inputs, next-token targets
-        if self.cp_size == 1:
-            return ids, target
-        return tuple(slice_sequence(t, 1, self.cp_size, self.cp_rank) for t in (ids, target))
 
 
 def precision(args: TrainArgs) -> tuple[torch.dtype, torch.dtype | None]:
@@ -286,26 +215,8 @@ class _Training:
             check_tokenizer_fits(self.tokenizer, config, args.load_hf)
         config.check_tp(dist.get_world_size(self.tp_group))
         config.check_cp(args.context_parallel_size, dist.get_world_size(self.tp_group))
-        indexed = IndexedDataset(args.data_path)
-        _check_tokens(indexed, self.tokenizer.vocab_size, device)
-        common = dict(
-            valid_fraction=args.valid_fraction, seed=args.seed, cache_dir=args.data_cache_path
-        )
-        train_data = GPTDataset(
-            indexed, args.seq_length, args.train_iters * global_batch, split="train", **common
-        )
-        valid_data = (
-            GPTDataset(
-                indexed, args.seq_length, args.eval_iters * global_batch, split="valid", **common
-            )
-            if args.eval_iters
-            else None
-        )
-        self.train_batches = _Batches(train_data, args, global_batch, dp_rank, dp, device, cp)
-        self.valid_batches = (
-            _Batches(valid_data, args, global_batch, dp_rank, dp, device, cp)
-            if valid_data
-            else None
+        self.train_batches, self.valid_batches = training_batches(
+            args, self.tokenizer.vocab_size, global_batch, (dp_rank, dp), cp, device
         )
 
         self.dtype, self.autocast_dtype = precision(args)
@@ -529,7 +440,7 @@ class _Training:
         dist.all_reduce(total, group=self.pp_group)
         return int(total.item())
 
-    def run_pipeline(self, batches: _Batches, step: int, forward_only: bool) -> torch.Tensor:
+    def run_pipeline(self, batches: Batches, step: int, forward_only: bool) -> torch.Tensor:
         """The mean loss of one global batch (this DP rank's part), on every rank; with the
         backward unless `forward_only` (gradients accumulate into the buffers / .grad)."""
         micro_batches = [batches(step, micro) for micro in range(batches.accumulation)]
