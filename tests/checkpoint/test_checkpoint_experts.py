@@ -110,7 +110,9 @@ def _save(rank, world, root, tp, ep, distributed=False):
         ids = torch.randint(0, MOE.vocab_size, (2, 8), generator=g)
         model(ids, ids.roll(1, 1)).backward()
         if grads is not None:
-            grads.finish_grad_sync()
+            grads.finish_grad_sync()  # sums the TP shares too
+        else:
+            tpcore.sum_partial_grads(model)  # what the trainer's finalize_model_grads does
         opt.step(1e-2, 1.0)
         opt.zero_grad()
     folder = _folder(root, tp, ep, distributed)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcore
-from checks import GPT_VARIANTS, GQA_VARIANTS, assert_close, expect_error, setup_tp
+from checks import GPT_VARIANTS, GQA_VARIANTS, MOE_GPT, assert_close, expect_error, setup_tp
 from tpcore.models import GPTModel
 from tpcore.tensor_parallel import get_rng_tracker, lora_adapters
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec, unshard
@@ -307,6 +307,22 @@ def _bad_input(rank, world):
     expect_error(
         ValueError, "LoRA rank must be a positive int", tpcore.LoRAAdapter, fc1, rank=-1, alpha=1
     )
+    # Expert weights (a dense layer, then an MoE layer) take no adapter: named, nothing frozen;
+    # the attention of the same model takes them.
+    moe = GPTModel(MOE_GPT)
+    for targets in (["qkv", "fc1"], r".*\.fc2"):
+        expect_error(
+            ValueError,
+            "match mixture-of-experts weights ['layers.1.mlp.experts.fc",
+            tpcore.add_lora,
+            moe,
+            rank=4,
+            alpha=8,
+            target_modules=targets,
+        )
+    assert all(p.requires_grad for p in moe.parameters()), "a refused add_lora froze the model"
+    adapted = tpcore.add_lora(moe, rank=4, alpha=8, target_modules=["qkv", "proj"])
+    assert adapted == [f"layers.{i}.attention.{n}" for i in (0, 1) for n in ("qkv", "proj")]
 
 
 def test_bad_lora_options_raise_on_every_rank(cpu_ranks):

@@ -167,6 +167,11 @@ def test_checkpoint_at_ep2_resumes_at_ep1(
         ),
         (["--num-experts", "4", "--moe-layer-freq", "[1]*1000000000"], "--moe-layer-freq must be"),
         (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+        (
+            ["--num-experts", "4", "--lora-rank", "4"],
+            "--lora-target-modules fc1,fc2 with mixture-of-experts layers: LoRA adapters on "
+            "expert weights are not supported yet",
+        ),
     ],
 )
 def test_bad_moe_flags_raise(flags, match):

@@ -207,20 +207,22 @@ def read_experts(
     stored: dict[str, ShardSpec],
     state: dict | None,
     open_slices: Callable[[tuple[int, int]], SavedSlices] | None = None,
+    frozen: bool = False,
 ) -> None:
     """Fill `params` (this rank's expert weights) from the expert files `needed` names
     (`plan_experts`), and, when `state` (the optimizer state being assembled from the model
     files) is given, add their AdamW state to it: from the expert file, or from the slice
-    files `open_slices` opens at (EP rank, PP rank) when a distributed optimizer saved it."""
+    files `open_slices` opens at (EP rank, PP rank) when a distributed optimizer saved it.
+    `frozen`: the checkpoint's run did not train the experts (LoRA adapters): no state."""
     experts = sorted(expert_names(stored))
     flat: dict[str, torch.Tensor] = {}
     for (ep_rank, pp_rank), wanted in sorted(needed.items(), key=lambda kv: kv[0][::-1]):
         file = open_file((ep_rank, pp_rank))  # one file mapped at a time
         names = saved.names_on(pp_rank, experts)
-        file.check_names(names)
+        file.check_names(names, [] if frozen else None)
         targets = {name: params[name] for name in wanted}
         copy_from(file, model_pieces, targets, specs, stored, ep_rank, saved_ep, "expert weight")
-        if state is None:
+        if state is None or frozen:
             continue
         saved_opt, section = file.state["optimizer"], optimizer_pieces
         if saved_opt is None:
@@ -244,7 +246,8 @@ def read_dense_experts(
     dense: dict[str, torch.Tensor],
     verify: bool,
 ) -> None:
-    """Fill the full expert weights of `dense` from every expert file (`load_dense_state_dict`)."""
+    """Fill the full expert weights of `dense` from every expert file (`load_dense_state_dict`);
+    a LoRA run's files hold no AdamW state of the (frozen) experts."""
     files = expert_files(directory, meta, specs)
     if not files:
         return
@@ -254,6 +257,6 @@ def read_dense_experts(
     for ep_rank, pp_rank in sorted(files, key=lambda key: key[::-1]):
         stored = saved.names_on(pp_rank, experts)
         file = open_file((ep_rank, pp_rank))
-        file.check_names(stored)
+        file.check_names(stored, [] if meta.get("lora") is not None else None)
         targets = {name: dense[name] for name in stored}
         copy_from(file, model_pieces, targets, specs, specs, ep_rank, saved_ep, "expert weight")

@@ -344,6 +344,7 @@ def load_checkpoint(
 
     slices: dict[tuple, SavedSlices] = {}  # the distributed optimizer's, by (TP, PP) rank
     with_slices = optimizer is not None and meta.get("distributed_optimizer")
+    adapters_only = meta.get("lora") is not None  # a LoRA run's: the rest has no AdamW state
 
     def open_slices(key: tuple[int, int]) -> SavedSlices:
         if key not in slices:
@@ -370,7 +371,7 @@ def load_checkpoint(
             loaded["expert_plan"] = plan_experts(saved, saved_ep, experts, specs, stored_specs)
             for key in sorted(loaded["expert_plan"]):
                 open_experts(key)
-                if with_slices:
+                if with_slices and not adapters_only:
                     open_expert_slices(key)
         if rng_path is not None:
             if meta["version"] >= 3 and verify and os.path.isfile(rng_path):
@@ -388,7 +389,7 @@ def load_checkpoint(
             config,
             optimizer is not None,
             open_slices,
-            meta.get("lora") is not None,
+            adapters_only,
         )
         if experts:
             read_experts(
@@ -401,6 +402,7 @@ def load_checkpoint(
                 stored_specs,
                 loaded["state"],
                 open_expert_slices,
+                frozen=adapters_only,
             )
         slices.clear()  # unmapped
 

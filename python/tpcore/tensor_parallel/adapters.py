@@ -11,6 +11,7 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .lora import LoRAAdapter, check_lora_options
+from .shard_spec import shard_spec
 
 __all__ = ["add_lora", "merge_lora", "unmerge_lora", "lora_adapters"]
 
@@ -54,6 +55,13 @@ def add_lora(
     chosen = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
     layers = [(n, m) for n, m in chosen if isinstance(m, _LAYERS)]
     others = [f"{n} ({type(m).__name__})" for n, m in chosen if not isinstance(m, _LAYERS)]
+    experts = [n for n, m in chosen if _holds_expert_weights(m)]
+    if experts:
+        raise ValueError(
+            f"tpcore: add_lora: target_modules {target_modules!r} match mixture-of-experts "
+            f"weights {experts[:2]}, which take no LoRA adapter yet; name the other layers "
+            r"(e.g. a regular expression such as '.*\.(qkv|proj)$')"
+        )
     if others and not isinstance(targets, str):
         # A name meant for a layer that names a container instead (e.g. "attention") is a typo.
         raise ValueError(
@@ -82,6 +90,10 @@ def add_lora(
             layer, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora, dtype=dtype
         )
     return [n for n, _ in layers]
+
+
+def _holds_expert_weights(module: nn.Module) -> bool:
+    return any(shard_spec(p).axis == "expert" for p in module.parameters(recurse=False))
 
 
 def lora_adapters(model: nn.Module) -> dict[str, LoRAAdapter]:

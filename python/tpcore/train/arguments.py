@@ -428,6 +428,13 @@ class TrainArgs:
             f"--lora-target-modules must name some of {list(LORA_LAYERS)} once each, got "
             f"{self.lora_target_modules!r}",
         )
+        mlp = [t for t in targets if t in ("fc1", "fc2")]
+        need(
+            self.num_experts is None or not mlp,
+            f"--lora-target-modules {','.join(mlp)} with mixture-of-experts layers: LoRA "
+            "adapters on expert weights are not supported yet; adapt the attention "
+            "(--lora-target-modules qkv,proj)",
+        )
 
     def lora_targets(self) -> list[str]:
         """--lora-target-modules as a list of GPTModel layer names."""

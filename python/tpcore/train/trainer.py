@@ -323,8 +323,13 @@ class _Training:
                 )
         elif args.load_hf and self.resume_from is None:
             self.lora_base = {"hf": os.path.abspath(args.load_hf)}
-        if args.lora_rank is not None:
-            add_adapters(self.chunks, args)
+        if args.lora_rank is not None:  # pipeline stages differ: every rank learns of a failure
+            all_or_none(
+                lambda: add_adapters(self.chunks, args),
+                "adding the LoRA adapters",
+                self.device,
+                error_type=TrainingError,
+            )
 
     def _resume(self) -> None:
         args = self.args

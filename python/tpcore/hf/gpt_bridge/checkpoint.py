@@ -9,6 +9,8 @@ written from them block by block (`export.write_hf_folder`): no full tensor is
 built (but for expert weights: each is concatenated from the expert-parallel ranks' files
 into one tensor). Peak host memory is the mapped pages touched: about the largest tensor, plus
 at most 16 MiB of earlier ones per TP file (a file is re-mapped past that), not the model.
+A LoRA run's checkpoint is written with its adapters merged into their layers' weights, from
+the whole model assembled in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from ...checkpoint import torch_dist
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.expert_files import expert_files, expert_names
 from ...checkpoint.index import read_metadata, require_checkpoint
-from ...checkpoint.load import saved_specs, shard_files, shard_opener
+from ...checkpoint.load import (
+    is_adapter_name,
+    load_dense_state_dict,
+    saved_specs,
+    shard_files,
+    shard_opener,
+)
 from ...data.tokenizer import load_tokenizer
 from ...models import GPTConfig, ReferenceGPT
 from ...pipeline_parallel.layout import ParallelLayout
@@ -96,6 +104,22 @@ def checkpoint_to_hf(
     )  # before the shards are read: other files there would be left beside the model
     specs = saved_specs(meta)
     stored_dtype = getattr(torch, str(meta.get("dtype", "float32")))
+    if meta.get("lora") is not None:
+        # A LoRA run's: each adapter merged into its layer's weight, which needs the whole
+        # base weight and adapter at once (`load_dense_state_dict`: the model in memory).
+        _, dense = load_dense_state_dict(directory, verify=verify)
+        specs = {name: spec for name, spec in specs.items() if not is_adapter_name(name)}
+        return _write(
+            out_dir,
+            config,
+            lambda name: [dense[name]],
+            dtype or stored_dtype,
+            meta,
+            tokenizer,
+            eod,
+            specs,
+            max_shard_size,
+        )
     if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
         if verify:  # every file checked before any is used
             torch_dist.verify_files(directory, meta)
