@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+import tpcore
 from checks import param_specs
 from tpcore import parallel_state
 from tpcore.models import GPTConfig
+from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
 from tpcore.train import ParallelAdamW
 
 BATCH, SEQ = 2, 8
@@ -47,3 +49,40 @@ def make_adamw(model, config: GPTConfig, **kw) -> ParallelAdamW:
         eps=EPS,
         **kw,
     )
+
+
+def make_optimizer_for(model, distributed: bool):
+    """(optimizer, grads) for `model` on the current layout's TP and DP groups, as the trainer
+    makes them: ParallelAdamW (grads None), or with `distributed` contiguous gradient buffers
+    (grads) and the distributed optimizer."""
+    tp_group, dp_group = tp_dp_groups()
+    options = DataParallelOptions(
+        contiguous_buffers=distributed, use_distributed_optimizer=distributed
+    )
+    return make_optimizer(
+        [model],
+        options,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=None,
+        lr=LRS[0],
+        weight_decay=WD,
+        betas=BETAS,
+        eps=EPS,
+        loss_scaler=None,
+    )
+
+
+def adamw_steps(model, opt, grads, steps: int = 2) -> None:
+    """`steps` AdamW steps of `model` on random batches, each DP rank its own, the gradients
+    reduced as the trainer reduces them."""
+    config = model.config
+    for step in range(steps):
+        ids, target = train_batch(100 * step + parallel_state.get_data_parallel_rank(), config)
+        model(ids, target).backward()
+        if grads is not None:
+            grads.finish_grad_sync()  # sums the TP shares too
+        else:
+            tpcore.sum_partial_grads(model)  # what the trainer's finalize_model_grads does
+        opt.step(LRS[0], CLIP)
+        opt.zero_grad()

@@ -34,9 +34,9 @@ from checks import MOE_GPT as MOE
 from checks import expect_error
 from tpcore import parallel_state
 from tpcore.models import GPTModel
-from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec
 from tpcore.train import CheckpointError, load_checkpoint, load_dense_state_dict, save_checkpoint
+from train_checks import adamw_steps, make_optimizer_for
 
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -51,23 +51,10 @@ def _setup(tp: int, ep: int, seed: int, distributed: bool = False):
     tpcore.initialize_model_parallel(tp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     model = GPTModel(MOE)
+    opt, grads = make_optimizer_for(model, distributed)
     groups = dict(
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
-    )
-    options = DataParallelOptions(
-        contiguous_buffers=distributed, use_distributed_optimizer=distributed
-    )
-    opt, grads = make_optimizer(
-        [model],
-        options,
-        **groups,
-        pp_group=None,
-        lr=1e-2,
-        weight_decay=0.1,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        loss_scaler=None,
     )
     return model, opt, grads, groups
 
@@ -105,16 +92,7 @@ def _gathered_expert_state(model, opt) -> dict | None:
 
 def _save(rank, world, root, tp, ep, distributed=False):
     model, opt, grads, groups = _setup(tp, ep, 0, distributed)
-    g = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
-    for _ in range(2):
-        ids = torch.randint(0, MOE.vocab_size, (2, 8), generator=g)
-        model(ids, ids.roll(1, 1)).backward()
-        if grads is not None:
-            grads.finish_grad_sync()  # sums the TP shares too
-        else:
-            tpcore.sum_partial_grads(model)  # what the trainer's finalize_model_grads does
-        opt.step(1e-2, 1.0)
-        opt.zero_grad()
+    adamw_steps(model, opt, grads)
     folder = _folder(root, tp, ep, distributed)
     save_checkpoint(folder, 2, model, opt, consumed_samples=4, **groups)
     dense = model.to_dense().state_dict()

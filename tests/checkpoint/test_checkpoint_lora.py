@@ -23,9 +23,9 @@ import tpcore
 from checks import GPT_VARIANTS, MOE_GPT, assert_close
 from tpcore import parallel_state
 from tpcore.models import GPTModel, ReferenceGPT
-from tpcore.optimizer.setup import DataParallelOptions, make_optimizer
 from tpcore.tensor_parallel.shard_spec import shard, shard_spec, unshard
 from tpcore.train import load_checkpoint, load_dense_state_dict, save_checkpoint
+from train_checks import adamw_steps, make_optimizer_for
 
 LLAMA = GPT_VARIANTS["llama"]
 
@@ -48,39 +48,17 @@ def _setup(config, targets, tp: int, ep: int, seed: int, distributed: bool):
     model = GPTModel(config)
     base = model.to_dense().state_dict()
     tpcore.add_lora(model, rank=2, alpha=4.0, target_modules=targets)
+    opt, grads = make_optimizer_for(model, distributed)
     groups = dict(
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
-    )
-    options = DataParallelOptions(
-        contiguous_buffers=distributed, use_distributed_optimizer=distributed
-    )
-    opt, grads = make_optimizer(
-        [model],
-        options,
-        **groups,
-        pp_group=None,
-        lr=1e-2,
-        weight_decay=0.0,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        loss_scaler=None,
     )
     return model, opt, grads, groups, base
 
 
 def _train_and_save(rank, world, folder, config, targets, tp, ep, distributed, ckpt_format):
     model, opt, grads, groups, base = _setup(config, targets, tp, ep, 0, distributed)
-    g = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
-    for _ in range(2):
-        ids = torch.randint(0, config.vocab_size, (2, 8), generator=g)
-        model(ids, ids.roll(1, 1)).backward()
-        if grads is not None:
-            grads.finish_grad_sync()  # sums the TP shares too
-        else:
-            tpcore.sum_partial_grads(model)  # what the trainer's finalize_model_grads does
-        opt.step(1e-2, 1.0)
-        opt.zero_grad()
+    adamw_steps(model, opt, grads)
     save_checkpoint(
         folder,
         2,

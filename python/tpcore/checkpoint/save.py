@@ -75,83 +75,77 @@ def _shard_state(chunks: list[nn.Module], optimizer) -> dict:
     return {"model": model, "optimizer": state}
 
 
-def _write_torch_shards(
-    tmp: str,
-    chunks: list[nn.Module],
-    optimizer,
-    tp_group: dist.ProcessGroup,
-    dp_group: dist.ProcessGroup,
-    pp_group: dist.ProcessGroup | None,
-    identity: dict,
-    records: dict[str, dict],
-) -> None:
-    """The "torch" format's model files: this (TP, PP) rank's shard when this rank is DP rank
-    0 (DP replicas hold identical shards: one writes), and its experts' file when it is the
-    first rank of its expert-data-parallel group (`expert_files`)."""
-    tp_rank, pp_rank = dist.get_rank(tp_group), 0 if pp_group is None else dist.get_rank(pp_group)
-    writes_model, writes_own_experts = (
-        dist.get_rank(dp_group) == 0,
-        writes_experts(chunks, tp_group, dp_group),
-    )
-    if not (writes_model or writes_own_experts):
-        return
-    state = _shard_state(chunks, optimizer)
-    experts = expert_names({n: shard_spec(p) for c in chunks for n, p in c.named_parameters()})
-    if writes_model:
-        dense = {"model": {n: t for n, t in state["model"].items() if n not in experts}}
-        dense["optimizer"] = state["optimizer"]
-        if experts and state["optimizer"] is not None:
-            params = state["optimizer"]["params"]
-            dense["optimizer"] = {
-                **state["optimizer"],
-                "params": {n: e for n, e in params.items() if n not in experts},
-            }
-        path = model_file(tmp, tp_rank, pp_rank)
-        records[os.path.basename(path)] = save_checked(
-            {**dense, "identity": shard_identity(identity, tp_rank, pp_rank)}, path
-        )
-    if writes_own_experts:
-        ep_rank = expert_parallel_of(chunks)[0]
-        path = expert_file(tmp, pp_rank, ep_rank)
-        slices = identity.get("expert_data_parallel_size")  # a distributed optimizer's
-        payload = expert_state(state["model"], state["optimizer"], experts, slices)
-        records[os.path.basename(path)] = save_checked(
-            {**payload, "identity": shard_identity(identity, None, pp_rank, ep_rank=ep_rank)},
-            path,
-        )
+@dataclasses.dataclass
+class _TorchFiles:
+    """What this rank writes of a "torch"-format checkpoint into `tmp`, each file recorded in
+    `records` (file name -> its size and CRC-32)."""
 
+    tmp: str
+    chunks: list[nn.Module]
+    optimizer: object
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup | None
+    identity: dict
+    records: dict[str, dict]
 
-def _write_optimizer_slices(
-    tmp: str,
-    chunks: list[nn.Module],
-    optimizer,
-    tp_group: dist.ProcessGroup,
-    dp_group: dist.ProcessGroup,
-    pp_group: dist.ProcessGroup | None,
-    identity: dict,
-    records: dict[str, dict],
-    expert_slice: int | None,
-) -> None:
-    """The distributed optimizer's files of this rank: its DP slices of the (TP, PP) shard's
-    parameters, and of its experts' weights when it writes those (`expert_slice`)."""
-    tp_rank, pp_rank, dp_rank = (
-        dist.get_rank(tp_group),
-        0 if pp_group is None else dist.get_rank(pp_group),
-        dist.get_rank(dp_group),
-    )
-    skip = duplicate_parameter_names(chunks)
-    experts = expert_names({n: shard_spec(p) for c in chunks for n, p in c.named_parameters()})
-    path = optimizer_file(tmp, tp_rank, pp_rank, dp_rank)
-    payload = sharded_payload(optimizer, lambda name: name not in skip and name not in experts)
-    records[os.path.basename(path)] = save_checked(
-        {**payload, "identity": shard_identity(identity, tp_rank, pp_rank, dp_rank)}, path
-    )
-    if experts and expert_slice is not None:
-        ep_rank = expert_parallel_of(chunks)[0]
-        path = expert_slice_file(tmp, pp_rank, ep_rank, expert_slice)
-        payload = sharded_payload(optimizer, lambda name: name in experts)
-        ident = shard_identity(identity, None, pp_rank, dp_rank=expert_slice, ep_rank=ep_rank)
-        records[os.path.basename(path)] = save_checked({**payload, "identity": ident}, path)
+    def __post_init__(self) -> None:
+        self.tp_rank, self.dp_rank = dist.get_rank(self.tp_group), dist.get_rank(self.dp_group)
+        self.pp_rank = 0 if self.pp_group is None else dist.get_rank(self.pp_group)
+        specs = {n: shard_spec(p) for c in self.chunks for n, p in c.named_parameters()}
+        self.experts = expert_names(specs)
+
+    def _write(self, path: str, payload: dict) -> None:
+        self.records[os.path.basename(path)] = save_checked(payload, path)
+
+    def model_files(self) -> None:
+        """This (TP, PP) rank's shard when this rank is DP rank 0 (DP replicas hold identical
+        shards: one writes), and its experts' file when it is the first rank of its
+        expert-data-parallel group (`expert_files`)."""
+        writes_model = self.dp_rank == 0
+        writes_own_experts = writes_experts(self.chunks, self.tp_group, self.dp_group)
+        if not (writes_model or writes_own_experts):
+            return
+        state, experts = _shard_state(self.chunks, self.optimizer), self.experts
+        if writes_model:
+            dense = {"model": {n: t for n, t in state["model"].items() if n not in experts}}
+            dense["optimizer"] = state["optimizer"]
+            if experts and state["optimizer"] is not None:
+                params = state["optimizer"]["params"]
+                dense["optimizer"] = {
+                    **state["optimizer"],
+                    "params": {n: e for n, e in params.items() if n not in experts},
+                }
+            identity = shard_identity(self.identity, self.tp_rank, self.pp_rank)
+            self._write(
+                model_file(self.tmp, self.tp_rank, self.pp_rank), {**dense, "identity": identity}
+            )
+        if writes_own_experts:
+            ep_rank = expert_parallel_of(self.chunks)[0]
+            slices = self.identity.get("expert_data_parallel_size")  # a distributed optimizer's
+            payload = expert_state(state["model"], state["optimizer"], experts, slices)
+            identity = shard_identity(self.identity, None, self.pp_rank, ep_rank=ep_rank)
+            self._write(
+                expert_file(self.tmp, self.pp_rank, ep_rank), {**payload, "identity": identity}
+            )
+
+    def optimizer_slices(self, expert_slice: int | None) -> None:
+        """The distributed optimizer's files of this rank: its DP slices of the (TP, PP)
+        shard's parameters, and of its experts' weights when it writes those (`expert_slice`:
+        its slice, `expert_files.expert_slicing`)."""
+        skip, experts = duplicate_parameter_names(self.chunks), self.experts
+        payload = sharded_payload(self.optimizer, lambda n: n not in skip and n not in experts)
+        identity = shard_identity(self.identity, self.tp_rank, self.pp_rank, self.dp_rank)
+        path = optimizer_file(self.tmp, self.tp_rank, self.pp_rank, self.dp_rank)
+        self._write(path, {**payload, "identity": identity})
+        if experts and expert_slice is not None:
+            ep_rank = expert_parallel_of(self.chunks)[0]
+            payload = sharded_payload(self.optimizer, lambda name: name in experts)
+            identity = shard_identity(
+                self.identity, None, self.pp_rank, dp_rank=expert_slice, ep_rank=ep_rank
+            )
+            path = expert_slice_file(self.tmp, self.pp_rank, ep_rank, expert_slice)
+            self._write(path, {**payload, "identity": identity})
 
 
 def _check_finite(model: dict[str, torch.Tensor], where: str) -> None:
@@ -250,21 +244,12 @@ def save_checkpoint(
         if ckpt_format == torch_dist.FORMAT_NAME:  # a collective; DCP fails every rank alike
             records.update(torch_dist.write(tmp, to_save.pop("dcp")))
         else:
-            _write_torch_shards(
+            files = _TorchFiles(
                 tmp, chunks, optimizer, tp_group, dp_group, pp_group, identity, records
             )
-        if sharded and ckpt_format == "torch":  # every DP rank its own slices: no gather
-            _write_optimizer_slices(
-                tmp,
-                chunks,
-                optimizer,
-                tp_group,
-                dp_group,
-                pp_group,
-                identity,
-                records,
-                expert_slice,
-            )
+            files.model_files()
+            if sharded:  # every DP rank its own slices: no gather
+                files.optimizer_slices(expert_slice)
         cpu, cuda = device_rng_states()
         tracker = get_rng_tracker()
         path = rng_file(tmp, rank)

@@ -109,32 +109,24 @@ def checkpoint_to_hf(
         # base weight and adapter at once (`load_dense_state_dict`: the model in memory).
         _, dense = load_dense_state_dict(directory, verify=verify)
         specs = {name: spec for name, spec in specs.items() if not is_adapter_name(name)}
-        return _write(
-            out_dir,
-            config,
-            lambda name: [dense[name]],
-            dtype or stored_dtype,
-            meta,
-            tokenizer,
-            eod,
-            specs,
-            max_shard_size,
-        )
-    if meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
+        fetch = lambda name: [dense[name]]  # noqa: E731
+    elif meta.get("ckpt_format") == torch_dist.FORMAT_NAME:
         if verify:  # every file checked before any is used
             torch_dist.verify_files(directory, meta)
         fetch = lambda name: [torch_dist.read_dense(directory, [name])[name]]  # noqa: E731
-        return _write(
-            out_dir,
-            config,
-            fetch,
-            dtype or stored_dtype,
-            meta,
-            tokenizer,
-            eod,
-            specs,
-            max_shard_size,
-        )
+    else:
+        fetch = _shard_fetcher(directory, meta, config, specs, verify)
+    return _write(
+        out_dir, config, fetch, dtype or stored_dtype, meta, tokenizer, eod, specs, max_shard_size
+    )
+
+
+def _shard_fetcher(
+    directory: str, meta: dict, config: GPTConfig, specs: dict, verify: bool
+) -> Callable[[str], list[torch.Tensor]]:
+    """`fetch` of a parameter of a torch-format checkpoint: its TP pieces, views of the
+    memory-mapped model files of its stage (expert weights: `_expert_fetcher`). Every file is
+    checked before any is used."""
     files, saved = shard_files(directory, meta), ParallelLayout.from_metadata(meta)
     open_shard = shard_opener(meta, files, verify)
     experts = expert_names(specs)
@@ -175,9 +167,7 @@ def checkpoint_to_hf(
             )  # re-mapped past REMAP_BYTES: touched pages go
         return pieces
 
-    return _write(
-        out_dir, config, fetch, dtype or stored_dtype, meta, tokenizer, eod, specs, max_shard_size
-    )
+    return fetch
 
 
 def _expert_fetcher(
