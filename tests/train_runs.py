@@ -106,6 +106,8 @@ def train(workdir, name: str, nproc: int, *extra: str) -> tuple[list[dict], str]
     assert proc.returncode == 0, (
         f"training run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
+    # A clean run ends without torch's warnings of a store gone (a heartbeat outliving rank 0).
+    assert "TCPStore" not in proc.stderr, f"training run {name}:\n{proc.stderr[-3000:]}"
     return read_metrics(str(out / "metrics.csv")), proc.stdout
 
 

@@ -606,6 +606,16 @@ def pretrain(args: TrainArgs) -> dict:
     """Train a GPT as `args` say (call on every rank of a torchrun job). Returns the
     final metrics {"iteration", "loss", "valid_loss", "preempted"} (identical on every
     rank; "preempted": stopped by a signal under --exit-signal-handler)."""
+    try:
+        return _pretrain(args)
+    finally:
+        # Before this rank can reach the end-of-run barrier: once past it rank 0 exits, taking
+        # down the store the heartbeats go to, and a beat still running would fail there
+        # (torch logs each failed store call with a C++ stack trace).
+        heartbeat.stop()
+
+
+def _pretrain(args: TrainArgs) -> dict:
     # Before the set-up: a signal while it runs (loading a checkpoint) stops at step one.
     agreement = StepAgreement(
         exit_signal_handler=args.exit_signal_handler,
