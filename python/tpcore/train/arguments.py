@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from ..checkpoint.dcp_slices import has_checkpointable
@@ -20,6 +18,7 @@ from ..models import GPTConfig
 from ..optimizer.setup import DataParallelOptions
 from ..pipeline_parallel.gpt_stages import split_layers
 from ..pipeline_parallel.schedule_table import SCHEDULES
+from .config_file import read_config_file
 from .hf_flags import (
     apply_hf_architecture,
     check_given_flags,
@@ -612,64 +611,9 @@ def _check_range(name: str, value, kind: str, low, high, need) -> None:
 
 
 def load_config_file(path: str) -> dict:
-    """Field values from a `.json`, `.yaml` or `.yml` file (keys with dashes or underscores)."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"tpcore: config file {path} is a folder, not a .yaml / .json file")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"tpcore: config file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"tpcore: config file {path} is not UTF-8 ({e.reason} at byte {e.start})"
-        ) from e
-    if path.lower().endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError as e:
-            raise ImportError(
-                "tpcore: YAML config files need PyYAML (pip install pyyaml); JSON works without it"
-            ) from e
-        try:
-            values = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:  # its message names no file
-            raise ValueError(f"tpcore: config file {path} is not valid YAML: {e}") from e
-    else:
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tpcore: config file {path} is not valid JSON: {e}") from e
-    if not isinstance(values, dict):
-        raise ValueError(
-            f"tpcore: config file {path} must hold a mapping of argument names to values"
-        )
-    out = {}
-    for key, value in values.items():
-        name = key.lstrip("-").replace("-", "_")
-        if name not in _FIELDS:
-            raise ValueError(f"tpcore: config file {path}: unknown argument {key!r}")
-        out[name] = _coerce(name, value, path)
-    return out
-
-
-def _coerce(name: str, value, path: str):
-    """A config value as its field's type (YAML reads `3e-4` as a string, for one)."""
-    kind = str(_FIELDS[name].type).split(" ")[0]
-    if value is None and "None" in str(_FIELDS[name].type):
-        return None
-    try:
-        if kind == "bool" and isinstance(value, bool):
-            return value
-        if kind == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
-            return int(float(value))
-        if kind == "float" and not isinstance(value, bool):
-            return float(value)
-        if kind == "str" and isinstance(value, str):
-            return value
-    except (TypeError, ValueError):
-        pass
-    raise ValueError(f"tpcore: config file {path}: {name} must be of type {kind}, got {value!r}")
+    """TrainArgs field values from a `.json`, `.yaml` or `.yml` file (keys with dashes or
+    underscores), each as its field's type."""
+    return read_config_file(path, _FIELDS)
 
 
 def _parser() -> argparse.ArgumentParser:
