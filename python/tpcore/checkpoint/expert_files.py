@@ -229,10 +229,7 @@ def read_experts(
             raise CheckpointError(f"tpcore: {file.path} holds no optimizer state")
         if saved_opt.get("data_parallel_size"):
             slices = open_slices((ep_rank, pp_rank))
-            shapes = {name: file.state["model"][name].shape for name in names}
-            slices.check_names(names, {name: shape.numel() for name, shape in shapes.items()})
-            saved_opt = {"params": {name: slices.template(name) for name in wanted}}
-            section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
+            saved_opt, section = slices.read_as(file.state["model"], names, wanted)
         add_optimizer_targets(state, flat, saved_opt, wanted, params)
         pieces = {key: t for key, t in flat.items() if key.split("/")[0] in targets}
         copy_from(file, section, pieces, specs, stored, ep_rank, saved_ep, "optimizer")

@@ -265,12 +265,7 @@ def _read_shards(
             wanted = [name for name in wanted if name in trained]
             if saved_opt.get("data_parallel_size"):
                 slices = open_slices((saved_rank, pp_rank))
-                shapes = {name: file.state["model"][name].shape for name in stored_trained}
-                slices.check_names(
-                    stored_trained, {name: shape.numel() for name, shape in shapes.items()}
-                )
-                saved_opt = {"params": {name: slices.template(name) for name in wanted}}
-                section = lambda _state, slices=slices, shapes=shapes: slices.pieces(shapes)  # noqa: E731
+                saved_opt, section = slices.read_as(file.state["model"], stored_trained, wanted)
             if state is None:
                 state = {"params": {}, "loss_scaler": file.state["optimizer"]["loss_scaler"]}
             add_optimizer_targets(state, flat, saved_opt, wanted, params)

@@ -36,12 +36,12 @@ def is_sharded(optimizer) -> bool:
     return optimizer is not None and hasattr(optimizer, "pieces") and hasattr(optimizer, "gather")
 
 
-def sharded_payload(optimizer, keep: Callable[[str], bool]) -> dict:
-    """What this rank's optimizer file holds: the slices of the parameters `keep` accepts
-    (not the last stage's copy of a tied embedding, stored with the first stage; the expert
-    weights in the expert slice files, the rest in the DP ranks' files)."""
-    state = optimizer.state_dict()
-    return {"shards": {name: entry for name, entry in state["shards"].items() if keep(name)}}
+def sharded_payload(shards: dict, keep: Callable[[str], bool]) -> dict:
+    """What a rank's optimizer file holds: of the distributed optimizer's `state_dict()
+    ["shards"]`, the slices of the parameters `keep` accepts (not the last stage's copy of a
+    tied embedding, stored with the first stage; the expert weights in the expert slice files,
+    the rest in the DP ranks' files)."""
+    return {"shards": {name: entry for name, entry in shards.items() if keep(name)}}
 
 
 class _Assembled(Mapping):
@@ -135,6 +135,18 @@ class SavedSlices:
 
     def pieces(self, shapes: dict[str, torch.Size]) -> Mapping[str, torch.Tensor]:
         return _Assembled(self, shapes)
+
+    def read_as(
+        self, model: Mapping[str, torch.Tensor], stored: list[str], wanted: list[str]
+    ) -> tuple[dict, Callable[[dict], Mapping[str, torch.Tensor]]]:
+        """For a model (or expert) file whose optimizer state these slices hold: once they
+        are checked to cover the file's `stored` tensors (`model`) exactly, the saved state of
+        `wanted` as a plain file's ({"params": {name: template}}) and the section function
+        that `copy_from` reads the assembled tensors through."""
+        shapes = {name: model[name].shape for name in stored}
+        self.check_names(stored, {name: shape.numel() for name, shape in shapes.items()})
+        saved = {"params": {name: self.template(name) for name in wanted}}
+        return saved, lambda _state: self.pieces(shapes)
 
 
 def shard_slices(

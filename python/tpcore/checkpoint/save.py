@@ -134,13 +134,14 @@ class _TorchFiles:
         shard's parameters, and of its experts' weights when it writes those (`expert_slice`:
         its slice, `expert_files.expert_slicing`)."""
         skip, experts = duplicate_parameter_names(self.chunks), self.experts
-        payload = sharded_payload(self.optimizer, lambda n: n not in skip and n not in experts)
+        shards = self.optimizer.state_dict()["shards"]  # taken once for both kinds of file
+        payload = sharded_payload(shards, lambda n: n not in skip and n not in experts)
         identity = shard_identity(self.identity, self.tp_rank, self.pp_rank, self.dp_rank)
         path = optimizer_file(self.tmp, self.tp_rank, self.pp_rank, self.dp_rank)
         self._write(path, {**payload, "identity": identity})
         if experts and expert_slice is not None:
             ep_rank = expert_parallel_of(self.chunks)[0]
-            payload = sharded_payload(self.optimizer, lambda name: name in experts)
+            payload = sharded_payload(shards, lambda name: name in experts)
             identity = shard_identity(
                 self.identity, None, self.pp_rank, dp_rank=expert_slice, ep_rank=ep_rank
             )
