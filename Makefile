@@ -15,15 +15,19 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # the extras (training; transformers for tpcore.hf, peft for its LoRA), then tpcore itself, editable,
 # built against that torch (--no-build-isolation).
 setup:
-	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout \
+	$(PIP) install --quiet "torch>=2.4" numpy "scikit-build-core>=0.10" ninja "cmake>=3.18" pytest pytest-timeout pytest-xdist \
 		pyyaml matplotlib safetensors tokenizers "transformers>=4.46" "peft>=0.21" $(LINTERS) $(DOCS_TOOLS)
 	$(MAKE) build
 
 build:
 	$(PIP) install --quiet --no-build-isolation --editable .
 
+# Two pytest processes, a test module each at a time (--dist loadfile: a module's fixtures are
+# made once): while one waits (on a timeout under test, a rank's start, a launched run's
+# rendezvous) the other computes. One process left a fifth of the 2-core VM's CPU idle.
+TEST_WORKERS ?= 2
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Linters, pinned so that every machine formats alike (settings in pyproject.toml and
 # .clang-format). CI runs `make lint` before `make test`; `make format` fixes what it can.
