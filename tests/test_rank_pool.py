@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from checks import setup_tp
+from launch import PRELOAD
 from rank_pool import IdleRank, RankFailure, RankPool
 
 
@@ -40,6 +41,15 @@ def _all_idle(rank, world):
     raise IdleRank
 
 
+def _what_a_warm_rank_starts_with(rank, world):
+    import gc
+    import importlib.util
+    import sys
+
+    installed = [m for m in PRELOAD if importlib.util.find_spec(m.split(".")[0]) is not None]
+    return gc.get_freeze_count(), [m for m in installed if m not in sys.modules]
+
+
 @pytest.fixture(scope="module")
 def pair():
     pool = RankPool(2, group_timeout_s=30)
@@ -68,3 +78,12 @@ def test_idle_ranks_answer_none_and_a_job_with_no_working_rank_fails(pair):
     with pytest.raises(RankFailure, match="every rank was idle"):
         pair.run(_all_idle)
     assert pair.run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def test_warm_ranks_start_with_the_preload_imported_and_its_heap_frozen(pair):
+    """Every module of launch.PRELOAD is imported in a rank before its job (the server skips
+    one it cannot import without a word), and the server's heap is frozen (frozen_heap), so a
+    full collection in a rank does not walk the preloaded objects."""
+    for frozen, missing in pair.run(_what_a_warm_rank_starts_with):
+        assert missing == [], missing
+        assert frozen > 100_000, frozen
