@@ -77,7 +77,9 @@ def _start_server() -> None:
     it reads the caller's sys.path, and it skips a module it cannot import without a word
     (frozen_heap, from this folder, was skipped so until 2026-11-30, and every forked rank
     then walked the 450,000 preloaded objects at each full collection: 0.45 s, twice at the
-    end of each launched run; py-spy counted 434 s of the suite's CPU in those two)."""
+    end of each launched run; py-spy counted 434 s of the suite's CPU in those two). The
+    server keeps that PYTHONPATH, and so do the pool's ranks it forks (launched runs take the
+    caller's environment): programs they start see the test helpers' folder on their path."""
     from multiprocessing import forkserver
 
     saved = os.environ.get("PYTHONPATH")
