@@ -47,6 +47,11 @@ PRELOAD = [
     "tpcore.hf.gpt_bridge",
     # the trainer's loss-curve plot (a second of CPU to import, on rank 0 of every run)
     "matplotlib.pyplot",
+    # what torch.compile imports at its first compile (1.5 s of CPU in every rank that
+    # compiles; py-spy found it in each rank of the compile tests)
+    "torch._dynamo.backends.common",
+    "torch._inductor.compile_fx",
+    "torch._inductor.pattern_matcher",
     # last: the garbage collector stops walking everything imported above
     "frozen_heap",
 ]
@@ -62,10 +67,14 @@ def warm_context():
     The server reads its environment once, when it starts: a child gets its environment from
     the caller (`torchrun(env=...)`), and variables read at import time (OMP_NUM_THREADS) keep
     the values the server saw, so the server starts with OMP_NUM_THREADS=1, as torchrun's
-    workers have it."""
+    workers have it. It also starts with TORCHINDUCTOR_COMPILE_THREADS=1: inductor then
+    compiles in the rank itself instead of starting a pool of compile workers, each a new
+    Python importing torch (10 s of CPU a compiling rank, on a machine whose cores the
+    other ranks use already)."""
     global _context
     if _context is None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
         _start_server()

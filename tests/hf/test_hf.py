@@ -81,24 +81,46 @@ def _outputs(model, ids, mask, routes: dict | None = None) -> dict[str, torch.Te
 @dataclasses.dataclass
 class DenseReference:
     """What every split model of one family is compared with, computed once per job (the
-    dense model's outputs do not depend on the TP size): `want`, the dense model's outputs;
-    in bfloat16 also `truth`, the float32 model's (`exact`), with `want` then taken under
-    the float32 model's MoE routing; and `generated`, the dense greedy ids (decoders)."""
+    dense model's outputs depend neither on the TP size nor on the rank): `want`, the dense
+    model's outputs; in bfloat16 also `truth`, the float32 model's, with `want` then taken
+    under the float32 model's MoE routing; and `generated`, the dense greedy ids (decoders).
+    `models()` loads the dense model and, in bfloat16, the float32 one, on the ranks that
+    need them."""
 
-    dense: Any
-    exact: Any
+    path: str
+    cls: str
+    dtype: torch.dtype
     ids: torch.Tensor
     mask: torch.Tensor | None
     want: dict
     truth: dict | None
     generated: torch.Tensor | None
+    loaded: tuple | None = None
+
+    def models(self) -> tuple[Any, Any]:
+        """(dense, exact): the dense model in `dtype`; the float32 one (None in float32)."""
+        if self.loaded is None:
+            exact = None
+            if self.dtype != torch.float32:
+                exact = load_dense(self.path, self.cls, torch.float32)
+            self.loaded = (load_dense(self.path, self.cls, self.dtype), exact)
+        return self.loaded
 
 
-def dense_reference(dense, ids, mask, exact=None, generate: bool = True) -> DenseReference:
-    truth = None if exact is None else _outputs(exact, ids, mask)
-    want = _outputs(dense, ids, mask, routes=truth)
-    generated = dense.generate(ids, max_new_tokens=20, do_sample=False) if generate else None
-    return DenseReference(dense, exact, ids, mask, want, truth, generated)
+def dense_reference(path, cls, dtype, ids, mask, generate: bool = True) -> DenseReference:
+    """Rank 0 runs the dense model(s) and sends the outputs to the other ranks, which would
+    compute the same (four ranks computing it took a fifth of this module's CPU time)."""
+    ref = DenseReference(path, cls, dtype, ids, mask, {}, None, None)
+    shared = [None]
+    if torch.distributed.get_rank() == 0:
+        dense, exact = ref.models()
+        truth = None if exact is None else _outputs(exact, ids, mask)
+        want = _outputs(dense, ids, mask, routes=truth)
+        generated = dense.generate(ids, max_new_tokens=20, do_sample=False) if generate else None
+        shared = [(want, truth, generated)]
+    torch.distributed.broadcast_object_list(shared, 0)
+    ref.want, ref.truth, ref.generated = shared[0]
+    return ref
 
 
 def compare_outputs(ref: DenseReference, parallel, what: str) -> None:
@@ -192,22 +214,19 @@ def compare_generation(ref: DenseReference, parallel, what: str) -> None:
     assert torch.equal(got, got_hf), (
         f"{what}: tpcore.hf.generate\n{got}\n!= model.generate\n{got_hf}"
     )
-    if ref.exact is None or torch.equal(got, want):
+    if ref.truth is None or torch.equal(got, want):
         assert torch.equal(got, want), f"{what}: generated\n{got}\n!= dense\n{want}"
     else:
-        _explained_by_near_tie(ref.dense, ref.exact, want, got, what)
+        _explained_by_near_tie(*ref.models(), want, got, what)
 
 
 def _family_job(rank, world, name, path, dtype):
     import tpcore
     import tpcore.hf
 
-    cls = FAMILIES[name][0]
-    dense = load_dense(path, cls, dtype)
-    exact = None if dtype == torch.float32 else load_dense(path, cls, torch.float32)
     ids = prompt()
     mask = padded_mask(ids) if name in ENCODERS else None
-    ref = dense_reference(dense, ids, mask, exact, generate=name not in ENCODERS)
+    ref = dense_reference(path, FAMILIES[name][0], dtype, ids, mask, name not in ENCODERS)
     for tp in (1, 2, 4):
         tpcore.initialize_model_parallel(tensor_parallel_size=tp)
         if rank >= tp:  # the other TP groups would check the same model on the same input
@@ -215,14 +234,15 @@ def _family_job(rank, world, name, path, dtype):
             continue
         what = f"{name} {dtype} TP={tp}"
         model = tpcore.hf.from_pretrained(
-            path, dtype=dtype, tensor_parallel_size=tp, model_class=cls
+            path, dtype=dtype, tensor_parallel_size=tp, model_class=ref.cls
         )
         assert next(model.parameters()).dtype == dtype
         compare_outputs(ref, model, what)
         if name not in ENCODERS:
             compare_generation(ref, model, what)
         if tp == 2:  # the in-memory path gives the same model
-            compare_outputs(ref, tpcore.hf.parallelize(copy.deepcopy(dense)), what + " parallelize")
+            dense = copy.deepcopy(ref.models()[0])
+            compare_outputs(ref, tpcore.hf.parallelize(dense), what + " parallelize")
         tpcore.destroy_model_parallel()
     return True
 
