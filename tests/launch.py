@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from typing import Callable
 
 # What every warm process has imported: torch, tpcore, the trainer, and transformers' model
 # base (another 4 s of CPU a process; skipped where transformers is not installed).
@@ -160,18 +161,38 @@ def _read(path: str) -> str:
         return ""
 
 
+class RunningRanks:
+    """What `torchrun(watch=...)` shows of a run while it runs: each rank's process id
+    (`pids[rank]`) and its output so far."""
+
+    def __init__(self, pids: list[int], paths: list[tuple[str, str]]) -> None:
+        self.pids, self._paths = pids, paths
+
+    def stdout(self) -> str:
+        return "".join(_read(out) for out, _ in self._paths)
+
+    def stderr(self) -> str:
+        return "".join(_read(err) for _, err in self._paths)
+
+
 def torchrun(
-    program: list[str], nproc: int, env: dict | None = None, cwd=None, timeout: float = 240.0
+    program: list[str],
+    nproc: int,
+    env: dict | None = None,
+    cwd=None,
+    timeout: float = 240.0,
+    watch: Callable[[RunningRanks], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc <program>` (or `python <program>` for one
     process, as the tests launch single-process runs), each rank forked warm.
 
     `program` is a script path and its arguments, or `["-m", module, *args]`, run in `cwd`
-    with `env` (default: this process's environment). Returns what
-    `subprocess.run(..., capture_output=True, text=True)` returns: stdout and stderr are every
-    rank's, in rank order; returncode 0 when every rank exited 0, else (as torchrun) 1 for
-    several ranks or the rank's own status for one. Raises subprocess.TimeoutExpired after
-    `timeout` seconds, every rank killed."""
+    with `env` (default: this process's environment). `watch(RunningRanks)`, if given, is
+    called every 20 ms while ranks run (a test's hand on the run: it may signal or kill
+    ranks). Returns what `subprocess.run(..., capture_output=True, text=True)` returns:
+    stdout and stderr are every rank's, in rank order; returncode 0 when every rank exited 0,
+    else (as torchrun) 1 for several ranks or the rank's own status for one. Raises
+    subprocess.TimeoutExpired after `timeout` seconds, every rank killed."""
     ctx = warm_context()
     base = dict(os.environ if env is None else env)
     store = None
@@ -213,8 +234,11 @@ def torchrun(
         procs.append(p)
     deadline = time.monotonic() + timeout
     failed_at = None
+    running = RunningRanks([p.pid for p in procs], paths)
     try:
         while any(p.is_alive() for p in procs):
+            if watch is not None:
+                watch(running)
             now = time.monotonic()
             if now > deadline:
                 raise subprocess.TimeoutExpired(program, timeout)

@@ -1,17 +1,17 @@
 """End-to-end pretraining runs launched like users launch them (torchrun's environment, from
-warm processes: launch.torchrun; the killed runs use torchrun itself), compared with
+warm processes: launch.torchrun, which also kills the killed runs' ranks), compared with
 each other: TP=2 vs TP=1 vs DP=2 vs PP=2 vs TP=2 x PP=2 on the same global batch, killed-and-
 resumed runs (TP=2, PP=2) vs uninterrupted ones, TP=2, PP=2 and TP=2 x PP=2 checkpoints
 continued at TP=1 x PP=1, and a TP=2 x PP=2 checkpoint through tpcore-convert and generate.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -29,8 +29,6 @@ from train_runs import (  # noqa: F401 (fixtures)
     RUN_TIMEOUT_S,
     SCRIPT,
     assert_same_curves,
-    command,
-    descendants,
     tp1_run,
     tp2_run,
     train,
@@ -77,8 +75,9 @@ def test_dp2_equals_dp1_with_the_same_global_batch(workdir, tp1_run):
 
 
 def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
-    """Start a run that saves every 10 steps, SIGKILL it and its workers as soon as the
-    first checkpoint is in place; returns the iteration of the newest complete checkpoint."""
+    """Start a run that saves every 10 steps, SIGKILL every rank as soon as the first
+    checkpoint is in place (anywhere: mid-step or mid-save); returns the iteration of the
+    newest complete checkpoint."""
     flags = FLAGS + [
         "--data-path",
         str(workdir / "corpus"),
@@ -88,17 +87,17 @@ def _kill_after_first_save(workdir, nproc: int, save, *extra: str) -> int:
         "10",
         *extra,
     ]
-    proc = subprocess.Popen(
-        command(nproc, flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (save / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    for pid in [proc.pid, *descendants(proc.pid)]:  # anywhere: mid-step or mid-save
-        os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    time.sleep(0.5)
-    assert not descendants(proc.pid)
+    killed = []
+
+    def kill_once_saved(run) -> None:
+        if not killed and (save / "latest").exists():
+            for pid in run.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.append(True)
+
+    proc = torchrun([SCRIPT, *flags], nproc, timeout=RUN_TIMEOUT_S, watch=kill_once_saved)
+    assert killed, f"the run ended before its first checkpoint:\n{proc.stderr[-3000:]}"
     return int((save / "latest").read_text().strip().removeprefix("iter_"))
 
 

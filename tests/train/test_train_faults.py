@@ -1,7 +1,8 @@
-"""The trainer under faults (issue 22), launched like users launch it (torchrun, 2 ranks,
-TP=2): checkpoints without `latest` are resumed, not overwritten; a --load folder that does
-not exist, a --save path that is a file, diverged fp32 training and a frozen rank each end
-the run on every rank within seconds, with an error naming the flag, file or step."""
+"""The trainer under faults (issue 22), launched like users launch it (torchrun's
+environment, 2 ranks forked warm: launch.torchrun; TP=2): checkpoints without `latest` are
+resumed, not overwritten; a --load folder that does not exist, a --save path that is a
+file, diverged fp32 training and a frozen rank each end the run on every rank within
+seconds, with an error naming the flag, file or step."""
 
 from __future__ import annotations
 
@@ -20,9 +21,6 @@ from train_runs import (  # noqa: F401 (workdir: the corpus fixture)
     FLAGS,
     RUN_TIMEOUT_S,
     SCRIPT,
-    command,
-    kill_tree,
-    rank_pids,
     workdir,
 )
 
@@ -186,7 +184,7 @@ def test_diverged_fp32_run_stops_naming_the_step_and_saves_no_nan(workdir):
             assert all(t.isfinite().all() for t in state.values()), name
 
 
-def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir, tmp_path):
+def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir):
     """SIGSTOP rank 1 mid-run: rank 0 fails within --distributed-timeout-minutes (0.1 = 6 s),
     naming the step it was in, instead of waiting 10 minutes."""
     log = workdir / "frozen"
@@ -201,32 +199,27 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
         "--distributed-timeout-minutes",
         "0.1",
     ]
-    err = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen(command(2, flags), stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        # a few steps done: past every start-up collective
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (log / "metrics.csv").exists() and len(
-                (log / "metrics.csv").read_text().splitlines()
-            ) > 3:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        ranks = rank_pids(proc.pid)
-        os.kill(ranks[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        text = ""
-        while time.monotonic() - stopped < 120 and "failed" not in text:
-            time.sleep(0.5)
-            text = (tmp_path / "stderr").read_text()
-        waited = time.monotonic() - stopped
-    finally:
-        kill_tree(proc.pid)
-        proc.wait(timeout=30)
-        err.close()
+    seen: dict[str, float] = {}
+
+    def freeze_rank_1(run) -> None:
+        """SIGSTOP rank 1 after three steps (past every start-up collective); once rank 0
+        has failed, end the frozen rank (as torchrun's agent would, after its grace)."""
+        if "stopped" not in seen:
+            metrics = log / "metrics.csv"
+            if metrics.exists() and len(metrics.read_text().splitlines()) > 3:
+                os.kill(run.pids[1], signal.SIGSTOP)
+                seen["stopped"] = time.monotonic()
+        elif "failed" not in seen and "failed" in run.stderr():
+            seen["failed"] = time.monotonic()
+            os.kill(run.pids[1], signal.SIGKILL)
+
+    proc = torchrun([SCRIPT, *flags], 2, timeout=RUN_TIMEOUT_S, watch=freeze_rank_1)
+    text = proc.stderr
+    assert "stopped" in seen, f"the run ended before three steps:\n{text[-3000:]}"
+    assert "failed" in seen, f"rank 0 did not fail:\n{text[-3000:]}"
     assert (
         "tpcore: training step" in text
         and "a collective got no answer within --distributed-timeout-minutes 0.1" in text
     ), text[-3000:]
+    waited = seen["failed"] - seen["stopped"]
     assert 4 < waited < 40, waited  # the group timeout (6 s), not the 600 s default

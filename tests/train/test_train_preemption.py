@@ -3,7 +3,8 @@ rank, mid-step or mid-save) stops every rank at the same step with a checkpoint 
 code 0, and resuming gives the uninterrupted run's curve; --save-interval-minutes saves by
 time; under torchrun --max-restarts a rank killed with SIGKILL makes torchrun restart the
 workers, which resume from the newest checkpoint and end with the uninterrupted curve,
-leaving nothing in /dev/shm."""
+leaving nothing in /dev/shm. Only the last is about torchrun itself and runs it; the others
+fork their ranks warm (launch.torchrun)."""
 
 from __future__ import annotations
 
@@ -54,19 +55,25 @@ def _finish(proc: subprocess.Popen, out) -> tuple[int, str]:
 def test_sigterm_on_one_rank_saves_and_the_resumed_curve_is_unchanged(
     workdir,  # noqa: F811
     uninterrupted,
-    tmp_path,
 ):
     """SIGTERM to rank 1 alone, mid-run: both ranks stop after the same step, save it, exit
     0 naming the signal; --load continues to the uninterrupted run's curve."""
     save, log = workdir / "preempt_ckpt", workdir / "preempt"
     flags = FLAGS + ["--data-path", str(workdir / "corpus"), *RUN, "--log-dir", str(log)]
     flags += ["--save", str(save), "--exit-signal-handler"]
-    out = open(tmp_path / "out", "w+")
-    proc = subprocess.Popen(command(2, flags), stdout=out, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: metrics_rows(log) >= 5, [proc], "five steps")
-    os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
-    code, text = _finish(proc, out)
-    assert code == 0, text[-3000:]
+    signalled = []
+
+    def sigterm_rank_1_after_five_steps(run) -> None:
+        if not signalled and metrics_rows(log) >= 5:
+            os.kill(run.pids[1], signal.SIGTERM)
+            signalled.append(True)
+
+    proc = torchrun(
+        [SCRIPT, *flags], 2, timeout=RUN_TIMEOUT_S, watch=sigterm_rank_1_after_five_steps
+    )
+    text = proc.stdout + proc.stderr
+    assert signalled, f"the run ended before five steps:\n{text[-3000:]}"
+    assert proc.returncode == 0, text[-3000:]
     stopped = metrics_rows(log)
     assert 5 <= stopped < int(FLAGS[FLAGS.index("--train-iters") + 1]), stopped
     assert f"SIGTERM received: stopped after step {stopped}; its checkpoint is in" in text
