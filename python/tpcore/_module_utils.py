@@ -20,6 +20,21 @@ def to_empty_keeping_attributes(module: nn.Module, device: torch.device | str) -
     return module
 
 
+def meta_embedding(
+    num_embeddings: int,
+    embedding_dim: int,
+    dtype: torch.dtype | None = None,
+    padding_idx: int | None = None,
+) -> nn.Embedding:
+    """`nn.Embedding(num_embeddings, embedding_dim)` on the meta device, weight
+    `[num_embeddings, embedding_dim]` not drawn (its owner draws or loads it after
+    `to_empty`). nn.Embedding's own init would run `normal_` on the meta tensor, which torch
+    implements in Python and which imports torch._dynamo and sympy: 2 s of CPU in every
+    process that builds a model and trains nothing (generate, convert, the plots)."""
+    weight = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
+    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, _weight=weight)
+
+
 class SharesProcessGroups:
     """Mixed into tpcore's modules that hold a process group: `copy.deepcopy` gives a copy
     that shares the group and copies everything else (weights, buffers, submodules). A

@@ -155,3 +155,31 @@ def _no_full_tensor(rank, world):
 
 def test_gpt_at_tp4_never_builds_a_full_tensor(cpu_ranks):
     cpu_ranks.run(_no_full_tensor)
+
+
+# A fresh process that builds models (a 1-rank group, learned positions: every meta-built
+# nn.Embedding tpcore makes) and gathers an embedding to dense; torch._dynamo must stay
+# unimported: torch's Python `normal_` on meta tensors imports it (2 s of CPU).
+_BUILDS_MODELS = """
+import sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+import tpcore
+from tpcore.models import GPTConfig, GPTModel, ReferenceGPT
+tpcore.initialize_model_parallel(1)
+config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50,
+                   max_position_embeddings=8, position_embedding="learned")
+GPTModel(config), ReferenceGPT(config)
+tpcore.VocabParallelEmbedding(10, 4).to_dense()
+print("torch._dynamo" in sys.modules)
+tpcore.shutdown()
+"""
+
+
+def test_building_a_model_does_not_import_dynamo(tmp_path):
+    import programs
+
+    proc = programs.start(["-c", _BUILDS_MODELS, str(tmp_path / "store")])
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert out.splitlines()[-1] == "False", out

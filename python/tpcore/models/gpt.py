@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry
-from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, meta_embedding, to_empty_keeping_attributes
 from ..context_parallel import check_sequence
 from ..context_parallel import positions as context_positions
 from ..moe import MoELayer, reset_expert_biases
@@ -198,8 +198,8 @@ class ParallelEmbedding(SharesProcessGroups, nn.Module):
             **({"embed_scale": config.embedding_scale} if scaled else {}),
         )
         if config.position_embedding == "learned":
-            self.position = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta"
+            self.position = meta_embedding(
+                config.max_position_embeddings, config.hidden_size, dtype
             )
             if config.sequence_parallel:
                 _mark_sequence_parallel(self.position.weight)

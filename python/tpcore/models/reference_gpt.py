@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._module_utils import meta_embedding
 from ..moe import ReferenceMoE, reset_expert_biases
 from ..tensor_parallel.initialization import draw_seed
 from .common import (
@@ -118,13 +119,16 @@ class DenseBlock(nn.Module):
 
 
 class DenseEmbedding(nn.Module):
-    def __init__(self, config: GPTConfig, dtype=None, device=None) -> None:
+    """Word (and learned position) embeddings, built on the meta device: ReferenceGPT
+    draws them."""
+
+    def __init__(self, config: GPTConfig, dtype=None) -> None:
         super().__init__()
         self.config = config
-        self.word = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.word = meta_embedding(config.vocab_size, config.hidden_size, dtype)
         if config.position_embedding == "learned":
-            self.position = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=dtype, device=device
+            self.position = meta_embedding(
+                config.max_position_embeddings, config.hidden_size, dtype
             )
         self.dropout = nn.Dropout(config.dropout)
 
@@ -147,7 +151,7 @@ class ReferenceGPT(nn.Module):
         super().__init__()
         self.config = config
         # Built on meta (nn.Linear would draw its own init), then allocated and drawn once.
-        self.embedding = DenseEmbedding(config, dtype, "meta")
+        self.embedding = DenseEmbedding(config, dtype)
         self.layers = nn.ModuleList(
             DenseBlock(config, dtype, "meta", i) for i in range(config.num_layers)
         )

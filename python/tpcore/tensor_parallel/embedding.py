@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
-from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, meta_embedding, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
@@ -156,12 +156,8 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
     def to_dense(self) -> nn.Embedding:
         """The full `nn.Embedding` (padding rows dropped); a collective: call on all TP ranks."""
         table = comm.all_gather(self.weight.detach(), 0, self.group)[: self.num_embeddings]
-        dense = nn.Embedding(
-            self.num_embeddings,
-            self.embedding_dim,
-            padding_idx=self.padding_idx,
-            dtype=table.dtype,
-            device="meta",
+        dense = meta_embedding(
+            self.num_embeddings, self.embedding_dim, table.dtype, self.padding_idx
         )
         dense.to_empty(device=table.device)
         with torch.no_grad():
