@@ -37,10 +37,10 @@ _ENDS_A_RUN = textwrap.dedent("""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     world = weakref.ref(dist.group.WORLD)
-    # torch imports torch.distributed.nn lazily here (a torch.optim optimizer imports
-    # torch._dynamo, which imports it); imported now, its functions' default arguments
-    # capture the default group
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    # torch.distributed.nn imported only now (as a torch.optim optimizer does: it imports
+    # torch._dynamo, which imports it): its functions' default arguments capture the
+    # default group
+    import torch.distributed.nn
     import tpcore  # late: after init_process_group
     from tpcore.train import DataParallelGrads
     state = tpcore.initialize_model_parallel(1, backend="gloo")  # a 2-rank gloo DP group
