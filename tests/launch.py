@@ -70,8 +70,8 @@ def warm_context():
     the values the server saw, so the server starts with OMP_NUM_THREADS=1, as torchrun's
     workers have it. It also starts with TORCHINDUCTOR_COMPILE_THREADS=1: inductor then
     compiles in the rank itself instead of starting a pool of compile workers, each a new
-    Python importing torch (10 s of CPU a compiling rank, on a machine whose cores the
-    other ranks use already)."""
+    Python importing torch (about 5 s of CPU a compiling rank, on a machine whose cores
+    the other ranks use already)."""
     global _context
     if _context is None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
