@@ -259,8 +259,7 @@ def torchrun(
                 p.kill()
             p.join(timeout=10)
         del store
-    stdout = "".join(_read(out) for out, _ in paths)
-    stderr = "".join(_read(err) for _, err in paths)
+    stdout, stderr = running.stdout(), running.stderr()
     shutil.rmtree(folder, ignore_errors=True)
     codes = [p.exitcode for p in procs]
     if nproc == 1:

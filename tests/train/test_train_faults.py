@@ -21,6 +21,7 @@ from train_runs import (  # noqa: F401 (workdir: the corpus fixture)
     FLAGS,
     RUN_TIMEOUT_S,
     SCRIPT,
+    metrics_rows,
     workdir,
 )
 
@@ -205,8 +206,7 @@ def test_frozen_rank_fails_the_other_within_the_timeout_naming_the_phase(workdir
         """SIGSTOP rank 1 after three steps (past every start-up collective); once rank 0
         has failed, end the frozen rank (as torchrun's agent would, after its grace)."""
         if "stopped" not in seen:
-            metrics = log / "metrics.csv"
-            if metrics.exists() and len(metrics.read_text().splitlines()) > 3:
+            if metrics_rows(log) >= 3:
                 os.kill(run.pids[1], signal.SIGSTOP)
                 seen["stopped"] = time.monotonic()
         elif "failed" not in seen and "failed" in run.stderr():
