@@ -82,6 +82,17 @@ def set_device_rng_states(state: RNGState) -> None:
             torch.cuda.set_rng_state(state[1])  # likewise
 
 
+def _static(counter: torch.Tensor) -> torch.Tensor:
+    """Mark a `[seed, offset]` counter's size static for torch.compile. Under
+    `dynamic=True` dynamo gives equal sizes one symbol, so the counter's 2 would share the
+    symbol of a batch or sequence of 2, and the dropout kernel's check that the counter
+    holds 2 values would pin that dimension: a recompile for every new shape."""
+    from torch._dynamo import mark_static  # here: building a model must not import dynamo
+
+    mark_static(counter)
+    return counter
+
+
 class RNGStatesTracker:
     """Named RNG states; `fork(name)` runs a block with that state as the default one."""
 
@@ -131,7 +142,9 @@ class RNGStatesTracker:
                     f"tpcore: RNG stream {name!r} is not set; call "
                     "tpcore.model_parallel_manual_seed(seed) first"
                 )
-            counter = torch.tensor([self._seeds[name], 0], dtype=torch.int64, device=device)
+            counter = _static(
+                torch.tensor([self._seeds[name], 0], dtype=torch.int64, device=device)
+            )
             self._counters[key] = counter
         return counter
 
@@ -155,7 +168,7 @@ class RNGStatesTracker:
             if key in self._counters:
                 self._counters[key].copy_(saved)
             else:
-                self._counters[key] = saved.clone()
+                self._counters[key] = _static(saved.clone())
 
     def counter_positions(self) -> dict[str, dict[str, list[int]]]:
         """`{name: {device: [seed, offset]}}` as ints, for checkpoints (reads device values)."""
