@@ -4,7 +4,8 @@ c10d rendezvous at host 0. TP 2 inside each host runs on tpcore's shared memory,
 across the hosts on gloo over the veth; the loss curve is the one-host run's. A host whose
 ranks all freeze ends the other host's run within the group timeout, naming the phase. A
 host whose ranks all die under --max-restarts 1 restarts with the other, and the run resumes
-to the one-host curve. Skipped, naming the reason, where the machine does not allow namespaces."""
+to the one-host curve (one launch checks both: the curve's first steps come from the first
+attempt). Skipped, naming the reason, where the machine does not allow namespaces."""
 
 from __future__ import annotations
 
@@ -57,27 +58,6 @@ def one_host(workdir):  # noqa: F811
     return train(workdir, "one_host", 4, *RUN)[0]
 
 
-def test_two_hosts_train_the_one_host_curve(workdir, one_host, tmp_path):  # noqa: F811
-    log = workdir / "two_hosts"
-    port = 29400 + os.getpid() % 500
-    outs = [open(tmp_path / f"host{i}", "w+") for i in range(2)]
-    with two_hosts() as hosts:
-        procs = [_launch(hosts, i, port, workdir, outs[i], "--log-dir", str(log)) for i in range(2)]
-        try:
-            for proc in procs:
-                proc.wait(timeout=RUN_TIMEOUT_S)
-        finally:
-            for proc in procs:
-                kill_tree(proc.pid)
-    outputs = [(tmp_path / f"host{i}").read_text() for i in range(2)]
-    for i, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"host {i}:\n{out[-3000:]}"
-    assert "world 4 = TP 2 x DP 2 | TP on shared memory, DP on gloo |" in outputs[0], outputs[0][
-        -3000:
-    ]
-    assert_same_curves(one_host, read_metrics(str(log / "metrics.csv")), exact=False)
-
-
 def test_a_frozen_host_ends_the_other_within_the_timeout(workdir, tmp_path):  # noqa: F811
     """SIGSTOP every rank of host 1 mid-run: host 0's ranks fail within
     --distributed-timeout-minutes (0.1 = 6 s), naming the phase and the silent ranks and
@@ -113,14 +93,16 @@ def test_a_frozen_host_ends_the_other_within_the_timeout(workdir, tmp_path):  # 
     assert waited < 60, waited  # the group timeout, not the 10-minute default
 
 
-def test_a_host_whose_ranks_die_restarts_with_the_other_and_resumes(
+def test_two_hosts_train_the_one_host_curve_through_a_restart(
     workdir,  # noqa: F811
     one_host,
     tmp_path,
 ):
-    """--max-restarts 1 on both hosts, --save/--load one folder: SIGKILL every rank of host 1
-    after the checkpoint of step 10. Both hosts' workers are restarted, meet again, resume
-    from the newest checkpoint and end with the one-host curve."""
+    """Two hosts train the one-host curve, through a restart: --max-restarts 1 on both
+    hosts, --save/--load one folder, SIGKILL every rank of host 1 after the checkpoint of
+    step 10. Both hosts' workers are restarted, meet again, resume from the newest
+    checkpoint and end with the one-host curve (steps 1-10 of it from the first attempt,
+    the rest from the second: both two-host runs)."""
     port = 29990 + os.getpid() % 9
     log, save = tmp_path / "log", tmp_path / "ckpt"
     outs = [open(tmp_path / f"host{i}", "w+") for i in range(2)]
@@ -146,5 +128,6 @@ def test_a_host_whose_ranks_die_restarts_with_the_other_and_resumes(
                 kill_tree(proc.pid)
     text = (tmp_path / "host0").read_text()
     assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    assert "world 4 = TP 2 x DP 2 | TP on shared memory, DP on gloo |" in text, text[-3000:]
     assert "resumed from" in text, text[-3000:]
     assert_same_curves(one_host, read_metrics(str(log / "metrics.csv")), exact=False)
