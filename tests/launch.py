@@ -105,11 +105,16 @@ def _start_server() -> None:
 
 
 def _rank_main(
-    env: dict, program: list[str], cwd: str | None, out_path: str, err_path: str
+    env: dict,
+    program: list[str],
+    cwd: str | None,
+    out_path: str,
+    err_path: str,
+    prepare: Callable[[], None] | None,
 ) -> None:
-    """One rank: the caller's environment, stdout / stderr into files, `program` run as
-    `python program...` would run it (`-m module` or a script path), then the exit handlers
-    a real interpreter runs at exit, then exit with the program's status."""
+    """One rank: the caller's environment, stdout / stderr into files, `prepare()`, `program`
+    run as `python program...` would run it (`-m module` or a script path), then the exit
+    handlers a real interpreter runs at exit, then exit with the program's status."""
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -121,6 +126,8 @@ def _rank_main(
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if prepare is not None:
+        prepare()
     if os.environ.get("WORLD_SIZE", "1") != "1":
         import torch
 
@@ -182,6 +189,7 @@ def torchrun(
     cwd=None,
     timeout: float = 240.0,
     watch: Callable[[RunningRanks], None] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc <program>` (or `python <program>` for one
     process, as the tests launch single-process runs), each rank forked warm.
@@ -189,7 +197,9 @@ def torchrun(
     `program` is a script path and its arguments, or `["-m", module, *args]`, run in `cwd`
     with `env` (default: this process's environment). `watch(RunningRanks)`, if given, is
     called every 20 ms while ranks run (a test's hand on the run: it may signal or kill
-    ranks). Returns what `subprocess.run(..., capture_output=True, text=True)` returns:
+    ranks). `prepare()`, if given (a function of an importable module), runs first in every
+    rank (e.g. to take process rights away, as the real launcher's caller could).
+    Returns what `subprocess.run(..., capture_output=True, text=True)` returns:
     stdout and stderr are every rank's, in rank order; returncode 0 when every rank exited 0,
     else (as torchrun) 1 for several ranks or the rank's own status for one. Raises
     subprocess.TimeoutExpired after `timeout` seconds, every rank killed."""
@@ -227,7 +237,14 @@ def torchrun(
         paths.append((out, err))
         p = ctx.Process(
             target=_rank_main,
-            args=(env_r, [str(a) for a in program], None if cwd is None else str(cwd), out, err),
+            args=(
+                env_r,
+                [str(a) for a in program],
+                None if cwd is None else str(cwd),
+                out,
+                err,
+                prepare,
+            ),
             daemon=False,
         )
         p.start()

@@ -17,13 +17,12 @@ import torch.distributed as dist
 
 import tpcore
 from launch import torchrun
+from process_rights import drop_realtime_right
 from rank_pool import run_fresh_processes
 from tpcore.comm_threads import may_use_realtime
 from tpcore.train import read_metrics
-from train_runs import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, command, workdir  # noqa: F401 (workdir: the corpus fixture)
+from train_runs import COMPARED, FLAGS, RUN_TIMEOUT_S, SCRIPT, workdir  # noqa: F401 (workdir: the corpus fixture)
 
-_CAP_SYS_NICE = 23  # linux/capability.h
-_PR_CAPBSET_DROP = 24  # linux/prctl.h
 _RR = os.SCHED_RR | os.SCHED_RESET_ON_FORK
 _NEEDS_RIGHT = pytest.mark.skipif(
     not may_use_realtime(),
@@ -180,33 +179,13 @@ DP2 = ["--train-iters", "4", "--log-interval", "1", "--overlap-grad-reduce"]
 GLOO = {**os.environ, "TPCORE_CPU_BACKEND": "gloo"}
 
 
-def _without_realtime_rights() -> None:
-    """In the launched job: no CAP_SYS_NICE (dropped from the bounding set, so the exec'd
-    launcher lacks it even as root) and a real-time priority limit of 0."""
-    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, resource.getrlimit(resource.RLIMIT_RTPRIO)[1]))
-    if (
-        os.geteuid() == 0
-        and ctypes.CDLL(None, use_errno=True).prctl(_PR_CAPBSET_DROP, _CAP_SYS_NICE, 0, 0, 0) != 0
-    ):
-        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_SYS_NICE)")
-
-
 def _run(workdir, name: str, *extra: str, **kwargs) -> subprocess.CompletedProcess:
     flags = (
         FLAGS
         + DP2
         + ["--data-path", str(workdir / "corpus"), "--log-dir", str(workdir / name), *extra]
     )
-    if kwargs:  # process rights: the real launcher, started with them
-        return subprocess.run(
-            command(2, flags),
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-            env=GLOO,
-            **kwargs,
-        )
-    return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S)
+    return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S, **kwargs)
 
 
 @_NEEDS_RIGHT
@@ -228,9 +207,7 @@ def test_trainer_with_realtime_threads_trains_the_same_steps(workdir):
 
 
 def test_trainer_without_the_right_fails_on_every_rank(workdir):
-    proc = _run(
-        workdir, "rt_refused", "--realtime-comm-threads", preexec_fn=_without_realtime_rights
-    )
+    proc = _run(workdir, "rt_refused", "--realtime-comm-threads", prepare=drop_realtime_right)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert (
         proc.stderr.count("real-time priority 1 for gloo's communication threads is not permitted")
