@@ -4,8 +4,9 @@ Each model is built from a tiny config with random weights, saved with save_pret
 (no downloads), loaded dense with transformers and split with tpcore.hf on the ranks.
 Logits and every hidden state must equal the dense model's, and greedy generation of 8
 tokens, 20 past a long sliding window (transformers' generate on the split model, and
-tpcore.hf.generate with the LM head kept vocab-parallel) must give the dense model's ids. Vocabularies of 97 tokens do
-not divide by 2 or 4, so the vocab padding is exercised everywhere.
+tpcore.hf.generate with the LM head kept vocab-parallel) must give the dense model's ids.
+Vocabularies of 97 tokens do not divide by 2 or 4, so the vocab padding is exercised
+everywhere.
 """
 
 from __future__ import annotations
