@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
+from .._eager_only import eager_only
 from .._module_utils import SharesProcessGroups, meta_embedding, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
@@ -24,10 +25,6 @@ from .initialization import ShardedInit, check_init_method, draw_seed, init_shar
 from .shard_spec import ShardSpec, pad_vocab_size, set_shard_spec
 
 __all__ = ["VocabParallelEmbedding", "pad_vocab_size", "vocab_shard"]
-
-# torch's own lazy form of torch.compiler.disable (dynamo graph-breaks on it the same way);
-# the public decorator where a torch lacks it.
-_disable_dynamo_lazily = getattr(torch, "_disable_dynamo", torch.compiler.disable)
 
 
 def vocab_shard(table: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
@@ -182,9 +179,7 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
             self.sequence_parallel,
         )
 
-    # torch.compiler.disable, applied at the first call: the decorator imports torch._dynamo
-    # (2 s of every rank's start-up here), which a program that never compiles need not pay.
-    @_disable_dynamo_lazily
+    @eager_only
     def _lookup_to_sink(self, ids: torch.Tensor) -> torch.Tensor:
         # The same forward on the detached weight; the backward hands each token's gradient
         # to the sink, after the all-gather over the sequence that the op's own backward makes.
