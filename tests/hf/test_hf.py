@@ -96,6 +96,7 @@ class DenseReference:
     want: dict
     truth: dict | None
     generated: torch.Tensor | None
+    new_tokens: int = 0
     loaded: tuple | None = None
 
     def models(self) -> tuple[Any, Any]:
@@ -111,7 +112,7 @@ class DenseReference:
 def dense_reference(path, cls, dtype, ids, mask, new_tokens: int) -> DenseReference:
     """Rank 0 runs the dense model(s) and sends the outputs to the other ranks, which would
     compute the same (four ranks computing it took a fifth of this module's CPU time)."""
-    ref = DenseReference(path, cls, dtype, ids, mask, {}, None, None)
+    ref = DenseReference(path, cls, dtype, ids, mask, {}, None, None, new_tokens)
     shared = [None]
     if torch.distributed.get_rank() == 0:
         dense, exact = ref.models()
@@ -205,13 +206,13 @@ def _explained_by_near_tie(dense, exact, want, got, what: str) -> None:
 
 
 def compare_generation(ref: DenseReference, parallel, what: str) -> None:
-    """Greedy with the KV cache, as many new tokens as the dense ids have: HF generate on the
-    split model and tpcore.hf.generate give the dense ids (in bf16: up to a near-tie that
-    rounding breaks the other way, see `_explained_by_near_tie`), and always each other's."""
+    """Greedy with the KV cache, `ref.new_tokens` new tokens: HF generate on the split model
+    and tpcore.hf.generate give the dense ids (in bf16: up to a near-tie that rounding breaks
+    the other way, see `_explained_by_near_tie`), and always each other's."""
     import tpcore.hf
 
-    want = ref.generated
-    new_tokens = want.shape[1] - ref.ids.shape[1]
+    want, new_tokens = ref.generated, ref.new_tokens
+    assert want.shape[1] == ref.ids.shape[1] + new_tokens, "the dense model stopped early"
     got_hf = parallel.generate(ref.ids, max_new_tokens=new_tokens, do_sample=False)
     got = tpcore.hf.generate(parallel, ref.ids, max_new_tokens=new_tokens)
     assert torch.equal(got, got_hf), (
