@@ -477,8 +477,8 @@ def _export_and_dynamic(rank, world):
     assert any("tpcore" in t for t in nodes), nodes
     other = torch.randint(0, 50, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     assert_close(exported.module()(other), model(other).detach(), "exported logits")
-    # Dynamic shapes: one graph for every batch and sequence length (no batch of 1: see
-    # above), equal to eager.
+    # Dynamic shapes: one graph for every batch and sequence length, equal to eager; a batch
+    # of 1 then gets one graph of its own (dynamo specialises sizes 0 and 1).
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -492,6 +492,9 @@ def _export_and_dynamic(rank, world):
         if step == 0:
             first_step_frames = counter.frame_count
     assert counter.frame_count == first_step_frames, "recompiled for a new shape"
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(12))
+    assert_close(dynamic(ids), model(ids).detach(), "dynamic shapes: logits of [1, 12]")
+    assert counter.frame_count == first_step_frames + 1, "a batch of 1: one more graph"
 
 
 @compile_tested
