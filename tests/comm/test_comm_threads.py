@@ -179,13 +179,14 @@ DP2 = ["--train-iters", "4", "--log-interval", "1", "--overlap-grad-reduce"]
 GLOO = {**os.environ, "TPCORE_CPU_BACKEND": "gloo"}
 
 
-def _run(workdir, name: str, *extra: str, **kwargs) -> subprocess.CompletedProcess:
+def _run(workdir, name: str, *extra: str, prepare=None) -> subprocess.CompletedProcess:
+    """The trainer on two warm ranks; `prepare()` runs first in each (launch.torchrun)."""
     flags = (
         FLAGS
         + DP2
         + ["--data-path", str(workdir / "corpus"), "--log-dir", str(workdir / name), *extra]
     )
-    return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S, **kwargs)
+    return torchrun([SCRIPT, *flags], 2, env=GLOO, timeout=RUN_TIMEOUT_S, prepare=prepare)
 
 
 @_NEEDS_RIGHT
