@@ -9,12 +9,22 @@ import torch.distributed as dist
 from torch import nn
 
 
+def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=device)`: uninitialized tensors of the same shapes, strides and
+    dtypes on `device`. Not torch's own, whose `empty_like` of a meta tensor runs torch's
+    Python reference, which imports torch.fx's symbolic shapes and sympy at its first call:
+    1.5 s of CPU in every process that builds a model."""
+    return module._apply(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    )
+
+
 def to_empty_keeping_attributes(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """`module.to_empty(device)`, keeping the attributes tpcore sets on parameters
+    """`to_empty(module, device)`, keeping the attributes tpcore sets on parameters
     (`shard_spec`, `sequence_parallel`): moving off the meta device makes new
     Parameter objects, which would drop them."""
     attributes = {name: dict(p.__dict__) for name, p in module.named_parameters()}
-    module.to_empty(device=device)
+    to_empty(module, device)
     for name, p in module.named_parameters():
         p.__dict__.update(attributes[name])
     return module

@@ -160,9 +160,10 @@ def test_gpt_at_tp4_never_builds_a_full_tensor(cpu_ranks):
 # A fresh process that builds models (a 1-rank group, learned positions: every meta-built
 # nn.Embedding tpcore makes), gathers an embedding to dense, then trains a step of a tied GPT
 # whose lookup routes its gradient to a sink (as a data-parallel trainer's does: an eager_only
-# function); torch._dynamo must stay unimported: torch's Python `normal_` on meta tensors
-# imported it, and so did torch's lazy `torch.compiler.disable` at its first eager call
-# (2 s of CPU each).
+# function); torch._dynamo and sympy must stay unimported: torch's Python `normal_` on meta
+# tensors imported dynamo, and so did torch's lazy `torch.compiler.disable` at its first
+# eager call (2 s of CPU each); `Module.to_empty` imported sympy (torch's Python
+# `empty_like` of a meta tensor; 1.5 s).
 _BUILDS_AND_TRAINS_MODELS = """
 import sys
 import torch, torch.distributed as dist
@@ -175,14 +176,14 @@ config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_si
                    max_position_embeddings=8, position_embedding="learned")
 GPTModel(config), ReferenceGPT(config)
 tpcore.VocabParallelEmbedding(10, 4).to_dense()
-built = "torch._dynamo" in sys.modules
+built = ["torch._dynamo" in sys.modules, "sympy" in sys.modules]
 model = GPTModel(config)
 sunk = []
 attach_gradient_sink(model.embedding.word.weight, lambda rows, g: sunk.append(g))
 ids = torch.randint(0, 50, (2, 8))
 model(ids, ids).backward()
 assert sunk, "the lookup's gradient did not reach the sink"
-print(built, "torch._dynamo" in sys.modules)
+print(*built, "torch._dynamo" in sys.modules, "sympy" in sys.modules)
 tpcore.shutdown()
 """
 
@@ -193,4 +194,4 @@ def test_building_and_training_a_model_do_not_import_dynamo(tmp_path):
     proc = programs.start(["-c", _BUILDS_AND_TRAINS_MODELS, str(tmp_path / "store")])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
-    assert out.splitlines()[-1] == "False False", out
+    assert out.splitlines()[-1] == "False False False False", out

@@ -26,7 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry
-from .._module_utils import SharesProcessGroups, meta_embedding, to_empty_keeping_attributes
+from .._module_utils import (
+    SharesProcessGroups,
+    meta_embedding,
+    to_empty,
+    to_empty_keeping_attributes,
+)
 from ..context_parallel import check_sequence
 from ..context_parallel import positions as context_positions
 from ..moe import MoELayer, reset_expert_biases
@@ -431,7 +436,7 @@ class GPTModel(SharesProcessGroups, nn.Module):
                 "tpcore: GPTModel.to_dense: this is one pipeline stage, not the whole model"
             )
         p = next(self.parameters())
-        dense = ReferenceGPT(self.config, dtype=p.dtype, device="meta").to_empty(device=p.device)
+        dense = to_empty(ReferenceGPT(self.config, dtype=p.dtype, device="meta"), p.device)
         adapters = lora_adapters(self)
         skip = {f"{name}.lora.{half}" for name in adapters for half in "AB"}
         state = {

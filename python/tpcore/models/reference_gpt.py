@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._module_utils import meta_embedding
+from .._module_utils import meta_embedding, to_empty
 from ..moe import ReferenceMoE, reset_expert_biases
 from ..tensor_parallel.initialization import draw_seed
 from .common import (
@@ -162,7 +162,7 @@ class ReferenceGPT(nn.Module):
             )
         device = torch.empty(0, device=device).device  # None: the default device
         if device.type != "meta":
-            self.to_empty(device=device)
+            to_empty(self, device)
             reset_expert_biases(self)
             self.reset_parameters()
 

@@ -17,7 +17,12 @@ from torch import nn
 
 from .. import _op_entry, comm
 from .._eager_only import eager_only
-from .._module_utils import SharesProcessGroups, meta_embedding, to_empty_keeping_attributes
+from .._module_utils import (
+    SharesProcessGroups,
+    meta_embedding,
+    to_empty,
+    to_empty_keeping_attributes,
+)
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .gradient_sink import has_gradient_sink, route_lookup_gradient
@@ -156,7 +161,7 @@ class VocabParallelEmbedding(SharesProcessGroups, nn.Module):
         dense = meta_embedding(
             self.num_embeddings, self.embedding_dim, table.dtype, self.padding_idx
         )
-        dense.to_empty(device=table.device)
+        to_empty(dense, table.device)
         with torch.no_grad():
             dense.weight.copy_(table)
         return dense

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _op_entry, comm
-from .._module_utils import SharesProcessGroups, to_empty_keeping_attributes
+from .._module_utils import SharesProcessGroups, to_empty, to_empty_keeping_attributes
 from .._validation import check_positive_ints
 from ..parallel_state import live_group_name, resolve_tensor_group
 from .initialization import ShardedInit, check_init_method, draw_seed, init_shard_
@@ -195,13 +195,16 @@ class _ParallelLinear(SharesProcessGroups, nn.Module):
 
     def to_dense(self) -> nn.Linear:
         """The full `nn.Linear`, gathered from every rank (a collective: call on all TP ranks)."""
-        dense = nn.Linear(
-            self.in_features,
-            self.out_features,
-            self.bias is not None,
-            dtype=self.weight.dtype,
-            device="meta",
-        ).to_empty(device=self.weight.device)
+        dense = to_empty(
+            nn.Linear(
+                self.in_features,
+                self.out_features,
+                self.bias is not None,
+                dtype=self.weight.dtype,
+                device="meta",
+            ),
+            self.weight.device,
+        )
         with torch.no_grad():
             dense.weight.copy_(comm.all_gather(self.weight.detach(), self.shard_dim, self.group))
             if self.bias is not None:
