@@ -10,13 +10,19 @@ from torch import nn
 
 
 def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """`module.to_empty(device=device)`: uninitialized tensors of the same shapes, strides and
-    dtypes on `device`. Not torch's own, whose `empty_like` of a meta tensor runs torch's
-    Python reference, which imports torch.fx's symbolic shapes and sympy at its first call:
-    1.5 s of CPU in every process that builds a model."""
-    return module._apply(
-        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
-    )
+    """`module.to_empty(device=device)`: uninitialized tensors of the same shapes and dtypes
+    on `device`. torch's own takes `empty_like` of each tensor, which for a meta tensor runs
+    torch's Python reference, which imports torch.fx's symbolic shapes and sympy at its first
+    call: 1.5 s of CPU in every process that builds a model. A contiguous tensor (every
+    parameter and buffer tpcore makes) gets `torch.empty`, the same layout; any other keeps
+    torch's `empty_like` and its rule for strides."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.size(), dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    return module._apply(empty)
 
 
 def to_empty_keeping_attributes(module: nn.Module, device: torch.device | str) -> nn.Module:
