@@ -188,7 +188,7 @@ tpcore.shutdown()
 """
 
 
-def test_building_and_training_a_model_do_not_import_dynamo(tmp_path):
+def test_building_and_training_a_model_import_neither_dynamo_nor_sympy(tmp_path):
     import programs
 
     proc = programs.start(["-c", _BUILDS_AND_TRAINS_MODELS, str(tmp_path / "store")])
