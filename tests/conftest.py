@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rank_pool import RankPool
+from run_order import longest_files_first
 
 # Four CPU ranks run every TP size we test (1, 2, 4), the remainder being data parallel.
 CPU_WORLD = 4
@@ -40,3 +41,7 @@ def pytest_addoption(parser):
 def long_tests(request) -> bool:
     """Whether `--long` asks for the release checks' larger draws."""
     return bool(request.config.getoption("--long"))
+
+
+def pytest_collection_modifyitems(config, items):
+    longest_files_first(items)  # with --no-loadscope-reorder, xdist starts files in this order
