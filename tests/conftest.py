@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -45,3 +47,10 @@ def long_tests(request) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     longest_files_first(items)  # with --no-loadscope-reorder, xdist starts files in this order
+
+
+def pytest_collection_finish(session):
+    # The collected modules (torch, transformers, peft, the tests: several 100,000 objects)
+    # live to the end; freezing them keeps every later full collection in this process
+    # from walking them again, as tests/frozen_heap.py does for the warm servers.
+    gc.freeze()
