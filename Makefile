@@ -32,8 +32,9 @@ build:
 # --no-loadscope-reorder: the files start longest first (tests/run_order.py), not most tests
 # first, so that no long file is left for one worker at the end.
 TEST_WORKERS ?= 2
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PYTHON) -m pytest -q $(PYTEST_WORKERS)
 
 # Linters, pinned so that every machine formats alike (settings in pyproject.toml and
 # .clang-format). CI runs `make lint` before `make test`; `make format` fixes what it can.
@@ -44,12 +45,11 @@ CLANG_FORMAT = $(PYTHON) -c "import clang_format, sys; sys.argv[0] = 'clang-form
 # Line coverage of python/tpcore over the whole suite, the ranks it spawns and the runs it
 # launches included; per package, then the uncovered lines of each file. The same two workers
 # as `make test` (the workers are subprocesses, measured like the ranks). Not run by CI: 14 min
-# 47 s on the 2-core VM on 2026-11-30, when the suite alone took 9-11.5 min.
+# 47 s on the 2-core VM on 2026-11-30, when a fresh clone's `make test` took 8-11.5 min.
 coverage: setup
 	$(PIP) install --quiet "coverage>=7.10"
 	rm -rf build/coverage && mkdir -p build/coverage
-	COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(PYTHON) -m coverage run -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(PYTHON) -m coverage run -m pytest -q $(PYTEST_WORKERS)
 	COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(PYTHON) -m coverage combine --quiet
 	$(PYTHON) tools/coverage_report.py build/coverage/.coverage
 
